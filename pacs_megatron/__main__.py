@@ -1,0 +1,5 @@
+import sys
+
+from pacs_megatron.cli import main
+
+sys.exit(main())

@@ -1,0 +1,45 @@
+"""``pacs-megatron`` / ``python -m pacs_megatron``: one subcommand per user task.
+
+Each subcommand lives in its own module, which defines ``add_arguments(parser)`` and
+``main(args) -> int``; modules are imported only when their subcommand runs, so ``--help`` is fast
+and a GPU-only dependency never breaks an unrelated subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("pacs_megatron.launch", "train with PACS / GRPO / PPO-clip (spawns local ranks unless under torchrun)"),
+    "eval": ("pacs_megatron.eval.cli", "sample n answers per problem and report unbiased pass@k"),
+    "parity": ("pacs_megatron.actor.parity", "compare Megatron log-probs with Hugging Face transformers"),
+    "plot": ("pacs_megatron.utils.plot", "render PNG curves from OUTPUT_DIR/metrics.jsonl"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pacs-megatron", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in COMMANDS:
+        parser.parse_args(argv or ["--help"])
+        return 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    sub = argparse.ArgumentParser(prog=f"pacs-megatron {name}", description=COMMANDS[name][1])
+    module.add_arguments(sub)
+    return int(module.main(sub.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prompts in, padded training batches out."""

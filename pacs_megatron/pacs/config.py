@@ -1,0 +1,78 @@
+"""Typed settings of the algorithm math (pure dataclasses, validated at construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+REWARD_METHODS = ("sum_ratio", "mean_logp")
+ADV_ESTIMATORS = ("rloo", "grpo", "naive")
+WEIGHT_MODES = (None, "question", "only_positive", "only_negative")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def _check_choice(owner: str, field: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}.{field}={value!r} is not valid: choose one of {list(choices)}")
+
+
+@dataclass
+class PACSConfig:
+    """How PACS turns log-probs into a score and the score into a supervised loss.
+
+    Example:
+        >>> PACSConfig(beta=2.0, weight_mode="question").adv_estimator
+        'rloo'
+    """
+
+    beta: float = 1.0
+    """Scale of the implicit reward r_i = beta * sum_t (logp - old_logp). The paper uses 1 or 2."""
+    reward_method: str = "sum_ratio"
+    """"sum_ratio": beta * sum_t mask*(logp - old_logp) (the paper's method 1); "mean_logp":
+    beta * sum_t mask*logp / sum_t mask (method 2)."""
+    adv_estimator: str = "rloo"
+    """Score psi from the group's implicit rewards: "rloo" r_i - mean_{j!=i} r_j, "grpo"
+    (r - mean)/(std + eps), "naive" r."""
+    norm_adv_by_std: bool = True
+    """grpo only: divide by the group's unbiased std (+1e-6). False leaves r - mean."""
+    weight_mode: Optional[str] = "question"
+    """Per-row BCE weights: None (all 1), "question" (sklearn "balanced" class weights within each
+    group that has both outcomes), "only_positive" / "only_negative" (zero the other class)."""
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ValueError(f"PACSConfig.beta={self.beta} must be > 0 (the paper uses 1.0 or 2.0)")
+        _check_choice("PACSConfig", "reward_method", self.reward_method, REWARD_METHODS)
+        _check_choice("PACSConfig", "adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        if self.weight_mode in ("none", "None", ""):
+            self.weight_mode = None
+        _check_choice("PACSConfig", "weight_mode", self.weight_mode, WEIGHT_MODES)
+
+
+@dataclass
+class PolicyLossConfig:
+    """The baselines' clipped policy-gradient loss (GRPO and PPO-clip).
+
+    Example:
+        >>> PolicyLossConfig(clip_ratio_high=0.28).loss_agg_mode
+        'token-mean'
+    """
+
+    clip_ratio_low: float = 0.2
+    """Lower clip: ratios below 1 - clip_ratio_low stop contributing gradient for A < 0."""
+    clip_ratio_high: float = 0.2
+    """Upper clip: ratios above 1 + clip_ratio_high stop contributing gradient for A > 0."""
+    loss_agg_mode: str = "token-mean"
+    """"token-mean" (all tokens of the mini-batch equal), "seq-mean-token-sum", "seq-mean-token-mean"."""
+    adv_estimator: str = "auto"
+    """Advantage from the 0/1 verifiable rewards: "grpo" (group-normalised), "rloo" (leave-one-out),
+    or "auto": grpo for ``algorithm.loss=grpo``, rloo for the critic-free ``algorithm.loss=ppo``."""
+    norm_adv_by_std: bool = True
+    """grpo only: divide by the group's std (+1e-6); False gives Dr.GRPO-style r - mean."""
+
+    def __post_init__(self) -> None:
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"PolicyLossConfig.{name}={getattr(self, name)} must be in (0, 1), e.g. 0.2")
+        _check_choice("PolicyLossConfig", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_choice("PolicyLossConfig", "adv_estimator", self.adv_estimator, ("auto", "grpo", "rloo"))

@@ -1,0 +1,107 @@
+"""The PACS loss: RLVR as supervised classification of each response's outcome.
+
+Per group of n responses to one prompt (rows contiguous), with R_i in {0, 1} the verifiable reward:
+
+    r_i   = implicit_reward(logp_i, old_logp_i)            [B]  (see implicit_reward.py)
+    psi_i = group_advantage(r)_i                           [B]  (rloo by default, see advantage.py)
+    loss  = 1/B * sum_i w_i * BCEWithLogits(psi_i, R_i)          (torch's BCEWithLogitsLoss(weight=w))
+
+so d loss / d theta = 1/B * sum_i w_i (sigmoid(psi_i) - R_i) d psi_i / d theta: the actor (the
+policy's log-probs) and the critic (psi, a function of the same log-probs) are trained by one
+supervised signal. Because psi_i depends on every response of its group, a group must sit whole
+in one loss computation.
+
+Weights ``weight_mode``: "question" gives, within each group that has both outcomes, sklearn's
+"balanced" class weights n / (2 * count(class)); groups with one outcome keep weight 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pacs_megatron.pacs.advantage import check_groups, group_advantage
+from pacs_megatron.pacs.config import PACSConfig
+from pacs_megatron.pacs.implicit_reward import implicit_reward
+
+
+def _require_binary(scores: torch.Tensor, what: str) -> None:
+    if not bool(((scores == 0) | (scores == 1)).all()):
+        raise ValueError(f"weight_mode={what!r} needs 0/1 verifiable rewards; got values {scores.unique().tolist()}")
+
+
+def class_weights(scores: torch.Tensor, group_size: int, mode: str | None) -> torch.Tensor:
+    """Per-row BCE weights ``[B]`` (float32) for ``scores [B]``.
+
+    Example:
+        >>> class_weights(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "question").tolist()
+        [2.0, 0.6666666865348206, 0.6666666865348206, 0.6666666865348206]
+    """
+    check_groups(scores.numel(), group_size)
+    ones = torch.ones(scores.shape, dtype=torch.float32, device=scores.device)
+    if mode is None:
+        return ones
+    _require_binary(scores, mode)
+    pos = scores.float()
+    if mode == "only_positive":
+        return pos
+    if mode == "only_negative":
+        return 1.0 - pos
+    if mode != "question":
+        raise ValueError(f"weight_mode={mode!r}: choose None, 'question', 'only_positive' or 'only_negative'")
+    grouped = pos.reshape(-1, group_size)
+    n_pos = grouped.sum(dim=1, keepdim=True)
+    n_neg = group_size - n_pos
+    mixed = (n_pos > 0) & (n_neg > 0)
+    # n_samples / (n_classes * count(class)); clamp only guards the unused branch of torch.where.
+    w_pos = group_size / (2.0 * n_pos.clamp(min=1.0))
+    w_neg = group_size / (2.0 * n_neg.clamp(min=1.0))
+    w = torch.where(grouped > 0.5, w_pos, w_neg)
+    return torch.where(mixed, w, torch.ones_like(w)).reshape(-1)
+
+
+def pacs_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    response_mask: torch.Tensor,
+    scores: torch.Tensor,
+    group_size: int,
+    config: PACSConfig,
+    group_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PACS loss over whole groups.
+
+    Args:
+        logp: ``[B, T]`` log-probs of the current policy (differentiable).
+        old_logp: ``[B, T]`` log-probs of the policy that generated the rollouts (no grad).
+        response_mask: ``[B, T]`` 1 on response tokens.
+        scores: ``[B]`` verifiable rewards R_i (0/1).
+        group_size: n; rows ``[k*n, (k+1)*n)`` share a prompt.
+        config: beta, reward_method, adv_estimator, norm_adv_by_std, weight_mode.
+        group_ids: optional ``[B]`` prompt ids, checked for contiguity.
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss (mean over B rows) and detached metrics under ``pacs/``.
+    """
+    check_groups(logp.shape[0], group_size, group_ids)
+    if scores.shape != (logp.shape[0],):
+        raise ValueError(f"scores must be [B]={logp.shape[0]}, got {tuple(scores.shape)}")
+    r = implicit_reward(logp, old_logp, response_mask, config.beta, config.reward_method)
+    psi = group_advantage(r, group_size, config.adv_estimator, config.norm_adv_by_std)
+    target = scores.to(psi.dtype)
+    weights = class_weights(scores, group_size, config.weight_mode).to(psi.dtype)
+    loss = F.binary_cross_entropy_with_logits(psi, target, weight=weights, reduction="mean")
+
+    with torch.no_grad():
+        grouped = scores.reshape(-1, group_size).float()
+        mixed = ((grouped.max(dim=1).values > 0.5) & (grouped.min(dim=1).values < 0.5)).float()
+        metrics = {
+            "pacs/loss": loss.detach(),
+            "pacs/psi_mean": psi.mean().detach(),
+            "pacs/psi_abs_mean": psi.abs().mean().detach(),
+            "pacs/implicit_reward_abs_mean": r.abs().mean().detach(),
+            "pacs/prob_correct_mean": torch.sigmoid(psi).mean().detach(),
+            "pacs/classifier_acc": ((psi > 0).to(target.dtype) == target).float().mean(),
+            "pacs/mixed_group_frac": mixed.mean(),
+        }
+    return loss, metrics

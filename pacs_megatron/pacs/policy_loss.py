@@ -1,0 +1,68 @@
+"""Clipped policy-gradient losses for the paper's baselines (GRPO, PPO-clip), token level.
+
+Shapes: ``[B, T]`` log-probs and mask, ``advantages [B]`` (outcome advantages broadcast over the
+response tokens). With ratio_t = exp(logp_t - old_logp_t):
+
+    l_t = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high))
+
+aggregated by ``loss_agg_mode``:
+    token-mean          sum_{i,t} m l / sum_{i,t} m                (every token of the batch equal)
+    seq-mean-token-sum  1/B sum_i sum_t m l
+    seq-mean-token-mean 1/B sum_i (sum_t m l / sum_t m)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pacs_megatron.pacs.advantage import group_advantage
+from pacs_megatron.pacs.config import PolicyLossConfig
+
+
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a ``[B, T]`` per-token loss to a scalar (see the module docstring)."""
+    m = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        return (loss_mat * m).sum() / m.sum().clamp(min=1.0)
+    if mode == "seq-mean-token-sum":
+        return (loss_mat * m).sum(dim=-1).mean()
+    if mode == "seq-mean-token-mean":
+        return ((loss_mat * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)).mean()
+    raise ValueError(f"loss_agg_mode={mode!r}: choose token-mean, seq-mean-token-sum or seq-mean-token-mean")
+
+
+def outcome_advantages(scores: torch.Tensor, group_size: int, config: PolicyLossConfig) -> torch.Tensor:
+    """Advantages ``[B]`` of the baselines, from the 0/1 verifiable rewards ``scores [B]``."""
+    if config.adv_estimator == "auto":
+        raise ValueError("PolicyLossConfig.adv_estimator='auto' must be resolved (AlgorithmConfig does it)")
+    return group_advantage(scores.float(), group_size, config.adv_estimator, config.norm_adv_by_std)
+
+
+def clipped_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    config: PolicyLossConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip surrogate (GRPO is the same surrogate with group-normalised advantages)."""
+    if advantages.shape != (logp.shape[0],):
+        raise ValueError(f"advantages must be [B]={logp.shape[0]}, got {tuple(advantages.shape)}")
+    adv = advantages.to(logp.dtype).unsqueeze(-1)
+    # Clamp the log-ratio before exp: a masked (padding) position may hold garbage.
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    loss = aggregate(loss_mat, response_mask, config.loss_agg_mode)
+    with torch.no_grad():
+        m = response_mask.to(logp.dtype)
+        denom = m.sum().clamp(min=1.0)
+        metrics = {
+            "policy/loss": loss.detach(),
+            "policy/clipfrac": ((clipped > unclipped).to(logp.dtype) * m).sum() / denom,
+            "policy/approx_kl": (0.5 * log_ratio.pow(2) * m).sum() / denom,
+            "policy/advantage_mean": advantages.float().mean(),
+        }
+    return loss, metrics

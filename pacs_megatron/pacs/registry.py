@@ -1,0 +1,106 @@
+"""One registry for the trainable losses, so the trainer selects PACS or a baseline by name.
+
+A loss takes a :class:`LossInputs` (one micro-batch of whole groups) and its own sub-config
+(``AlgorithmConfig.loss_config()``: PACSConfig for pacs, PolicyLossConfig for the baselines) and
+returns ``(loss, metrics)``, where ``loss`` is a *mean* over the loss's unit (rows, or response
+tokens for ``token-mean``). ``denominator`` reports that unit count, so a caller that splits a
+mini-batch into micro-batches (and data-parallel ranks) weights each micro-batch by
+``denominator / total`` and gets exactly the full mini-batch's loss.
+
+Example:
+    >>> import torch
+    >>> from pacs_megatron.pacs.config import PACSConfig
+    >>> x = LossInputs(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([1.0, 0.0]), 2)
+    >>> loss, m = LOSSES["pacs"].fn(x, PACSConfig())
+    >>> round(loss.item(), 4)  # psi = 0 for both rows: BCE(0, y) = log 2
+    0.6931
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pacs_megatron.pacs.loss import pacs_loss
+from pacs_megatron.pacs.policy_loss import clipped_policy_loss
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One loss computation's tensors: whole groups, rows of a group contiguous."""
+
+    logp: torch.Tensor
+    """``[B, T]`` current log-probs (differentiable)."""
+    old_logp: torch.Tensor
+    """``[B, T]`` log-probs of the rollout policy."""
+    response_mask: torch.Tensor
+    """``[B, T]`` 1 on response tokens."""
+    scores: torch.Tensor
+    """``[B]`` verifiable rewards."""
+    group_size: int
+    """n responses per prompt."""
+    advantages: torch.Tensor | None = None
+    """``[B]`` outcome advantages (baselines only; computed over whole groups before splitting)."""
+    group_ids: torch.Tensor | None = None
+    """``[B]`` prompt ids, checked for contiguity when given."""
+
+
+LossFn = Callable[[LossInputs, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: the function and whether it needs outcome advantages."""
+
+    fn: LossFn
+    needs_advantages: bool
+    """Whether the trainer must compute outcome advantages for it before the update."""
+
+    def denominator(self, inputs: LossInputs, config: Any) -> torch.Tensor:
+        """What the returned mean averages over: response tokens for token-mean, else rows."""
+        if getattr(config, "loss_agg_mode", None) == "token-mean":
+            return inputs.response_mask.sum().to(torch.float64)
+        return torch.tensor(float(inputs.logp.shape[0]), dtype=torch.float64)
+
+
+LOSSES: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, needs_advantages: bool = False) -> Callable[[LossFn], LossFn]:
+    """Decorator: make ``fn`` selectable as ``algorithm.loss=name``."""
+
+    def deco(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is already registered")
+        LOSSES[name] = LossSpec(fn, needs_advantages)
+        return fn
+
+    return deco
+
+
+def get_loss(name: str) -> LossSpec:
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise ValueError(f"algorithm.loss={name!r} is not registered: choose one of {sorted(LOSSES)}") from None
+
+
+@register_loss("pacs")
+def _pacs(x: LossInputs, cfg: Any):
+    return pacs_loss(x.logp, x.old_logp, x.response_mask, x.scores, x.group_size, cfg, x.group_ids)
+
+
+def _clipped(x: LossInputs, cfg: Any):
+    if x.advantages is None:
+        raise ValueError("the clipped policy loss needs LossInputs.advantages (outcome advantages)")
+    return clipped_policy_loss(x.logp, x.old_logp, x.response_mask, x.advantages, cfg)
+
+
+# GRPO and PPO-clip share the clipped surrogate; they differ in the advantage (AlgorithmConfig.
+# loss_config resolves policy.adv_estimator=auto: grpo -> group-normalised, ppo -> leave-one-out,
+# i.e. PPO-clip with a critic-free baseline; a learned GAE critic is not implemented).
+register_loss("grpo", needs_advantages=True)(_clipped)
+register_loss("ppo", needs_advantages=True)(_clipped)

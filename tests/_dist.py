@@ -1,0 +1,85 @@
+"""Spawn gloo process groups on CPU for distributed tests (a small helper in the spirit of
+slime's ``tests/_cp_dist_helpers.py``; torch's DTensorTestBase is private API).
+
+    def _body(rank, world_size, x):          # module level, so spawned children can import it
+        ...
+        return some_tensor_or_dict
+
+    results = run_distributed(_body, 2, x)   # one result per rank, in rank order
+
+Each child: one intra-op thread (the machine has 2 cores), ``init_process_group("gloo")`` on a free
+localhost port, the body, then ``destroy_process_group`` (4-rank runs otherwise crash at exit now
+and then). A failure in any rank fails the test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, out_dir: str, fn, args, kwargs) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    out = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args, **kwargs)
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        raise
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` gloo processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(
+            _child,
+            args=(world_size, free_port(), tmp, fn, args, kwargs),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            while not ctx.join():
+                pass
+        except Exception as e:
+            errors = []
+            for r in range(world_size):
+                f = Path(tmp) / f"rank{r}.pt"
+                if f.exists():
+                    rec = torch.load(f, weights_only=False)
+                    if not rec["ok"]:
+                        errors.append(f"--- rank {r} ---\n{rec['error']}")
+            raise AssertionError("distributed test failed:\n" + "\n".join(errors or [str(e)])) from None
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False)["result"] for r in range(world_size)]

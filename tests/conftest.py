@@ -1,0 +1,29 @@
+"""Shared fixtures: GPU tests skip cleanly without a GPU; tests see the repo's shared data."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/_dist.py for spawned children
+os.environ.setdefault("PACS_DATA_ROOT", str(REPO.parent / "shared" / "data"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def data_root() -> Path:
+    root = Path(os.environ["PACS_DATA_ROOT"])
+    if not (root / "README.md").exists():
+        pytest.skip(f"shared data not found at {root} (set PACS_DATA_ROOT)")
+    return root

@@ -1,0 +1,53 @@
+"""Config loading: YAML + overrides, validation errors that name the key and the fix."""
+
+import pytest
+
+from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
+
+
+def test_defaults_are_valid_and_roundtrip(tmp_path):
+    cfg = load_config()
+    assert isinstance(cfg, RunConfig)
+    f = tmp_path / "c.yaml"
+    f.write_text(to_yaml(cfg))
+    assert load_config(f) == cfg
+
+
+def test_yaml_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout:\n  n: 4\nalgorithm:\n  micro_batch_size: 8\n  pacs:\n    beta: 2.0\n")
+    cfg = load_config(f, ["algorithm.pacs.beta=1.5", "trainer.total_steps=3"])
+    assert cfg.rollout.n == 4 and cfg.algorithm.pacs.beta == 1.5 and cfg.trainer.total_steps == 3
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("algorithm.micro_batch_size=12", ["algorithm.micro_batch_size", "multiple of 8"]),
+        ("algorithm.pacs.beta=0", ["algorithm.pacs.beta"]),
+        ("rollout.engine=sglang", ["rollout.engine", "hf"]),
+        ("rollout.n=many", ["rollout.n"]),
+        ("trainer.nonsense=1", ["nonsense"]),
+        ("algorithm.mini_batch_size=5", ["mini_batch_size", "train_batch_size"]),
+        ("parallel.vpp=2", ["parallel.vpp", "pp"]),
+        ("model.path=", ["model.path"]),
+        ("trainer.val_k=[1,16]", ["trainer.val_k"]),
+    ],
+)
+def test_errors_name_the_field(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_tp_must_divide_tiny_heads():
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        load_config(None, ["model.init=tiny", "parallel.tp=4"])
+
+
+def test_missing_file_and_bad_override():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nope.yaml")
+    with pytest.raises(ConfigError, match="a.b.c=value"):
+        load_config(None, ["trainer.total_steps"])

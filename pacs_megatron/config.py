@@ -481,14 +481,27 @@ def _format_omegaconf_error(e: OmegaConfBaseException) -> str:
     return f"config key {key!r}: {msg}" if key else msg
 
 
+def _yaml_chain(path: Path, depth: int = 0) -> list:
+    """The YAML file and the files it names under ``base:`` (relative to it), base first."""
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if depth > 8:
+        raise ConfigError(f"config file {str(path)!r}: 'base:' chain deeper than 8 (a cycle?)")
+    layer = OmegaConf.load(path)
+    base = layer.pop("base", None)
+    if base is None:
+        return [layer]
+    return _yaml_chain(path.parent / str(base), depth + 1) + [layer]
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults <- YAML file <- ``a.b.c=value`` overrides, validated into a :class:`RunConfig`."""
+    """Defaults <- YAML file (after the file its ``base:`` key names, if any) <- ``a.b.c=value``
+    overrides, validated into a :class:`RunConfig`."""
     try:
         merged = OmegaConf.structured(RunConfig)
         if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {str(path)!r} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            for layer in _yaml_chain(Path(path)):
+                merged = OmegaConf.merge(merged, layer)
         if overrides:
             bad = [o for o in overrides if "=" not in o]
             if bad:

@@ -51,3 +51,13 @@ def test_missing_file_and_bad_override():
         load_config("/nope.yaml")
     with pytest.raises(ConfigError, match="a.b.c=value"):
         load_config(None, ["trainer.total_steps"])
+
+
+def test_base_chain(tmp_path):
+    (tmp_path / "base.yaml").write_text("rollout:\n  n: 4\nalgorithm:\n  micro_batch_size: 4\n  loss: pacs\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nalgorithm:\n  loss: grpo\n")
+    cfg = load_config(tmp_path / "child.yaml")
+    assert (cfg.rollout.n, cfg.algorithm.loss, cfg.algorithm.micro_batch_size) == (4, "grpo", 4)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "loop.yaml")

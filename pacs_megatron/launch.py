@@ -1,0 +1,110 @@
+"""``pacs-megatron train --config FILE [a.b=c ...]``: validate, then run the trainer on every rank.
+
+Under torchrun / srun the ranks already exist and each one runs :func:`pacs_megatron.train.train`.
+Started by hand, it spawns ``tp * pp * dp`` local ranks itself (like ``torchrun --standalone``), so
+the README's command is one line. Configuration errors surface here, before any process or model
+is started; ``--dry-run`` prints the resolved config and the layout and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
+from pacs_megatron.utils.logging import get_logger, init_logging
+from pacs_megatron.utils.spawn import spawn_local, under_launcher
+
+logger = get_logger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML run config (examples/configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="config overrides as a.b.c=value")
+    p.add_argument("--resume", default=None, help="'auto' (default), 'never', or a checkpoint dir (= trainer.resume)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and layout, then exit")
+
+
+def layout_summary(cfg: RunConfig) -> dict:
+    """What a run would look like, from the config and the model's config.json when present."""
+    par = cfg.parallel
+    out = {
+        "world_size": par.world_size,
+        "tp": par.tp,
+        "pp": par.pp,
+        "vpp": par.vpp,
+        "dp": par.dp,
+        "prompts_per_step": cfg.trainer.train_batch_size,
+        "sequences_per_step": cfg.trainer.train_batch_size * cfg.rollout.n,
+        "optimizer_steps_per_rl_step": cfg.trainer.train_batch_size
+        // cfg.mini_batch_prompts
+        * cfg.algorithm.ppo_epochs,
+        "sequences_per_dp_rank_per_minibatch": cfg.mini_batch_prompts // par.dp * cfg.rollout.n,
+        "micro_batches_per_minibatch": cfg.mini_batch_prompts
+        // par.dp
+        * cfg.rollout.n
+        // cfg.algorithm.micro_batch_size,
+        "loss": cfg.algorithm.loss,
+        "engine": cfg.rollout.engine,
+    }
+    config_json = Path(cfg.model.path) / "config.json"
+    if config_json.is_file():
+        hf = json.loads(config_json.read_text())
+        out["model"] = {
+            k: hf.get(k)
+            for k in (
+                "model_type",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+            )
+        }
+        check_model_layout(cfg, hf)
+    elif cfg.model.init != "tiny":
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} has no config.json: point it at a Hugging Face model directory"
+        )
+    return out
+
+
+def check_model_layout(cfg: RunConfig, hf: dict) -> None:
+    """The parallel layout must fit the model (heads and KV heads over TP, layers over PP x VPP)."""
+    par = cfg.parallel
+    heads, kv = hf.get("num_attention_heads", 1), hf.get("num_key_value_heads") or hf.get("num_attention_heads", 1)
+    layers = hf.get("num_hidden_layers", 1)
+    if heads % par.tp or kv % par.tp:
+        raise ConfigError(f"parallel.tp={par.tp} must divide the model's {heads} attention heads and {kv} KV heads")
+    if layers % (par.pp * par.vpp):
+        raise ConfigError(f"parallel.pp * parallel.vpp = {par.pp * par.vpp} must divide the model's {layers} layers")
+
+
+def main(args: argparse.Namespace) -> int:
+    init_logging()
+    overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
+    if args.dry_run:
+        overrides.append("trainer.dry_run=true")
+    try:
+        cfg = load_config(args.config, overrides)
+        layout = layout_summary(cfg)
+    except ConfigError as e:
+        logger.error("config error: %s", e)
+        return 2
+    if cfg.trainer.dry_run:
+        sys.stdout.write(to_yaml(cfg) + "\n# layout\n" + json.dumps(layout, indent=2) + "\n")
+        return 0
+    if under_launcher() or cfg.parallel.world_size == 1:
+        from pacs_megatron.train import train
+
+        return train(cfg)
+    argv = ["pacs_megatron", "train", "--config", args.config, *overrides]
+    return spawn_local(argv, cfg.parallel.world_size)
+
+
+if __name__ == "__main__":  # torchrun -m pacs_megatron.launch --config ...
+    parser = argparse.ArgumentParser(prog="pacs_megatron.launch")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

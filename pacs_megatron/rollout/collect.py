@@ -1,0 +1,42 @@
+"""Generate a step's rollouts across all ranks and give every rank the whole result.
+
+Prompts are split into contiguous shares, one per engine replica (an HF engine per rank; a vLLM
+engine per vLLM-TP group), each replica samples ``n`` responses for its share, and the groups are
+gathered back in prompt order, so a group's responses are contiguous rows everywhere downstream.
+Seeds derive from (step, replica): a resumed run samples exactly what the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pacs_megatron.rollout.base import RolloutEngine
+from pacs_megatron.rollout.types import Response, SamplingParams
+from pacs_megatron.utils.dist import map_sharded, rank_and_world
+
+
+def replica_coords(engine: RolloutEngine) -> tuple[int, int]:
+    """(replica index, number of replicas) of this rank's engine; engines spanning several ranks
+    (vLLM tensor parallel) expose ``dp_rank`` / ``dp_size``, others are one replica per rank."""
+    rank, world = rank_and_world()
+    return getattr(engine, "dp_rank", rank), getattr(engine, "dp_size", world)
+
+
+def step_seed(base_seed: int, step: int, replica: int) -> int:
+    """Distinct, reproducible sampling seed of one replica at one step."""
+    return (base_seed * 1_000_003 + step * 1_009 + replica) % (2**31 - 1)
+
+
+def generate_sharded(
+    engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, step: int
+) -> list[list[Response]]:
+    """``sampling.n`` responses per prompt, for all prompts, on every rank."""
+    replica, replicas = replica_coords(engine)
+    seeded = replace(sampling, seed=step_seed(sampling.seed or 0, step, replica))
+    flat = map_sharded(list(prompt_ids), lambda part: engine.generate(part, seeded) if part else [], replica, replicas)
+    if len(flat) != len(prompt_ids) or any(len(g) != sampling.n for g in flat):
+        raise RuntimeError(
+            f"engine returned {[len(g) for g in flat]} responses for {len(prompt_ids)} prompts x n={sampling.n}"
+        )
+    return flat

@@ -1,0 +1,107 @@
+"""Checkpoint directories that are either complete or invisible.
+
+Layout under ``OUTPUT_DIR/checkpoints``::
+
+    step_00000012/           complete: holds COMPLETE (written last, then the directory renamed)
+    .tmp_step_00000014/      being written, or left by a crash: never picked up, removed on the next save
+
+Every rank calls :meth:`CheckpointManager.save` (the actor's dist_checkpointing writes shards from all
+ranks); rank 0 alone finalises: marker, atomic rename, pruning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class CheckpointManager:
+    """Save, find and prune checkpoints of one run."""
+
+    def __init__(self, output_dir: str | os.PathLike, keep_last: int = 2) -> None:
+        self.root = Path(output_dir) / "checkpoints"
+        self.keep_last = keep_last
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and (p / MARKER).is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1][1] if done else None
+
+    def resolve(self, resume: str) -> Path | None:
+        """``trainer.resume``: "never" -> None, "auto" -> latest complete (or None), else that path."""
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return self.latest()
+        path = Path(resume)
+        if not (path / MARKER).is_file():
+            raise FileNotFoundError(
+                f"trainer.resume={resume!r} is not a complete checkpoint (no {MARKER} marker): use a "
+                f"step_XXXXXXXX directory under {self.root}, 'auto' or 'never'"
+            )
+        return path
+
+    def save(self, step: int, write: Callable[[Path], None]) -> Path:
+        """Collective: ``write(tmp_dir)`` on every rank, then rank 0 marks and renames atomically."""
+        final = self.step_dir(step)
+        tmp = self.root / f".tmp_step_{step:08d}"
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        _barrier()
+        start = time.perf_counter()
+        write(tmp)
+        _barrier()
+        if _rank() == 0:
+            (tmp / MARKER).write_text(json.dumps({"step": step, "time": time.time()}))
+            if final.exists():  # re-saving a step (e.g. pre-empted right after a periodic save)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune()
+            logger.info("checkpoint step %d saved to %s in %.1fs", step, final, time.perf_counter() - start)
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        for p in self.root.glob(".tmp_step_*"):
+            shutil.rmtree(p, ignore_errors=True)
+        done = self.complete()
+        for _, p in done[: max(0, len(done) - self.keep_last)]:
+            shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,85 @@
+"""Start N local ranks of a command, as ``torchrun --standalone`` would, so one-line commands work
+without a launcher. Under torchrun / srun (RANK and WORLD_SIZE set) nothing is spawned.
+
+The parent forwards SIGTERM / SIGUSR1 / SIGINT to every child (they checkpoint and exit), and when
+one child fails it gives the others a grace period, then terminates them, like torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+GRACE_S = 30.0
+
+
+def under_launcher() -> bool:
+    """True inside a rank started by torchrun, srun+env, or :func:`spawn_local`."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """Environment of local rank ``rank``; CPU threads are split between the ranks."""
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", str(threads)),
+    )
+    return env
+
+
+def spawn_local(module_argv: list[str], world_size: int) -> int:
+    """Run ``python -m <module_argv...>`` as ``world_size`` ranks; return the job's exit code."""
+    port = free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-m", *module_argv], env=rank_env(r, world_size, port))
+        for r in range(world_size)
+    ]
+    logger.info("started %d local ranks (pids %s)", world_size, [p.pid for p in procs])
+
+    def forward(signum, frame):  # noqa: ARG001
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        failed_at = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = time.monotonic()
+                logger.error("a rank exited with %s; stopping the others", codes)
+            if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.2)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    codes = [p.returncode for p in procs]
+    return next((c for c in codes if c != 0), 0)

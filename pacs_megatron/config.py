@@ -342,7 +342,8 @@ class SyncConfig:
     probe_sequences: int = 2
     """Fixed sequences whose engine log-probs are compared with the actor's after every sync."""
     probe_tolerance: float = -1.0
-    """Max allowed |engine - actor| per-token log-prob; -1: 1e-5 for float32, 5e-2 for bfloat16."""
+    """Max allowed per-token |engine - actor| log-prob, scaled by max(1, |logp|) (float32 rounding grows
+    with the magnitude); -1: 1e-5 for float32, 5e-2 for bfloat16."""
 
     def __post_init__(self) -> None:
         _positive("sync.bucket_mb", self.bucket_mb)

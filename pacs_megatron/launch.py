@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
+from pacs_megatron.parallel import check_layout
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.spawn import spawn_local, under_launcher
 
@@ -63,23 +64,12 @@ def layout_summary(cfg: RunConfig) -> dict:
                 "vocab_size",
             )
         }
-        check_model_layout(cfg, hf)
+        check_layout(cfg.parallel, hf)  # heads/KV heads over TP, layers over PP x VPP
     elif cfg.model.init != "tiny":
         raise ConfigError(
             f"model.path={cfg.model.path!r} has no config.json: point it at a Hugging Face model directory"
         )
     return out
-
-
-def check_model_layout(cfg: RunConfig, hf: dict) -> None:
-    """The parallel layout must fit the model (heads and KV heads over TP, layers over PP x VPP)."""
-    par = cfg.parallel
-    heads, kv = hf.get("num_attention_heads", 1), hf.get("num_key_value_heads") or hf.get("num_attention_heads", 1)
-    layers = hf.get("num_hidden_layers", 1)
-    if heads % par.tp or kv % par.tp:
-        raise ConfigError(f"parallel.tp={par.tp} must divide the model's {heads} attention heads and {kv} KV heads")
-    if layers % (par.pp * par.vpp):
-        raise ConfigError(f"parallel.pp * parallel.vpp = {par.pp * par.vpp} must divide the model's {layers} layers")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,1 +1,6 @@
-"""actor"""
+"""The Megatron-Core actor: GPTModel from HF configs and weights, log-probs, the PACS train step,
+checkpoints and HF export. Import :class:`MegatronActor` from here."""
+
+from pacs_megatron.actor.actor import LogprobResult, MegatronActor
+
+__all__ = ["LogprobResult", "MegatronActor"]

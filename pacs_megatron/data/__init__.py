@@ -1,1 +1,32 @@
-"""Prompts in, padded training batches out."""
+"""Prompts in, padded training batches out.
+
+- ``sources``: read problem files (JSONL / JSON / parquet, plain or PACS format), name resolution;
+- ``prompts``: PACS instruction, shipped chat templates, tokenizer loading, length filter;
+- ``sampler``: :class:`PromptDataset`, a deterministic resumable prompt stream;
+- ``synthetic``: the "a+b=" task, its character tokenizer and tiny-model directory;
+- ``factory``: :func:`build_prompt_dataset`, what the trainer calls;
+- ``batching``: rollouts -> padded :class:`TrainBatch` cut by whole prompt groups.
+"""
+
+from pacs_megatron.data.factory import build_prompt_dataset, build_train_dataset, build_val_datasets, load_dataset
+from pacs_megatron.data.prompts import INSTRUCTION, load_tokenizer, with_instruction
+from pacs_megatron.data.records import DataFormatError, Problem, PromptRecord
+from pacs_megatron.data.sampler import PromptDataset
+from pacs_megatron.data.sources import DATASETS, load_problems, resolve_dataset
+
+__all__ = [
+    "DATASETS",
+    "INSTRUCTION",
+    "DataFormatError",
+    "Problem",
+    "PromptDataset",
+    "PromptRecord",
+    "build_prompt_dataset",
+    "build_train_dataset",
+    "build_val_datasets",
+    "load_dataset",
+    "load_problems",
+    "load_tokenizer",
+    "resolve_dataset",
+    "with_instruction",
+]

@@ -58,10 +58,15 @@ class LossSpec:
     fn: LossFn
     needs_advantages: bool
     """Whether the trainer must compute outcome advantages for it before the update."""
+    unit: str = "row"
+    """What the returned mean averages over: "row", "token", or "agg" (the config's loss_agg_mode)."""
 
     def denominator(self, inputs: LossInputs, config: Any) -> torch.Tensor:
-        """What the returned mean averages over: response tokens for token-mean, else rows."""
-        if getattr(config, "loss_agg_mode", None) == "token-mean":
+        """How many units (response tokens or rows) this micro-batch's mean averages over."""
+        per_token = self.unit == "token" or (
+            self.unit == "agg" and getattr(config, "loss_agg_mode", None) == "token-mean"
+        )
+        if per_token:
             return inputs.response_mask.sum().to(torch.float64)
         return torch.tensor(float(inputs.logp.shape[0]), dtype=torch.float64)
 
@@ -69,13 +74,15 @@ class LossSpec:
 LOSSES: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, needs_advantages: bool = False) -> Callable[[LossFn], LossFn]:
-    """Decorator: make ``fn`` selectable as ``algorithm.loss=name``."""
+def register_loss(name: str, needs_advantages: bool = False, unit: str = "row") -> Callable[[LossFn], LossFn]:
+    """Decorator: make ``fn`` selectable as ``algorithm.loss=name`` (``unit``: see LossSpec)."""
+    if unit not in ("row", "token", "agg"):
+        raise ValueError(f"unit={unit!r}: choose row, token or agg")
 
     def deco(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is already registered")
-        LOSSES[name] = LossSpec(fn, needs_advantages)
+        LOSSES[name] = LossSpec(fn, needs_advantages, unit)
         return fn
 
     return deco
@@ -102,5 +109,14 @@ def _clipped(x: LossInputs, cfg: Any):
 # GRPO and PPO-clip share the clipped surrogate; they differ in the advantage (AlgorithmConfig.
 # loss_config resolves policy.adv_estimator=auto: grpo -> group-normalised, ppo -> leave-one-out,
 # i.e. PPO-clip with a critic-free baseline; a learned GAE critic is not implemented).
-register_loss("grpo", needs_advantages=True)(_clipped)
-register_loss("ppo", needs_advantages=True)(_clipped)
+register_loss("grpo", needs_advantages=True, unit="agg")(_clipped)
+register_loss("ppo", needs_advantages=True, unit="agg")(_clipped)
+
+
+@register_loss("sft", unit="token")
+def _sft(x: LossInputs, cfg: Any):
+    """Supervised warm-up: token-mean negative log-likelihood of the response tokens (``cfg`` and
+    ``old_logp`` unused). The CPU recipe uses it to teach the answer *format* before RL."""
+    m = x.response_mask.to(x.logp.dtype)
+    loss = -(x.logp * m).sum() / m.sum().clamp(min=1.0)
+    return loss, {"sft/loss": loss.detach()}

@@ -1,1 +1,63 @@
-"""rollout"""
+"""Rollout engines behind one protocol (``base.RolloutEngine``) and the factory the trainer calls.
+
+``build_engine`` returns the transformers engine (``rollout.engine=hf``: CPU default, small-GPU
+fallback) or vLLM's (``rollout.engine=vllm``), which is imported only when selected so that a
+machine without vllm never needs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from pacs_megatron.rollout.base import RolloutEngine
+from pacs_megatron.rollout.types import Response, SamplingParams
+
+if TYPE_CHECKING:
+    from pacs_megatron.config import RunConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def engine_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
+    """``model.dtype``, with "auto" meaning float32 on CPU and bfloat16 on accelerators."""
+    if cfg.model.dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[cfg.model.dtype]
+
+
+def build_engine(cfg: RunConfig, model_dir: str | Path, tokenizer, device: str | torch.device) -> RolloutEngine:
+    """The rollout engine ``cfg.rollout.engine`` names, loaded from ``model_dir`` on ``device``.
+
+    hf: ``HFEngine(model_dir, tokenizer, device, dtype, batch_size=rollout.batch_size, seed=rollout.seed)``.
+    vllm: ``VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tokenizer, device=device)`` from
+    ``pacs_megatron.rollout.vllm_engine``.
+    """
+    device = torch.device(device)
+    if cfg.rollout.engine == "hf":
+        from pacs_megatron.rollout.hf_engine import HFEngine
+
+        return HFEngine(
+            model_dir,
+            tokenizer,
+            device=device,
+            dtype=engine_dtype(cfg, device),
+            batch_size=cfg.rollout.batch_size,
+            seed=cfg.rollout.seed,
+        )
+    if cfg.rollout.engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError(
+                "rollout.engine=vllm but vllm is not installed: install it on a GPU machine "
+                "(pip install 'pacs-megatron[gpu]', torch-matched vllm 0.27-0.32) or use rollout.engine=hf"
+            )
+        from pacs_megatron.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tokenizer, device=device)
+    raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: use 'hf' or 'vllm'")
+
+
+__all__ = ["RolloutEngine", "Response", "SamplingParams", "build_engine", "engine_dtype"]

@@ -93,26 +93,32 @@ class WeightSync:
         self.engine.update_weights(counted())
         return SyncResult(time.perf_counter() - start, nbytes / 1e9, float("nan"), count)
 
-    def check(self) -> float:
-        """Max per-token |engine - actor| log-prob on the probe sequences (collective on the actor)."""
+    def check(self) -> tuple[float, float]:
+        """Probe (collective on the actor): ``(max |engine - actor|, max |engine - actor| / max(1, |actor|))``
+        per token. The second is what the tolerance bounds: float32 rounding grows with the magnitude
+        of a log-prob (a trained model gives random probe tokens log-probs of -30 and below), while a
+        wrong or missing tensor moves log-probs by O(1) whatever their size."""
         if self.probe is None:
-            return float("nan")
+            return float("nan"), float("nan")
         p = self.probe
         actor_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
         engine_lp = self.engine.logprobs([row[: int(n)].tolist() for row, n in zip(p.input_ids, p.seq_lens)])
-        diff = 0.0
+        abs_diff = rel_diff = 0.0
         for b, lp in enumerate(engine_lp):
-            n = int(p.seq_lens[b])
-            diff = max(diff, (lp.float() - actor_lp[b, 1:n].float()).abs().max().item())
-        return diff
+            ref = actor_lp[b, 1 : int(p.seq_lens[b])].double()
+            d = (lp.double() - ref).abs()
+            abs_diff = max(abs_diff, d.max().item())
+            rel_diff = max(rel_diff, (d / ref.abs().clamp(min=1.0)).max().item())
+        return abs_diff, rel_diff
 
     def sync(self) -> SyncResult:
         """Push, then probe; raise :class:`WeightSyncError` above the tolerance."""
         pushed = self.push()
-        diff = self.check()
-        if diff > self.tolerance:
+        diff, scaled = self.check()
+        if scaled > self.tolerance:
             raise WeightSyncError(
                 f"after weight sync the engine's log-probs differ from the actor's by {diff:.3g} "
-                f"(> sync.probe_tolerance {self.tolerance:.3g}): the engine does not hold the actor's weights"
+                f"({scaled:.3g} relative to max(1, |logp|), > sync.probe_tolerance {self.tolerance:.3g}): "
+                "the engine does not hold the actor's weights"
             )
         return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets)

@@ -97,3 +97,13 @@ def test_micro_batch_weighting_reproduces_full_batch():
             loss, _ = spec.fn(part, cfg)
             acc += loss * spec.denominator(part, cfg) / total
         assert acc.item() == pytest.approx(full.item(), rel=1e-12)
+
+
+def test_sft_loss_is_token_mean_nll():
+    logp = torch.tensor([[0.0, -1.0, -3.0], [0.0, -2.0, -5.0]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool)
+    x = LossInputs(logp, torch.zeros_like(logp), mask, torch.zeros(2), 1)
+    spec = get_loss("sft")
+    loss, m = spec.fn(x, None)
+    assert loss.item() == pytest.approx((1 + 3 + 2) / 3)
+    assert spec.denominator(x, None).item() == 3

@@ -1,0 +1,130 @@
+"""Actor checkpoints with megatron's dist_checkpointing (resharding across TP/PP layouts).
+
+Layout of a checkpoint directory (given by the trainer's CheckpointManager)::
+
+    PATH/megatron/        dist_checkpointing: model, optimizer, LR scheduler, counters (common
+                          state), per-rank RNG (ShardedObject)
+    PATH/extra_state.json the trainer's JSON-able state, written by rank 0
+
+Model tensors are saved as megatron ShardedTensors with global (layout-free) keys, so a checkpoint
+written at one TP/PP/VPP loads at another. The plain (non-distributed) optimizer's Adam moments are
+sharded the same way as their parameters and reshard too. The distributed optimizer (GPU default)
+is saved in megatron's "fully_reshardable" format (written for GPU, never run here). The RNG
+states are restored only when the layout is unchanged (a different layout has different ranks;
+with dropout 0 nothing random runs in the actor anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pacs_megatron.actor.weights import unwrap
+from pacs_megatron.parallel import ParallelGroups
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MEGATRON_DIR = "megatron"
+EXTRA_STATE = "extra_state.json"
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _layout(groups: ParallelGroups) -> dict:
+    return {"tp": groups.tp_size, "pp": groups.pp_size, "vpp": groups.vpp_size, "dp": groups.dp_size}
+
+
+def _sharded_state(actor, is_loading: bool, with_rng: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    g = actor.groups
+    sd: dict = {}
+    # The GPTModels themselves (not megatron's DDP wrappers), so state-dict keys carry no "module.".
+    models = [unwrap(c) for c in actor.model]
+    if len(models) == 1:
+        sd["model"] = models[0].sharded_state_dict()
+    else:
+        for i, model in enumerate(models):
+            sd[f"model{i}"] = model.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if actor.distributed_optimizer else None
+    sd["optimizer"] = actor.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
+    if with_rng:
+        sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (g.world_size,), (g.rank,), replica_id=0)
+    return sd
+
+
+def save_actor_checkpoint(actor, path: str | os.PathLike, extra_state: dict) -> None:
+    """Collective: write model, optimizer, scheduler, counters and RNG under ``path``."""
+    from megatron.core import dist_checkpointing
+
+    g = actor.groups
+    root = Path(path)
+    target = root / MEGATRON_DIR
+    if g.rank == 0:
+        target.mkdir(parents=True, exist_ok=True)
+        (root / EXTRA_STATE).write_text(json.dumps(extra_state, indent=2, sort_keys=True))
+    dist.barrier()
+    sd = _sharded_state(actor, is_loading=False, with_rng=True)
+    sd.update(
+        scheduler=actor.scheduler.state_dict(),
+        counters={"iteration": actor.iteration, "skipped_steps": actor.skipped_steps},
+        layout=_layout(g),
+    )
+    dist_checkpointing.save(sd, str(target))
+    dist.barrier()
+    logger.info("actor checkpoint written to %s (iteration %d)", target, actor.iteration)
+
+
+def load_actor_checkpoint(actor, path: str | os.PathLike) -> dict:
+    """Collective: restore what :func:`save_actor_checkpoint` wrote (any TP/PP layout); return the
+    trainer's extra state."""
+    from megatron.core import dist_checkpointing
+
+    g = actor.groups
+    root = Path(path)
+    target = root / MEGATRON_DIR
+    if not (target / "metadata.json").is_file():
+        raise FileNotFoundError(f"{target} is not a megatron dist checkpoint (no metadata.json)")
+    common = dist_checkpointing.load_common_state_dict(str(target))
+    same_layout = common.get("layout") == _layout(g)
+    sd = _sharded_state(actor, is_loading=True, with_rng=same_layout)
+    loaded = dist_checkpointing.load(sd, str(target))
+    models = [unwrap(c) for c in actor.model]
+    if len(models) == 1:
+        models[0].load_state_dict(loaded["model"])
+    else:
+        for i, model in enumerate(models):
+            model.load_state_dict(loaded[f"model{i}"])
+    actor.optimizer.load_state_dict(loaded["optimizer"])
+    actor.scheduler.load_state_dict(common["scheduler"])
+    actor.iteration = int(common["counters"]["iteration"])
+    actor.skipped_steps = int(common["counters"]["skipped_steps"])
+    if same_layout:
+        _set_rng_state(loaded["rng_state"])
+    else:
+        logger.info("checkpoint layout %s differs from %s: RNG states not restored", common.get("layout"), _layout(g))
+    extra_file = root / EXTRA_STATE
+    extra = json.loads(extra_file.read_text()) if extra_file.is_file() else {}
+    dist.barrier()
+    logger.info("actor checkpoint loaded from %s (iteration %d)", target, actor.iteration)
+    return extra

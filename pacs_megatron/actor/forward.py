@@ -1,0 +1,188 @@
+"""One pass of megatron's pipeline schedule over micro-batches of a TrainBatch.
+
+    micro-batches (whole groups, one T) --forward_step--> GPTModel chunk(s) --last stage-->
+    vocab-parallel logits [b, T, V/tp] --token_logprobs--> token_logp [b, T] --loss_func--> ...
+
+``get_forward_backward_func`` picks no-pipelining, 1F1B or interleaved 1F1B (vpp > 1) from the
+layout. Every micro-batch of a pass has the same T (``seq_length``) and row count
+(``micro_batch_size``): the p2p buffers between stages are shaped from them, and the fixed
+[T*b, H] GEMM shapes are what makes log-probs batch-invariant on CPU.
+
+Input convention (data/batching.py): right-padded rows, positions 0..T-1, causal mask only;
+``token_logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` and ``token_logp[:, 0] = 0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from pacs_megatron.actor.logprob_shim import fused_logprobs
+from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
+from pacs_megatron.data.batching import TrainBatch
+from pacs_megatron.parallel import ParallelGroups
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    spec: ModelSpec,
+    groups: ParallelGroups,
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_logp [b, T]`` float32 (and ``entropy [b, T]``) from this rank's logits ``[b, T, V/tp]``.
+
+    The op is called with ``mask=None`` in every pass: token_logp must cover prompt tokens too (the
+    weight-sync probe compares them) and the old-log-prob pass and the training forward must run the
+    identical computation (batch invariance). Masked sums are taken by the callers.
+    """
+    logits = mask_padded_vocab(logits, spec, groups)
+    rec = fused_logprobs(
+        logits[:, :-1],
+        input_ids[:, 1:],
+        mask=None,
+        temperature=temperature,
+        tp_group=groups.tp_group,
+        return_entropy=with_entropy,
+    )
+    token_logp = F.pad(rec.token_logp.float(), (1, 0))
+    entropy = F.pad(rec.entropy.float(), (1, 0)) if with_entropy else None
+    return token_logp, entropy
+
+
+def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
+    """Consecutive micro-batches of whole prompt groups (ValueError when a group would be split)."""
+    n = batch.group_size
+    if micro_batch_size % n:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} would split a prompt group of {n} responses: use a multiple of {n}"
+        )
+    if len(batch) % micro_batch_size:
+        raise ValueError(
+            f"the batch has {len(batch)} rows, not a multiple of micro_batch_size={micro_batch_size}: every "
+            "micro-batch of a pass must have the same size (pipeline buffers are shaped from it)"
+        )
+    return [batch.rows(s, s + micro_batch_size) for s in range(0, len(batch), micro_batch_size)]
+
+
+LossFactory = Callable[[TrainBatch, torch.Tensor, bool], Callable]
+
+
+def interleave_padding(num_micro: int, groups: ParallelGroups) -> int:
+    """Extra micro-batches the interleaved schedule (vpp > 1) needs: megatron-core 0.16.1 runs
+    micro-batches in groups of pp and rejects fewer than pp, or a last group of 0 < size < pp."""
+    if groups.vpp_size == 1 or groups.pp_size == 1:
+        return 0
+    return -num_micro % groups.pp_size
+
+
+def run_schedule(
+    chunks: list,
+    micro: list[TrainBatch],
+    make_loss_func: LossFactory,
+    groups: ParallelGroups,
+    forward_only: bool,
+) -> list:
+    """Run megatron's schedule over ``micro``; returns what the loss functions reported, one entry
+    per micro-batch on the last pipeline stage (empty elsewhere).
+
+    ``make_loss_func(micro_batch, input_ids_on_device, dummy)`` returns megatron's ``loss_func``. In
+    ``forward_only`` mode it is called with ``non_loss_data=True`` and returns a dict of tensors.
+    With vpp > 1, repeats of the last micro-batch pad the pass (:func:`interleave_padding`); their
+    loss functions get ``dummy=True`` and must contribute nothing (a zero loss and a zero count),
+    and their outputs are dropped.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    n_real = len(micro)
+    micro = list(micro) + [micro[-1]] * interleave_padding(n_real, groups)
+    T = micro[0].input_ids.shape[1]
+    mbs = len(micro[0])
+    device = groups.device
+    positions = torch.arange(T, device=device).unsqueeze(0).expand(mbs, T)
+
+    def forward_step(data_iterator, model):
+        k, mb = next(data_iterator)
+        ids = mb.input_ids.to(device, non_blocking=True)
+        out = model(input_ids=ids, position_ids=positions, attention_mask=None)
+        return out, make_loss_func(mb, ids, k >= n_real)
+
+    iters = [iter(enumerate(micro)) for _ in chunks]
+    kwargs = {}
+    if groups.pp_size > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        config = _unwrap(chunks[0]).config
+        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp_group, config=config)
+    fb = get_forward_backward_func(pp_size=groups.pp_size, vp_size=groups.vpp_size if groups.vpp_size > 1 else None)
+    store = fb(
+        forward_step_func=forward_step,
+        data_iterator=iters if len(chunks) > 1 else iters[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro),
+        seq_length=T,
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+        collect_non_loss_data=forward_only,
+        pg_collection=groups.pg_collection,
+        **kwargs,
+    )
+    return store[:n_real]
+
+
+def logprob_loss_func(
+    mb: TrainBatch,
+    ids: torch.Tensor,
+    dummy: bool,  # noqa: ARG001 - padding outputs are dropped by run_schedule
+    spec: ModelSpec,
+    groups: ParallelGroups,
+    temperature: float,
+    with_entropy: bool,
+):
+    """loss_func of the forward-only pass: collect ``token_logp`` (and ``entropy``) on the last stage."""
+
+    def loss_func(logits, non_loss_data=False):  # noqa: ARG001 - megatron's signature
+        token_logp, entropy = token_logprobs(logits, ids, spec, groups, temperature, with_entropy)
+        out = {"token_logp": token_logp}
+        if entropy is not None:
+            out["entropy"] = entropy
+        return out
+
+    return loss_func
+
+
+def forward_logprobs(
+    chunks: list,
+    batch: TrainBatch,
+    micro_batch_size: int,
+    spec: ModelSpec,
+    groups: ParallelGroups,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """No-grad log-probs of ``batch`` ``[B, T]`` (+ entropy) on every rank of this pipeline (CPU tensors)."""
+    B, T = batch.input_ids.shape
+    micro = micro_batches(batch, min(micro_batch_size, B))
+    make = partial(logprob_loss_func, spec=spec, groups=groups, temperature=temperature, with_entropy=with_entropy)
+    with torch.no_grad():
+        store = run_schedule(chunks, micro, make, groups, forward_only=True)
+    n_out = 2 if with_entropy else 1
+    buf = torch.empty((n_out, B, T), dtype=torch.float32, device=groups.device)
+    if groups.is_last_stage:
+        buf[0] = torch.cat([d["token_logp"] for d in store])
+        if with_entropy:
+            buf[1] = torch.cat([d["entropy"] for d in store])
+    if groups.pp_size > 1:
+        torch.distributed.broadcast(buf, src=groups.pp_last_rank, group=groups.pp_group)
+    buf = buf.cpu()
+    return buf[0], (buf[1] if with_entropy else None)
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model

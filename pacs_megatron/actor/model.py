@@ -1,0 +1,248 @@
+"""A megatron-core GPTModel built from a Hugging Face config.json (Qwen2 / Qwen2.5 and Llama 3).
+
+    hf config --model_spec_from_hf--> ModelSpec --transformer_config--> TransformerConfig
+              --build_model_chunks--> [GPTModel per virtual pipeline stage] on this rank
+
+Mapping: RMSNorm (``rms_norm_eps``), SwiGLU (``gated_linear_unit`` + silu), grouped-query attention
+(``num_query_groups`` = KV heads), qkv bias (Qwen2), RoPE with ``rope_theta`` (and Llama-3 "llama3"
+frequency scaling, computed exactly as transformers does and written over megatron's inv_freq, since
+megatron hard-codes three of its four parameters), tied or untied embeddings.
+
+The layer spec is Transformer Engine's when TE imports (GPU), megatron's local spec otherwise (which
+uses Apex norms when present, torch's RMSNorm without). On CPU: fp32, ``use_cpu_initialization``
+(weights drawn full-size and split, so a seed gives the same model for any TP), fusions off,
+dropout 0. The vocabulary is padded to a multiple of TP (see docs/layout_conversion.md); padded
+logits are masked out before the softmax (:func:`mask_padded_vocab`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pacs_megatron.config import ConfigError
+from pacs_megatron.parallel import ParallelGroups
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the actor needs, read once from the HF config.
+
+    Example:
+        >>> from transformers import Qwen2Config
+        >>> s = model_spec_from_hf(Qwen2Config(vocab_size=255, hidden_size=64, num_attention_heads=4,
+        ...     num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128), tp=2)
+        >>> s.head_dim, s.padded_vocab_size, s.qkv_bias
+        (16, 256, True)
+    """
+
+    model_type: str
+    """"qwen2" or "llama"."""
+    vocab_size: int
+    """HF vocabulary rows (embedding and LM-head rows in the checkpoint)."""
+    padded_vocab_size: int
+    """vocab_size rounded up to a multiple of TP (megatron's vocab-parallel layers split evenly)."""
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    """None, or the "llama3" scaling parameters."""
+    tie_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    initializer_range: float
+
+
+def _rope_params(hf: Any) -> tuple[float, dict | None]:
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = float(params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0)
+    kind = params.get("rope_type", params.get("type", "default")) if params else "default"
+    if kind == "default":
+        return theta, None
+    if kind == "llama3":
+        return theta, params
+    raise ConfigError(
+        f"model config rope type {kind!r} is not supported by the Megatron actor: supported are the default "
+        "RoPE and 'llama3' scaling"
+    )
+
+
+def model_spec_from_hf(hf: Any, tp: int = 1) -> ModelSpec:
+    """Validate a transformers config and extract a :class:`ModelSpec` (ConfigError when unsupported)."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"model.path holds a {model_type!r} model ({getattr(hf, 'architectures', None)}): the Megatron actor "
+            f"supports {list(SUPPORTED_MODEL_TYPES)} (Qwen2/Qwen2.5, Llama 3)"
+        )
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"model hidden_act={hf.hidden_act!r}: only silu (SwiGLU) is supported")
+    if getattr(hf, "use_sliding_window", False):
+        raise ConfigError("model use_sliding_window=true: sliding-window attention is not supported")
+    if model_type == "llama" and (getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False)):
+        raise ConfigError("Llama with attention_bias/mlp_bias is not supported (megatron cannot bias o_proj alone)")
+    theta, scaling = _rope_params(hf)
+    heads = hf.num_attention_heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return ModelSpec(
+        model_type=model_type,
+        vocab_size=hf.vocab_size,
+        padded_vocab_size=-(-hf.vocab_size // tp) * tp,
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        ffn_hidden_size=hf.intermediate_size,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        max_position_embeddings=hf.max_position_embeddings,
+        initializer_range=float(getattr(hf, "initializer_range", 0.02)),
+    )
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def transformer_config(
+    spec: ModelSpec, groups: ParallelGroups, dtype: torch.dtype, sequence_parallel: bool, recompute: bool
+):
+    """megatron TransformerConfig for ``spec`` under this layout.
+
+    ``calculate_per_token_loss=True`` is the gradient convention of the train step: loss functions
+    return sums with their unit counts and megatron divides by the total over the mini-batch (see
+    train_step.py). ``batch_p2p_comm`` is off on gloo (interleaved PP is wrong with it on gloo).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = groups.device.type == "cuda"
+    gloo = torch.distributed.get_backend() == "gloo"
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=spec.initializer_range,
+        tensor_model_parallel_size=groups.tp_size,
+        pipeline_model_parallel_size=groups.pp_size,
+        virtual_pipeline_model_parallel_size=groups.vpp_size if groups.vpp_size > 1 else None,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not on_gpu,
+        calculate_per_token_loss=True,
+        batch_p2p_comm=not gloo,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )
+
+
+def llama3_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """RoPE inverse frequencies with Llama-3 scaling, as transformers' ``_compute_llama3_parameters``."""
+    p = spec.rope_scaling or {}
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old_len = float(p["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def build_model_chunks(spec: ModelSpec, config, groups: ParallelGroups) -> list:
+    """This rank's GPTModel chunks (one per virtual pipeline stage), on ``groups.device``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if have_transformer_engine():
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    chunks = []
+    for vp in range(groups.vpp_size):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=spec.padded_vocab_size,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=groups.is_first_stage and vp == 0,
+            post_process=groups.is_last_stage and vp == groups.vpp_size - 1,
+            parallel_output=True,
+            share_embeddings_and_output_weights=spec.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=spec.rope_theta,
+            pg_collection=groups.pg_collection,
+            vp_stage=vp if groups.vpp_size > 1 else None,
+        )
+        if spec.rope_scaling is not None:
+            model.rotary_pos_emb.inv_freq = llama3_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
+        model.to(groups.device)
+        chunks.append(model)
+    return chunks
+
+
+def global_layer_numbers(chunk) -> list[int]:
+    """0-based global indices of a chunk's transformer layers (megatron's layer_number is 1-based)."""
+    return [layer.layer_number - 1 for layer in chunk.decoder.layers]
+
+
+def mask_padded_vocab(logits: torch.Tensor, spec: ModelSpec, groups: ParallelGroups) -> torch.Tensor:
+    """Push the padded vocabulary columns (rows >= spec.vocab_size) far below any real logit.
+
+    ``logits`` ``[..., V_local]`` is this TP rank's contiguous shard. A large finite value (not -inf)
+    keeps p * logit finite in the entropy. No-op (same tensor) when the vocabulary needs no padding.
+    """
+    v_local = logits.shape[-1]
+    start = groups.tp_rank * v_local
+    n_real = max(0, min(v_local, spec.vocab_size - start))
+    if n_real == v_local:
+        return logits
+    pad = torch.arange(v_local, device=logits.device) >= n_real
+    return logits.masked_fill(pad, -1e30)

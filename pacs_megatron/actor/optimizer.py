@@ -1,0 +1,114 @@
+"""Megatron DDP wrapper, optimizer (Adam) and learning-rate schedule from our typed configs.
+
+* Gradients live in megatron DDP's contiguous fp32 buffers (``grad_reduce_in_fp32``); the DP
+  all-reduce is a plain SUM because the train step uses ``calculate_per_token_loss`` (see
+  train_step.py for the full gradient convention).
+* Optimizer: ``get_megatron_optimizer``. The distributed optimizer (state sharded over DP) is used
+  with GPUs only by default (``optimizer.use_distributed_optimizer=auto``): on CPU without Apex/TE
+  its resume path has known bugs in megatron-core 0.16.1, so CPU runs use the plain optimizer.
+  bf16 parameters keep fp32 main weights inside the optimizer; fp32 runs use the FP32 optimizer.
+* Schedule: ``OptimizerParamScheduler`` with linear warm-up, then constant / linear / cosine decay to
+  ``min_lr`` over :func:`total_optimizer_steps`. Megatron's convention: the scheduler advances after
+  each successful update, so update k (0-based) uses lr(k) (with warm-up the first update has lr 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pacs_megatron.config import ConfigError, RunConfig
+from pacs_megatron.parallel import ParallelGroups
+
+
+def use_distributed_optimizer(cfg: RunConfig, groups: ParallelGroups) -> bool:
+    """``optimizer.use_distributed_optimizer``: "auto" is on with GPUs only."""
+    choice = cfg.optimizer.use_distributed_optimizer
+    if choice == "auto":
+        return groups.device.type == "cuda"
+    return choice == "true"
+
+
+def total_optimizer_steps(cfg: RunConfig) -> int:
+    """Optimizer updates of the whole run: RL steps x mini-batches x ppo_epochs + SFT warm-up steps."""
+    t = cfg.trainer
+    per_rl_step = (t.train_batch_size // cfg.mini_batch_prompts) * cfg.algorithm.ppo_epochs
+    return t.total_steps * per_rl_step + t.sft_warmup_steps
+
+
+def wrap_ddp(chunks: list, config, cfg: RunConfig, groups: ParallelGroups) -> list:
+    """Wrap chunks in megatron DDP and install the no-sync / finalize hooks the schedules call."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer(cfg, groups),
+        bucket_size=None,
+    )
+    wrapped = [
+        DistributedDataParallel(
+            config=config,
+            ddp_config=ddp_config,
+            module=chunk,
+            # Only the first chunk gets buckets (megatron does the same for vpp).
+            disable_bucketing=i > 0,
+            pg_collection=groups.pg_collection,
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+    config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(wrapped: list, cfg: RunConfig, groups: ParallelGroups, dtype: torch.dtype):
+    """megatron's optimizer (a ChainedOptimizer) for the DDP-wrapped chunks."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = cfg.optimizer
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=use_distributed_optimizer(cfg, groups),
+    )
+    if ocfg.use_distributed_optimizer:
+        # The distributed optimizer's checkpointing wants megatron's gloo DP groups, which 0.16.1
+        # cannot take through pg_collection: let it read parallel_state (written for GPU, never run here).
+        return get_megatron_optimizer(ocfg, wrapped)
+    return get_megatron_optimizer(ocfg, wrapped, use_gloo_process_groups=False, pg_collection=groups.pg_collection)
+
+
+def build_scheduler(optimizer, cfg: RunConfig):
+    """OptimizerParamScheduler over the run's optimizer steps (constant weight decay)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optimizer
+    total = max(1, total_optimizer_steps(cfg))
+    if o.lr_warmup_steps >= total and o.lr_warmup_steps > 0:
+        raise ConfigError(
+            f"optimizer.lr_warmup_steps={o.lr_warmup_steps} must be below the run's {total} optimizer steps "
+            "(trainer.total_steps x mini-batches x ppo_epochs + trainer.sft_warmup_steps)"
+        )
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.lr_warmup_steps else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_steps,
+        lr_decay_steps=total,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=total,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )

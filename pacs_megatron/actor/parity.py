@@ -1,0 +1,168 @@
+"""``pacs-megatron parity``: Megatron log-probs vs Hugging Face transformers on the same sequences.
+
+    pacs-megatron parity --hf-model DIR --tp 2 --pp 2 [--data FILE] [--out FILE] [--tolerance 1e-4]
+
+Loads the HF checkpoint into the Megatron actor with the given layout, computes per-token log-probs
+of sample sequences (``--data``: JSONL rows with ``prompt_ids`` and ``response_ids``; else built-in
+pseudo-random ones), computes the same with transformers (fp32, CPU, on rank 0) and reports the max
+absolute difference per token (response tokens) and per sequence (sum over the response). Exit code
+1 when a difference exceeds ``--tolerance``. Under torchrun the ranks exist; started by hand it
+spawns ``tp * pp`` local ranks itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pacs_megatron.utils.logging import get_logger, init_logging
+from pacs_megatron.utils.spawn import spawn_local, under_launcher
+
+logger = get_logger(__name__)
+
+BUILTIN_SEED = 20250902
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf-model", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--data", default=None, help="JSONL with prompt_ids and response_ids per row (default: built-in)")
+    p.add_argument("--out", default=None, help="write one JSONL row per input with both models' log-probs")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max allowed |megatron - hf| (per token and sequence)")
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    argv = ["pacs_megatron", "parity", "--hf-model", args.hf_model, "--tp", str(args.tp), "--pp", str(args.pp)]
+    argv += ["--tolerance", repr(args.tolerance)]
+    for flag, value in (("--data", args.data), ("--out", args.out)):
+        if value:
+            argv += [flag, value]
+    return argv
+
+
+def load_samples(path: str | None, vocab_size: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, response_ids) pairs from a JSONL file, or 6 built-in pseudo-random sequences."""
+    if path:
+        rows = []
+        for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if line.strip():
+                rec = json.loads(line)
+                if "prompt_ids" not in rec or "response_ids" not in rec:
+                    raise ValueError(f"{path}:{i}: each row needs 'prompt_ids' and 'response_ids'")
+                rows.append(([int(t) for t in rec["prompt_ids"]], [int(t) for t in rec["response_ids"]]))
+        if not rows:
+            raise ValueError(f"{path} has no rows")
+        return rows
+    g = torch.Generator().manual_seed(BUILTIN_SEED)
+    lengths = [(3, 5), (8, 12), (5, 1), (16, 20), (2, 9), (11, 7)]
+    return [
+        (
+            torch.randint(0, vocab_size, (p,), generator=g).tolist(),
+            torch.randint(0, vocab_size, (r,), generator=g).tolist(),
+        )
+        for p, r in lengths
+    ]
+
+
+def hf_token_logprobs(model_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` fp32 log-probs from transformers (column 0 = 0), right padding needs no mask."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0))
+
+
+def _report(rows, batch, meg: torch.Tensor, ref: torch.Tensor, tolerance: float, out: str | None) -> bool:
+    from rich.console import Console
+    from rich.table import Table
+
+    mask = batch.response_mask
+    table = Table(title=f"Megatron vs HF log-probs (tolerance {tolerance:g})")
+    for col in ("row", "prompt", "response", "max |d| per token", "|d| sequence"):
+        table.add_column(col, justify="right")
+    worst_tok = worst_seq = 0.0
+    records = []
+    for b, (prompt, response) in enumerate(rows):
+        m = mask[b]
+        d_tok = (meg[b] - ref[b]).abs()[m]
+        tok = float(d_tok.max()) if d_tok.numel() else 0.0
+        seq_meg, seq_ref = float(meg[b][m].sum()), float(ref[b][m].sum())
+        seq = abs(seq_meg - seq_ref)
+        worst_tok, worst_seq = max(worst_tok, tok), max(worst_seq, seq)
+        table.add_row(str(b), str(len(prompt)), str(len(response)), f"{tok:.3e}", f"{seq:.3e}")
+        records.append(
+            {
+                "prompt_ids": prompt,
+                "response_ids": response,
+                "megatron_token_logp": meg[b][m].tolist(),
+                "megatron_seq_logp": seq_meg,
+                "hf_token_logp": ref[b][m].tolist(),
+                "hf_seq_logp": seq_ref,
+                "max_abs_diff_token": tok,
+                "abs_diff_seq": seq,
+            }
+        )
+    Console(stderr=True).print(table)
+    ok = worst_tok <= tolerance and worst_seq <= tolerance
+    logger.info(
+        "parity %s: max |megatron - hf| per token %.3e, per sequence %.3e (tolerance %g)",
+        "OK" if ok else "FAILED",
+        worst_tok,
+        worst_seq,
+        tolerance,
+    )
+    if out:
+        Path(out).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return ok
+
+
+def run(args: argparse.Namespace) -> int:
+    """One rank's work (under a launcher)."""
+    from pacs_megatron.actor.actor import MegatronActor
+    from pacs_megatron.config import ModelConfig, ParallelConfig, RunConfig
+    from pacs_megatron.data.batching import build_train_batch
+    from pacs_megatron.parallel import destroy_parallel, init_distributed, initialize_parallel
+
+    hf = json.loads((Path(args.hf_model) / "config.json").read_text())
+    init_distributed(ParallelConfig(tp=args.tp, pp=args.pp))
+    # Extra ranks (world > tp * pp) become data-parallel replicas that compute the same rows.
+    par = ParallelConfig(tp=args.tp, pp=args.pp, dp=max(1, dist.get_world_size() // (args.tp * args.pp)))
+    cfg = RunConfig(model=ModelConfig(path=args.hf_model, dtype="float32"), parallel=par)
+    groups = initialize_parallel(cfg.parallel, hf)
+    try:
+        actor = MegatronActor(cfg, groups, args.hf_model)
+        rows = load_samples(args.data, actor.spec.vocab_size)
+        batch = build_train_batch([p for p, _ in rows], [r for _, r in rows], [0.0] * len(rows), 1, pad_id=0)
+        meg = actor.compute_logprobs(batch, micro_batch_size=len(batch), temperature=1.0).token_logp
+        ok = True
+        if groups.rank == 0:
+            ref = hf_token_logprobs(args.hf_model, batch.input_ids)
+            ok = _report(rows, batch, meg, ref, args.tolerance, args.out)
+        flag = torch.tensor([0 if ok else 1], device=groups.device)
+        dist.broadcast(flag, src=0)
+        return int(flag.item())
+    finally:
+        destroy_parallel()
+
+
+def main(args: argparse.Namespace) -> int:
+    init_logging()
+    if not under_launcher() and args.tp * args.pp > 1:
+        return spawn_local(_argv(args), args.tp * args.pp)
+    return run(args)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="pacs_megatron.actor.parity")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,115 @@
+"""The loss side of one optimizer step: megatron's ``loss_func`` for a registered loss, and the
+reduction of its metrics.
+
+Gradient convention (one rule, exact): a registered loss returns a *mean* over its unit (rows or
+response tokens) and ``LossSpec.denominator`` counts those units. For micro-batch i on DP rank d,
+``loss_func`` returns megatron's 3-tuple
+
+    (mean_i * n_i,  n_i,  metrics)         n_i = denominator of the micro-batch (an integer count)
+
+and the model config has ``calculate_per_token_loss=True``, so megatron (a) does not divide by the
+number of micro-batches, (b) sums (not averages) gradients over DP in its DDP buffers, and
+(c) divides the final gradients by N = sum_{i,d} n_i (``finalize_model_grads``, after broadcasting
+n from the last stage and all-reducing over DP). The update therefore follows
+
+    grad( sum_{i,d} n_i * mean_i / N )  =  grad( mini-batch loss computed on one process ),
+
+for any micro-batch size and DP size. Metrics are combined with the same weights n_i / N, except
+``actor/max_abs_logratio`` (a max).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pacs_megatron.actor.forward import token_logprobs
+from pacs_megatron.actor.model import ModelSpec
+from pacs_megatron.data.batching import TrainBatch
+from pacs_megatron.pacs import LossInputs, LossSpec
+from pacs_megatron.parallel import ParallelGroups
+
+_DENOM = "_denominator"
+_MAXLR = "actor/max_abs_logratio"
+
+
+def check_train_batch(batch: TrainBatch, loss: LossSpec, loss_name: str) -> None:
+    if batch.old_logp is None:
+        raise ValueError(
+            "train_step needs batch.old_logp (fill it with compute_logprobs first; for loss 'sft' pass zeros)"
+        )
+    if loss.needs_advantages and batch.advantages is None:
+        raise ValueError(f"loss {loss_name!r} needs batch.advantages (pacs.outcome_advantages over whole groups)")
+
+
+def train_loss_func(
+    mb: TrainBatch,
+    ids: torch.Tensor,
+    dummy: bool,
+    spec: ModelSpec,
+    groups: ParallelGroups,
+    loss: LossSpec,
+    loss_cfg: Any,
+    temperature: float,
+):
+    """megatron ``loss_func`` of one micro-batch (runs on the last pipeline stage). A ``dummy``
+    (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight."""
+
+    def loss_func(logits):
+        token_logp, _ = token_logprobs(logits, ids, spec, groups, temperature)
+        dev = token_logp.device
+        mask = mb.response_mask.to(dev)
+        old = mb.old_logp.to(dev)
+        inputs = LossInputs(
+            logp=token_logp,
+            old_logp=old,
+            response_mask=mask,
+            scores=mb.scores.to(dev),
+            group_size=mb.group_size,
+            advantages=None if mb.advantages is None else mb.advantages.to(dev),
+            group_ids=mb.group_ids.to(dev),
+        )
+        value, metrics = loss.fn(inputs, loss_cfg)
+        denom = loss.denominator(inputs, loss_cfg)
+        if dummy:
+            denom = torch.zeros_like(denom)
+        with torch.no_grad():
+            ratio = ((token_logp - old).abs() * mask).amax() if bool(mask.any()) else token_logp.new_zeros(())
+            reported = {k: torch.as_tensor(v).detach().double().reshape(()) for k, v in metrics.items()}
+            reported[_DENOM] = denom.detach().double().reshape(())
+            reported[_MAXLR] = ratio.double()
+        n = denom.detach().round().to(torch.int).to(dev)
+        return value * denom.to(value.dtype), n, reported
+
+    return loss_func
+
+
+def reduce_metrics(store: list[dict], groups: ParallelGroups) -> dict[str, float]:
+    """Combine the micro-batches' metrics over this rank's store and DP, then share them over PP.
+
+    Mean-like metrics are weighted by the micro-batches' denominators; the log-ratio is a max.
+    """
+    out: dict[str, float] | None = None
+    if groups.is_last_stage:
+        keys = sorted(k for k in store[0] if k not in (_DENOM, _MAXLR))
+        den = torch.stack([d[_DENOM] for d in store]).cpu()
+        vals = torch.stack([torch.stack([d[k] for k in keys]) for d in store]).cpu() if keys else None
+        sums = torch.cat(
+            [(vals * den[:, None]).sum(0) if keys else torch.zeros(0, dtype=torch.float64), den.sum()[None]]
+        )
+        mx = torch.stack([d[_MAXLR] for d in store]).max().cpu().reshape(1)
+        if groups.dp_size > 1:
+            sums, mx = sums.to(groups.device), mx.to(groups.device)
+            dist.all_reduce(sums, group=groups.dp_group)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=groups.dp_group)
+            sums, mx = sums.cpu(), mx.cpu()
+        total = float(sums[-1])
+        out = {k: float(sums[i]) / total if total > 0 else 0.0 for i, k in enumerate(keys)}
+        out[_MAXLR] = float(mx[0])
+    if groups.pp_size > 1:
+        box = [out]
+        dist.broadcast_object_list(box, src=groups.pp_last_rank, group=groups.pp_group)
+        out = box[0]
+    return out

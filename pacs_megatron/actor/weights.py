@@ -1,0 +1,126 @@
+"""Moving whole models between HF checkpoints and this rank's Megatron shards.
+
+    load_hf_weights:   HF safetensors --(each rank reads what it holds)--> this rank's shards
+    export_hf_weights: shards --TP all-gather--> full tensor on the owning stage --PP broadcast-->
+                       (hf_name, tensor) on every rank, one tensor at a time, same order everywhere
+    save_hf:           export_hf_weights --rank 0--> config.json + safetensors (+ tokenizer files)
+
+Every data-parallel replica holds the same weights, so each pipeline gathers on its own (no DP
+traffic). The layout maths lives in convert.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pacs_megatron.actor.convert import chunk_param_maps, export_order, hf_from_shards, hf_shapes, load_chunk_from_hf
+from pacs_megatron.actor.hf_io import SafetensorsReader, copy_tokenizer_files, write_safetensors
+from pacs_megatron.actor.model import ModelSpec
+from pacs_megatron.parallel import ParallelGroups
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def unwrap(model):
+    """The GPTModel inside megatron's DDP (or any ``.module`` wrapper)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def load_hf_weights(chunks: list, spec: ModelSpec, model_dir: str | os.PathLike, groups: ParallelGroups) -> None:
+    """Load this rank's shards of every chunk from the HF checkpoint in ``model_dir``."""
+    reader = SafetensorsReader(model_dir)
+    try:
+        n = sum(load_chunk_from_hf(unwrap(c), spec, reader.get, groups.tp_rank, groups.tp_size) for c in chunks)
+    finally:
+        reader.close()
+    logger.info("loaded %d HF tensors per rank from %s", n, model_dir)
+
+
+def layer_owner(spec: ModelSpec, groups: ParallelGroups):
+    """Global layer -> owning PP stage, as megatron places layers (interleaved when vpp > 1)."""
+    per_virtual = spec.num_layers // (groups.pp_size * groups.vpp_size)
+    return lambda layer: (layer // per_virtual) % groups.pp_size
+
+
+def _local_params(chunks: list, spec: ModelSpec) -> dict[tuple[str, ...], tuple[str, torch.Tensor]]:
+    """HF names -> (kind, local shard) for every parameter this rank holds (tied LM-head copy excluded)."""
+    out = {}
+    for c in chunks:
+        model = unwrap(c)
+        params = dict(model.named_parameters())
+        for pm in chunk_param_maps(model, spec):
+            if pm.name == "output_layer.weight" and spec.tie_embeddings:
+                continue
+            out[pm.hf_names] = (pm.kind, params[pm.name])
+    return out
+
+
+@torch.no_grad()
+def export_hf_weights(
+    chunks: list, spec: ModelSpec, groups: ParallelGroups, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` on every rank of the pipeline, in HF order (collective).
+
+    Tensors are on ``groups.device``, in ``dtype`` (default: the parameters' dtype). Only one
+    parameter's full tensors exist at a time.
+    """
+    local = _local_params(chunks, spec)
+    shapes = hf_shapes(spec)
+    owner_of = layer_owner(spec, groups)
+    param_dtype = next(iter(local.values()))[1].dtype
+    out_dtype = dtype or param_dtype
+    for hf_names, owner in export_order(spec, owner_of):
+        if groups.pp_rank == owner:
+            if hf_names not in local:
+                raise RuntimeError(f"stage {owner} should hold {hf_names} but has no such parameter")
+            kind, shard = local[hf_names]
+            shard = shard.detach().contiguous()
+            if groups.tp_size > 1:
+                shards = [torch.empty_like(shard) for _ in range(groups.tp_size)]
+                dist.all_gather(shards, shard, group=groups.tp_group)
+            else:
+                shards = [shard]
+            tensors = [t.to(out_dtype).contiguous() for t in hf_from_shards(kind, shards, spec)]
+        else:
+            tensors = [torch.empty(shapes[n], dtype=out_dtype, device=groups.device) for n in hf_names]
+        if groups.pp_size > 1:
+            src = dist.get_global_rank(groups.pp_group, owner)
+            for t in tensors:
+                dist.broadcast(t, src=src, group=groups.pp_group)
+        yield from zip(hf_names, tensors)
+
+
+def save_hf(
+    chunks: list,
+    spec: ModelSpec,
+    groups: ParallelGroups,
+    hf_config,
+    path: str | os.PathLike,
+    model_dir: str | os.PathLike | None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write a HF checkpoint (config.json, safetensors, tokenizer files) from rank 0 (collective)."""
+    items = export_hf_weights(chunks, spec, groups, dtype)
+    if groups.rank != 0:
+        for _ in items:  # take part in the gathers and broadcasts
+            pass
+        dist.barrier()
+        return
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_safetensors(((n, t.cpu()) for n, t in items), out)
+    written_dtype = dtype or next(p for c in chunks for p in c.parameters()).dtype
+    hf_config.dtype = written_dtype  # transformers >= 4.56 name; older versions read torch_dtype
+    hf_config.save_pretrained(out)
+    if model_dir is not None:
+        copy_tokenizer_files(model_dir, out)
+    logger.info("saved HF checkpoint to %s (%s)", out, ", ".join(files))
+    dist.barrier()

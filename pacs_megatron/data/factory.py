@@ -1,0 +1,77 @@
+"""The trainer's one entry to data: the train stream and the validation sets of a run config.
+
+    train = build_prompt_dataset(cfg, tokenizer, "train")   # PromptDataset (next_batch, state_dict)
+    val   = build_prompt_dataset(cfg, tokenizer, "val")     # {"math500": [PromptRecord, ...], ...}
+
+``data.task="math"`` reads ``data.train_files`` / ``data.val_files`` (names of the shared sets or file
+paths) with the PACS instruction and ``data.chat_template``; ``"arith"`` builds the synthetic task
+(train and validation are its whole problem set, validation keyed ``"arith"``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pacs_megatron.data.prompts import build_records
+from pacs_megatron.data.records import PromptRecord
+from pacs_megatron.data.sampler import PromptDataset
+from pacs_megatron.data.sources import load_problems, resolve_dataset
+from pacs_megatron.data.synthetic import arith_problems, arith_records
+from pacs_megatron.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from pacs_megatron.config import DataConfig, RunConfig
+
+logger = get_logger(__name__)
+
+
+def load_dataset(name_or_path: str, data: DataConfig, tokenizer, limit: int = 0) -> tuple[str, list[PromptRecord]]:
+    """``(name, records)`` of one math set: read, render, tokenize, filter; the first ``limit`` if > 0."""
+    name, path = resolve_dataset(name_or_path, data.resolved_root())
+    problems = load_problems(path, data.bad_records, source=name)
+    if limit:
+        problems = problems[:limit]
+    records = build_records(
+        problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name=name
+    )
+    logger.info("dataset %s: %d prompts from %s", name, len(records), path)
+    return name, records
+
+
+def build_train_dataset(cfg: RunConfig, tokenizer) -> PromptDataset:
+    """The train stream of ``cfg.data`` (all train files concatenated, shuffled per epoch)."""
+    data = cfg.data
+    if data.task == "arith":
+        records = arith_records(arith_problems(data.arith, data.seed), tokenizer)
+        return PromptDataset(records, data.seed, data.shuffle, name="arith")
+    records: list[PromptRecord] = []
+    names = []
+    for f in data.train_files:
+        name, recs = load_dataset(f, data, tokenizer)
+        records.extend(recs)
+        names.append(name)
+    return PromptDataset(records, data.seed, data.shuffle, name="+".join(names))
+
+
+def build_val_datasets(cfg: RunConfig, tokenizer) -> dict[str, list[PromptRecord]]:
+    """Validation sets by name, each capped at ``trainer.val_max_problems`` (first rows; 0: all)."""
+    data, limit = cfg.data, cfg.trainer.val_max_problems
+    if data.task == "arith":
+        records = arith_records(arith_problems(data.arith, data.seed), tokenizer)
+        return {"arith": records[:limit] if limit else records}
+    out: dict[str, list[PromptRecord]] = {}
+    for f in data.val_files:
+        name, recs = load_dataset(f, data, tokenizer, limit)
+        if name in out:
+            raise ValueError(f"data.val_files names {name!r} twice")
+        out[name] = recs
+    return out
+
+
+def build_prompt_dataset(cfg: RunConfig, tokenizer, split: str = "train"):
+    """``split="train"``: :func:`build_train_dataset`; ``"val"``: :func:`build_val_datasets`."""
+    if split == "train":
+        return build_train_dataset(cfg, tokenizer)
+    if split == "val":
+        return build_val_datasets(cfg, tokenizer)
+    raise ValueError(f"split={split!r}: use 'train' or 'val'")

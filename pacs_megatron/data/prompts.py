@@ -1,0 +1,138 @@
+"""Problems -> prompts: the PACS instruction, the chat template, tokenization and the length filter.
+
+Math prompts follow PACS (ritzz-ai/PACS ``preprocess_dataset.py``): one user message
+``f"{problem} Please reason step by step, and put your final answer within \\boxed{{}}."`` rendered
+with the tokenizer's chat template. The shared Qwen2.5 tokenizer has no template, so the project ships
+Qwen2.5's ChatML as ``templates/qwen2.5.jinja`` and sets it explicitly on the tokenizer
+(``chat_template="qwen2.5"``); ``"none"`` feeds the instruction-suffixed text raw (base-model style).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from pacs_megatron.data.records import DataFormatError, Problem, PromptRecord
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+"""PACS's instruction, appended to every math problem after a space."""
+
+TEMPLATES = {"qwen2.5": "qwen2.5.jinja"}
+"""Chat template names -> files under ``pacs_megatron/data/templates``."""
+
+
+def with_instruction(problem: str) -> str:
+    """The PACS user message.
+
+    Example:
+        >>> with_instruction("What is 1+1?")
+        'What is 1+1? Please reason step by step, and put your final answer within \\\\boxed{}.'
+    """
+    return f"{problem} {INSTRUCTION}"
+
+
+def chat_template(name: str) -> str | None:
+    """The Jinja source of a shipped template, or None for ``"none"``."""
+    if name == "none":
+        return None
+    if name not in TEMPLATES:
+        raise ValueError(f"chat template {name!r} is unknown: choose one of {sorted(TEMPLATES)} or 'none'")
+    return resources.files("pacs_megatron.data").joinpath("templates", TEMPLATES[name]).read_text(encoding="utf-8")
+
+
+def load_tokenizer(path: str | Path, template: str = "qwen2.5"):
+    """A fast tokenizer from a local directory (never the network), with ``template`` set explicitly.
+
+    A tokenizer without a pad token gets its EOS as pad. Padding side is left as configured: every
+    consumer here pads token ids itself.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {path} does not exist (model.tokenizer / --tokenizer)")
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    source = chat_template(template)
+    if source is not None:
+        tok.chat_template = source
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def render(problem: Problem, tokenizer, template: str) -> str:
+    """The prompt text of a math problem under ``template`` ("qwen2.5" or "none").
+
+    Rows that already hold chat messages (PACS parquet) are rendered as they are; plain rows get the
+    PACS instruction in one user turn.
+    """
+    messages = [{"role": r, "content": c} for r, c in problem.messages or ()] or [
+        {"role": "user", "content": with_instruction(problem.problem)}
+    ]
+    if template == "none":
+        return messages[-1]["content"]
+    if tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat template: load it with load_tokenizer(path, template)")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def tokenize_prompts(
+    problems: Sequence[Problem],
+    texts: Sequence[str],
+    tokenizer,
+    max_prompt_length: int,
+    overlong: str = "drop",
+    name: str = "",
+) -> list[PromptRecord]:
+    """Records of ``problems`` whose rendered ``texts`` fit in ``max_prompt_length`` tokens.
+
+    ``overlong="drop"`` drops longer ones and logs how many; ``"error"`` raises naming the first.
+    """
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+    records, dropped = [], []
+    for p, text, tok_ids in zip(problems, texts, ids):
+        if len(tok_ids) > max_prompt_length:
+            if overlong == "error":
+                raise DataFormatError(
+                    f"dataset {name or p.source}: problem {p.id!r} has {len(tok_ids)} prompt tokens > "
+                    f"data.max_prompt_length={max_prompt_length} (raise it, or set data.overlong_prompts=drop)"
+                )
+            dropped.append(p.id)
+            continue
+        records.append(
+            PromptRecord(
+                id=p.id,
+                problem=p.problem,
+                prompt_text=text,
+                prompt_ids=tuple(tok_ids),
+                answer=p.answer,
+                source=p.source,
+                extra=p.extra,
+            )
+        )
+    if dropped:
+        logger.info(
+            "dataset %s: dropped %d/%d prompts longer than data.max_prompt_length=%d tokens (first: %s)",
+            name,
+            len(dropped),
+            len(problems),
+            max_prompt_length,
+            dropped[0],
+        )
+    if not records:
+        raise DataFormatError(
+            f"dataset {name}: every prompt is longer than data.max_prompt_length={max_prompt_length} tokens"
+        )
+    return records
+
+
+def build_records(
+    problems: Sequence[Problem], tokenizer, template: str, max_prompt_length: int, overlong: str = "drop", name=""
+) -> list[PromptRecord]:
+    """Render and tokenize math problems (instruction + template), applying the length filter."""
+    texts = [render(p, tokenizer, template) for p in problems]
+    return tokenize_prompts(problems, texts, tokenizer, max_prompt_length, overlong, name)

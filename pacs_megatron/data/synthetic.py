@@ -1,0 +1,137 @@
+"""The synthetic verifiable task of the CPU default: "a+b=" answered by the decimal digits of the sum.
+
+Problems are all pairs ``a, b in 0..max_operand`` (or a seeded subset of ``num_problems``), answer
+``(a + b) % modulo`` (``modulo=0``: no modulo). The CPU default (max_operand=4, modulo=0) has 25
+problems with answers 0..8. A prompt is the raw text ``"3+5="`` (no instruction, no template) and the
+correct response is ``"8"`` followed by EOS, scored by exact match (``reward.fn=arith``).
+
+The tokenizer is character level, built offline with ``tokenizers`` (WordLevel over single
+characters) and wrapped as a transformers ``PreTrainedTokenizerFast``; its 16 tokens fill the
+embedding exactly, so the model can never sample an id the tokenizer cannot decode::
+
+    0 <|endoftext|> (pad)   1 <|im_end|> (eos)   2 <unk>   3..12 "0".."9"   13 "+"   14 "="   15 " "
+
+``write_tiny_model_dir`` writes that tokenizer plus a Qwen2 ``config.json`` (no weights: the actor
+initialises them and the rollout engine receives them by weight sync).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from pacs_megatron.config import ArithTaskConfig, TinyModelConfig
+from pacs_megatron.data.records import Problem, PromptRecord
+
+PAD, EOS, UNK = "<|endoftext|>", "<|im_end|>", "<unk>"
+VOCAB: tuple[str, ...] = (PAD, EOS, UNK, *"0123456789", "+", "=", " ")
+"""Token strings in id order."""
+DIGIT_IDS: tuple[int, ...] = tuple(VOCAB.index(str(d)) for d in range(10))
+EOS_ID, PAD_ID = VOCAB.index(EOS), VOCAB.index(PAD)
+
+
+def arith_problems(cfg: ArithTaskConfig, seed: int = 0) -> list[Problem]:
+    """The task's problems, in (a, b) order; a seeded subset when ``cfg.num_problems`` > 0.
+
+    Example:
+        >>> ps = arith_problems(ArithTaskConfig(max_operand=4, modulo=0))
+        >>> len(ps), ps[-1].problem, ps[-1].answer, sorted({p.answer for p in ps})[-1]
+        (25, '4+4=', '8', '8')
+    """
+    pairs = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
+    if cfg.num_problems:
+        if cfg.num_problems > len(pairs):
+            raise ValueError(
+                f"data.arith.num_problems={cfg.num_problems} exceeds the {len(pairs)} distinct problems of "
+                f"max_operand={cfg.max_operand}"
+            )
+        pairs = sorted(random.Random(seed).sample(pairs, cfg.num_problems))
+    out = []
+    for a, b in pairs:
+        answer = (a + b) % cfg.modulo if cfg.modulo else a + b
+        out.append(Problem(id=f"arith-{a}+{b}", problem=f"{a}+{b}=", answer=str(answer), source="arith"))
+    return out
+
+
+def arith_records(problems: Sequence[Problem], tokenizer) -> list[PromptRecord]:
+    """Prompt records of the task: the raw problem text is the prompt."""
+    ids = tokenizer([p.problem for p in problems], add_special_tokens=False)["input_ids"]
+    return [
+        PromptRecord(
+            id=p.id, problem=p.problem, prompt_text=p.problem, prompt_ids=tuple(i), answer=p.answer, source=p.source
+        )
+        for p, i in zip(problems, ids)
+    ]
+
+
+def build_arith_tokenizer():
+    """The character-level tokenizer of the task (a ``PreTrainedTokenizerFast``; see module docstring)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()  # join characters back without separators
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (PAD, EOS, UNK)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK)
+
+
+def tiny_qwen2_config(tiny: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int) -> dict:
+    """A Qwen2 ``config.json`` dict of the ``tiny`` shapes (fp32, no dropout, SiLU, RMSNorm eps 1e-6).
+
+    ``vocab_size`` is rounded up to a multiple of 16. Both spellings of the RoPE base are written
+    (``rope_theta`` and transformers 5's ``rope_parameters``) for readers of either generation.
+    """
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": -(-vocab_size // 16) * 16,
+        "hidden_size": tiny.hidden_size,
+        "intermediate_size": tiny.intermediate_size,
+        "num_hidden_layers": tiny.num_layers,
+        "num_attention_heads": tiny.num_attention_heads,
+        "num_key_value_heads": tiny.num_key_value_heads,
+        "max_position_embeddings": tiny.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": tiny.tie_word_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "use_cache": True,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+    }
+
+
+def write_tiny_model_dir(path: str | Path, tiny: TinyModelConfig) -> Path:
+    """Write the task tokenizer and a tiny Qwen2 ``config.json`` (no weights) to ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_arith_tokenizer()
+    tok.save_pretrained(str(path))
+    cfg = tiny_qwen2_config(tiny, len(tok), tok.eos_token_id, tok.pad_token_id)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return path
+
+
+def format_warmup_examples(records: Sequence[PromptRecord], rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """``(prompt_ids, target_ids)`` pairs for the supervised *format* warm-up.
+
+    The target has as many digits as the record's answer, each drawn uniformly from 0-9, then EOS:
+    it teaches "answer with digits, then stop", never which digits (for the one-digit answers of the
+    CPU default, a uniformly random digit). The RL run therefore still starts at chance accuracy.
+
+    Example:
+        >>> rec = PromptRecord("a", "3+5=", "3+5=", (6, 13, 8, 14), "8", "arith")
+        >>> [(p, len(t), t[-1]) for p, t in format_warmup_examples([rec], random.Random(0))]
+        [([6, 13, 8, 14], 2, 1)]
+    """
+    return [(list(r.prompt_ids), [DIGIT_IDS[rng.randrange(10)] for _ in r.answer] + [EOS_ID]) for r in records]

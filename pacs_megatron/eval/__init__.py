@@ -1,0 +1,15 @@
+"""Evaluation: unbiased pass@k / mean@n (``passk``), the library entry the trainer calls
+(``runner.evaluate``) and the ``pacs-megatron eval`` command (``cli``)."""
+
+from pacs_megatron.eval.passk import dataset_metrics, pass_at_k
+from pacs_megatron.eval.runner import compute_metrics, evaluate, flatten_metrics, read_rollouts, write_rollouts
+
+__all__ = [
+    "compute_metrics",
+    "dataset_metrics",
+    "evaluate",
+    "flatten_metrics",
+    "pass_at_k",
+    "read_rollouts",
+    "write_rollouts",
+]

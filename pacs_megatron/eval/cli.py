@@ -1,0 +1,188 @@
+"""``pacs-megatron eval``: n samples per problem, verifiable rewards, unbiased pass@k per dataset.
+
+    pacs-megatron eval --model CKPT_HF_DIR --data math500,aime2024,aime2025,amc23 --n 16 --k 1,4,16 \\
+        --max-tokens 4096 --temperature 0.6 --top-p 0.95 [--engine hf|vllm] [--out DIR] [--limit N]
+
+Writes ``eval_rollout.jsonl`` (one row per problem: id, dataset, problem, prompt, answer, responses,
+scores, finish_reasons, num_tokens) and ``eval_metrics.json`` (per dataset and ``overall``, their
+mean) into ``--out`` or, by default, the model directory, as the PACS reference (``src/inference.py``)
+does. When ``eval_rollout.jsonl`` already exists, nothing is sampled: the metrics are recomputed from
+it (e.g. for another ``--k``), and the log says so; ``--resample`` samples again.
+
+Prompts are built as for training: the PACS instruction in one user turn under ``--chat-template``
+(Qwen2.5 ChatML by default), tokenized with ``--tokenizer`` (default: the model directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pacs_megatron.eval.runner import (
+    check_k,
+    compute_metrics,
+    evaluate,
+    parse_k_list,
+    read_rollouts,
+    write_metrics,
+    write_rollouts,
+)
+from pacs_megatron.utils.logging import get_logger, init_logging
+
+logger = get_logger(__name__)
+
+ROLLOUT_FILE = "eval_rollout.jsonl"
+METRICS_FILE = "eval_metrics.json"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument(
+        "--data",
+        default="math500,aime2024,aime2025,amc23",
+        help="comma-separated shared set names (math500, aime2024, aime2025, amc23, gsm8k_test, ...) or file paths",
+    )
+    p.add_argument("--n", type=int, default=16, help="samples per problem")
+    p.add_argument("--k", default="1,4,16", help="comma-separated k of the reported pass@k (each <= n)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="most tokens per response")
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=-1, help="top-k sampling; -1 disables it")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="rollout engine")
+    p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu' or 'cuda[:i]'")
+    p.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="engine dtype (auto: fp32 on CPU)"
+    )
+    p.add_argument("--batch-size", type=int, default=64, help="hf engine: prompts per generate call")
+    p.add_argument("--out", default=None, help="output folder (default: the model directory)")
+    p.add_argument("--limit", type=int, default=0, help="first N problems of each set (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--chat-template", choices=("qwen2.5", "none"), default="qwen2.5", help="prompt template")
+    p.add_argument("--data-root", default="", help="folder of the shared sets (default: $PACS_DATA_ROOT)")
+    p.add_argument("--max-prompt-length", type=int, default=8192, help="longer prompts are dropped (logged)")
+    p.add_argument("--reward", default="math", help="'math', 'arith' or 'package.module:function'")
+    p.add_argument("--reward-workers", type=int, default=2, help="reward processes (0: in-process)")
+    p.add_argument("--reward-timeout", type=float, default=10.0, help="per-response reward timeout (s)")
+    p.add_argument("--resample", action="store_true", help="sample again even if eval_rollout.jsonl exists")
+    p.add_argument("--log-level", default="INFO")
+
+
+def validate(args: argparse.Namespace) -> list[int]:
+    """Check the numeric arguments; the k list, or ValueError naming the flag."""
+    if args.n < 1:
+        raise ValueError(f"--n {args.n}: sample at least one response per problem")
+    ks = parse_k_list(args.k)
+    check_k(ks, args.n)
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens} must be >= 1")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
+    if args.temperature == 0 and args.n > 1:
+        logger.warning("--temperature 0 is greedy: the %d samples of a problem will be identical", args.n)
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
+    if args.limit < 0:
+        raise ValueError(f"--limit {args.limit} must be >= 0 (0: all problems)")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
+    if not [d for d in args.data.split(",") if d.strip()]:
+        raise ValueError("--data is empty: name at least one set, e.g. --data math500")
+    return ks
+
+
+def main(args: argparse.Namespace) -> int:
+    init_logging(args.log_level)
+    try:
+        ks = validate(args)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    model_dir = Path(args.model)
+    out_dir = Path(args.out) if args.out else model_dir
+    rollout_path, metrics_path = out_dir / ROLLOUT_FILE, out_dir / METRICS_FILE
+
+    if rollout_path.is_file() and not args.resample:
+        logger.info("found %s: recomputing metrics only, no sampling (--resample to sample again)", rollout_path)
+        rows = read_rollouts(rollout_path)
+        wanted = [d.strip() for d in args.data.split(",") if d.strip()]
+        have = list(dict.fromkeys(r["dataset"] for r in rows))
+        missing = [d for d in wanted if d not in have and Path(d).stem not in have]
+        if missing:
+            logger.warning("the existing rollouts hold %s, not %s: reporting what they hold", have, missing)
+        try:
+            metrics = compute_metrics(rows, ks)
+        except ValueError as e:
+            logger.error("%s: %s", rollout_path, e)
+            return 2
+    else:
+        if not (model_dir / "config.json").is_file():
+            logger.error("--model %s has no config.json: give a Hugging Face model directory", model_dir)
+            return 2
+        try:
+            metrics, rows = _sample_and_score(args, ks, model_dir)
+        except (ValueError, FileNotFoundError) as e:  # bad data, names, tokenizer: a message, not a traceback
+            logger.error("%s", e)
+            return 2
+        write_rollouts(rollout_path, rows)
+        logger.info("wrote %d rollout rows to %s", len(rows), rollout_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_metrics(metrics_path, metrics)
+    for name, m in metrics.items():
+        shown = ", ".join(f"{k}={v:.4f}" for k, v in m.items() if k.startswith(("pass@", "mean@")))
+        logger.info("%-12s %s (%d problems)", name, shown, int(m["num_problems"]))
+    logger.info("wrote %s", metrics_path)
+    return 0
+
+
+def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path):
+    import torch
+
+    from pacs_megatron.config import DataConfig, ModelConfig, RewardConfig, RolloutConfig, RunConfig
+    from pacs_megatron.data import load_dataset, load_tokenizer
+    from pacs_megatron.reward import RewardScorer
+    from pacs_megatron.rollout import build_engine
+    from pacs_megatron.rollout.types import SamplingParams
+
+    tokenizer = load_tokenizer(args.tokenizer or model_dir, args.chat_template)
+    data_cfg = DataConfig(
+        data_root=args.data_root,
+        chat_template=args.chat_template,
+        max_prompt_length=args.max_prompt_length,
+        overlong_prompts="drop",
+        bad_records="error",
+    )
+    datasets = {}
+    for spec in (d.strip() for d in args.data.split(",") if d.strip()):
+        name, records = load_dataset(spec, data_cfg, tokenizer, limit=args.limit)
+        if name in datasets:
+            raise ValueError(f"--data names {name!r} twice")
+        datasets[name] = records
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    run_cfg = RunConfig(
+        model=ModelConfig(path=str(model_dir), dtype=args.dtype),
+        rollout=RolloutConfig(engine=args.engine, batch_size=args.batch_size, seed=args.seed),
+    )
+    engine = build_engine(run_cfg, model_dir, tokenizer, device)
+    greedy = args.temperature == 0  # the engines sample; top_k=1 at T=1 is greedy decoding
+    sampling = SamplingParams(
+        n=args.n,
+        temperature=1.0 if greedy else args.temperature,
+        top_p=args.top_p,
+        top_k=1 if greedy else args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    total = sum(len(r) for r in datasets.values())
+    logger.info(
+        "sampling %d x %d responses (%s) with %s on %s", total, args.n, ", ".join(datasets), args.engine, device
+    )
+    reward_cfg = RewardConfig(fn=args.reward, num_workers=args.reward_workers, timeout_s=args.reward_timeout)
+    with RewardScorer(reward_cfg) as scorer:
+        flat, rows = evaluate(engine, datasets, sampling, ks, scorer, prefix="")
+    for key in ("reward_timeouts", "reward_errors"):
+        if flat.get(key):
+            logger.warning("%s: %d", key, int(flat[key]))
+    return compute_metrics(rows, ks), rows

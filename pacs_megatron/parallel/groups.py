@@ -1,0 +1,207 @@
+"""Process start-up for the actor: torch.distributed, megatron's model-parallel groups, teardown.
+
+This is the only module besides ``actor/`` that touches ``megatron.core.parallel_state``. Everything
+downstream receives a frozen :class:`ParallelGroups` (and megatron's ``ProcessGroupCollection`` in
+it, which megatron-core 0.16.1 accepts as ``pg_collection=`` in GPTModel, DDP, the optimizer and the
+schedules), so model and loss code never asks a global for its groups.
+
+Rank layout is megatron's default order "tp-cp-ep-dp-pp": TP ranks are adjacent (fast links inside
+a node), then DP, then PP.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pacs_megatron.config import ConfigError, ParallelConfig
+from pacs_megatron.parallel.cpu_patches import apply_cpu_patches
+from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.utils.spawn import free_port, under_launcher
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's place in the TP x PP x DP layout, and the groups to talk over.
+
+    Example:
+        >>> hf = {"num_attention_heads": 4, "num_hidden_layers": 2}
+        >>> g = initialize_parallel(ParallelConfig(), hf)  # doctest: +SKIP
+        >>> g.tp_size, g.is_first_stage, g.is_last_stage  # doctest: +SKIP
+        (1, True, True)
+    """
+
+    tp_group: Any
+    """Tensor-parallel group (vocab-parallel logits are reduced over it)."""
+    pp_group: Any
+    """Pipeline group (stages of one model replica)."""
+    dp_group: Any
+    """Data-parallel group (gradients and metrics are reduced over it)."""
+    mp_group: Any
+    """Model-parallel group (TP x PP: one replica)."""
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    vpp_size: int
+    """Virtual pipeline stages (model chunks) per rank; 1 without interleaving."""
+    rank: int
+    """Global rank."""
+    world_size: int
+    pg_collection: Any
+    """megatron.core.process_groups_config.ProcessGroupCollection of these groups."""
+    device: torch.device
+    """Where this rank's tensors live (cuda:LOCAL_RANK or cpu)."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def pp_last_rank(self) -> int:
+        """Global rank of the last pipeline stage of this rank's pipeline (source of broadcasts)."""
+        return dist.get_global_rank(self.pp_group, self.pp_size - 1) if self.pp_size > 1 else self.rank
+
+
+def init_distributed(cfg: ParallelConfig) -> torch.device:
+    """Initialise the default process group from the launcher's environment; return this rank's device.
+
+    torchrun / srun / ``spawn_local`` set RANK, WORLD_SIZE, MASTER_ADDR/PORT and LOCAL_RANK. Without
+    them (a plain single process) a world of one is set up on a free localhost port. Backend "auto"
+    is nccl with GPUs, gloo otherwise. Idempotent: an existing process group is kept.
+    """
+    has_gpu = torch.cuda.is_available()
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if has_gpu else "gloo")
+    if backend == "nccl" and not has_gpu:
+        raise ConfigError("parallel.backend=nccl needs CUDA GPUs: use parallel.backend=gloo (or auto) on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if has_gpu else torch.device("cpu")
+    if has_gpu:
+        torch.cuda.set_device(device)
+    else:
+        apply_cpu_patches()
+    if dist.is_initialized():
+        return device
+    if not under_launcher():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(
+        backend=backend,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=datetime.timedelta(minutes=30),
+        device_id=device if has_gpu else None,
+    )
+    return device
+
+
+def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = None) -> None:
+    """Start-up checks of the layout against the world and the model; ConfigError names the fix.
+
+    ``hf_config`` is a transformers config or its config.json dict.
+    """
+    get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
+    if world_size is not None and world_size != cfg.world_size:
+        raise ConfigError(
+            f"the job has {world_size} ranks but parallel.tp * parallel.pp * parallel.dp = "
+            f"{cfg.tp}*{cfg.pp}*{cfg.dp} = {cfg.world_size}: set parallel.dp={max(1, world_size // (cfg.tp * cfg.pp))} "
+            "or launch that many ranks"
+        )
+    heads = int(get("num_attention_heads", 1))
+    kv = int(get("num_key_value_heads", None) or heads)
+    layers = int(get("num_hidden_layers", 1))
+    if heads % cfg.tp:
+        raise ConfigError(f"parallel.tp={cfg.tp} must divide the model's num_attention_heads={heads}")
+    if kv % cfg.tp:
+        raise ConfigError(
+            f"parallel.tp={cfg.tp} must divide the model's num_key_value_heads={kv} (GQA groups are not replicated)"
+        )
+    if layers % (cfg.pp * cfg.vpp):
+        raise ConfigError(
+            f"parallel.pp * parallel.vpp = {cfg.pp}*{cfg.vpp} must divide the model's num_hidden_layers={layers}"
+        )
+    if cfg.sequence_parallel and not _have_te_or_apex():
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs Transformer Engine or NVIDIA Apex (fused norms): "
+            "install one, or set parallel.sequence_parallel=false"
+        )
+
+
+def _have_te_or_apex() -> bool:
+    for name in ("transformer_engine.pytorch", "apex.normalization"):
+        try:
+            __import__(name)
+            return True
+        except Exception:  # ImportError, or TE failing without CUDA
+            continue
+    return False
+
+
+def initialize_parallel(cfg: ParallelConfig, hf_config: Any) -> ParallelGroups:
+    """Check the layout, then build megatron's TP/PP/DP groups (initialises torch.distributed if needed)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    device = init_distributed(cfg)
+    check_layout(cfg, hf_config, dist.get_world_size())
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp,
+        virtual_pipeline_model_parallel_size=cfg.vpp if cfg.vpp > 1 else None,
+    )
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    groups = ParallelGroups(
+        tp_group=pgc.tp,
+        pp_group=pgc.pp,
+        dp_group=pgc.dp,
+        mp_group=pgc.mp,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=cfg.tp,
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=cfg.pp,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        vpp_size=cfg.vpp,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        pg_collection=pgc,
+        device=device,
+    )
+    logger.info(
+        "parallel layout: world=%d tp=%d pp=%d vpp=%d dp=%d (%s)",
+        groups.world_size,
+        cfg.tp,
+        cfg.pp,
+        cfg.vpp,
+        groups.dp_size,
+        dist.get_backend(),
+    )
+    return groups
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the default process group (safe to call twice)."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    except Exception as e:  # teardown must not mask the error that brought us here
+        logger.debug("destroy_model_parallel: %s", e)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,71 @@
+"""A reward worker process: ``python -m pacs_megatron.reward.worker FD`` (started by :mod:`.scorer`).
+
+It is a fresh interpreter started with ``subprocess`` rather than ``multiprocessing``: the trainer
+holds torch threads and gloo groups (so no fork), and multiprocessing's spawn re-imports the parent's
+``__main__`` (slow for the trainer, impossible for ``python -`` or notebooks). Protocol on the
+inherited socket ``FD`` (a ``multiprocessing`` Connection: pickled messages)::
+
+    parent -> ("init", spec, sys_path)           child -> ("ready", None) | ("fatal", message)
+    parent -> (i, prompt, response, answer, extra) child -> (i, "ok", float) | (i, "error", msg) | (i, "bad_type", msg)
+    parent -> None (or closes)                   child exits
+
+The worker imports nothing heavy (no torch) and asks the kernel to kill it when the parent dies, so
+a response stuck in C code cannot outlive the trainer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import numbers
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # best effort: EOF on the socket still ends an idle worker
+            pass
+
+
+def serve(conn: Connection) -> None:
+    """Load the reward named by the init message, then score messages until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; it closes us
+    _die_with_parent()
+    try:
+        _, spec, sys_path = conn.recv()
+        sys.path[:] = sys_path  # user reward modules resolve exactly as in the parent
+        from pacs_megatron.reward.registry import load_reward_fn
+
+        fn = load_reward_fn(spec)
+        if spec == "math":  # pay math-verify's cold start (imports, grammar) before reporting ready
+            fn("", "\\boxed{1}", "1", None)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("fatal", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # parent gone
+            return
+        if msg is None:
+            return
+        i, prompt, response, answer, extra = msg
+        try:
+            value = fn(prompt, response, answer, extra)
+        except Exception as e:  # noqa: BLE001 - a failing sample scores 0 and is counted
+            conn.send((i, "error", f"{type(e).__name__}: {e}"))
+            continue
+        if isinstance(value, numbers.Real):
+            conn.send((i, "ok", float(value)))
+        else:
+            conn.send((i, "bad_type", f"{type(value).__name__} {value!r:.80}"))
+
+
+if __name__ == "__main__":
+    serve(Connection(int(sys.argv[1])))

@@ -1,0 +1,272 @@
+"""Rollout engine on Hugging Face transformers: the CPU default and a small-GPU fallback.
+
+A hand-written sampling loop over the model's forward with a KV cache, rather than ``generate()``:
+it samples from its own ``torch.Generator`` (seeded per call; the process's global RNG, which the
+trainer seeds, is never touched) and returns the log-prob of every sampled token from the raw logits
+(``log_softmax(logits / T)``, before top-k / top-p), the quantity the actor recomputes.
+
+Layout of one generation chunk (P = longest prompt, R = prompts x n rows)::
+
+    prefill : input_ids [U, P] left-padded unique prompts -> last logits [U, V] and cache
+              -> both repeated n times (rows r = u * n + j: a prompt's samples are contiguous)
+    decode  : t = 0 .. max_tokens-1: sample [R] -> append -> forward [R, 1] with the cache
+    rows that hit a stop token keep decoding pad (masked out) until every row stopped
+
+Position ids count real tokens only (``cumsum(mask) - 1``), so a left-padded prompt sees exactly the
+positions and attention it would see alone; results match an unpadded forward to fp32 round-off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from pacs_megatron.rollout.base import NamedTensors
+from pacs_megatron.rollout.types import Response, SamplingParams
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def _has_weights(model_dir: Path) -> bool:
+    return any((model_dir / f).exists() for f in _WEIGHT_FILES)
+
+
+def sample_tokens(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return ``(tokens [R], logp [R])``.
+
+    ``logp`` is the sampled token's log-prob under ``log_softmax(logits / T)`` of the raw logits;
+    top-k / top-p only restrict which tokens can be drawn.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> tok, lp = sample_tokens(torch.tensor([[0.0, 9.0, 0.0]]), SamplingParams(top_k=1), g)
+        >>> tok.tolist(), round(lp.item(), 4)
+        ([1], -0.0002)
+    """
+    scaled = logits.float() / sampling.temperature
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    masked = scaled
+    vocab = scaled.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
+        masked = masked.masked_fill(masked < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(masked, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the first always stays).
+        drop_sorted = (probs.cumsum(-1) - probs) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        masked = masked.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(masked, dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HFEngine:
+    """:class:`~pacs_megatron.rollout.base.RolloutEngine` on a transformers causal LM.
+
+    Example:
+        >>> engine = HFEngine("outputs/model", tokenizer, device="cpu")  # doctest: +SKIP
+        >>> groups = engine.generate([[6, 13, 8, 14]], SamplingParams(n=4, max_tokens=3, seed=1))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        tokenizer,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        batch_size: int = 64,
+        seed: int = 0,
+    ) -> None:
+        """Load ``model_dir`` (config.json, weights optional: without them random init, to be replaced
+        by :meth:`update_weights`). ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA;
+        ``batch_size`` is the number of prompts generated together."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"HF engine: {model_dir}/config.json not found (model.path)")
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        if _has_weights(model_dir):
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype, local_files_only=True)
+        else:
+            config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+            logger.info("HF engine: %s has no weights; random init until the first weight sync", model_dir)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.eos_token_id = tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            raise ValueError("HF engine: the tokenizer has no eos_token; generation could never stop")
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
+        self._seed = seed
+        self._calls = 0
+        self._params = dict(self.model.named_parameters())  # tied weights appear once
+        self._tied = {
+            name: self._param_name(getattr(self.model.get_output_embeddings(), "weight", None))
+            for name in ("lm_head.weight",)
+            if name not in self._params
+        }
+
+    def _param_name(self, p: torch.Tensor | None) -> str | None:
+        return next((n for n, q in self._params.items() if q is p), None)
+
+    # -- generation -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Response]]:
+        """``sampling.n`` responses per prompt, in prompt order (deterministic for a given ``seed``)."""
+        if sampling.temperature <= 0:
+            raise ValueError(f"SamplingParams.temperature={sampling.temperature} must be > 0 (greedy: top_k=1)")
+        if sampling.max_tokens <= 0:
+            raise ValueError(f"SamplingParams.max_tokens={sampling.max_tokens} must be > 0")
+        if any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("HF engine: a prompt has no tokens")
+        seed = sampling.seed if sampling.seed is not None else self._seed + self._calls
+        self._calls += 1
+        generator = torch.Generator(device=self.device).manual_seed(int(seed))
+        out: list[list[Response]] = []
+        for start in range(0, len(prompt_token_ids), self.batch_size):
+            out.extend(self._generate_chunk(prompt_token_ids[start : start + self.batch_size], sampling, generator))
+        return out
+
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator) -> list:
+        from transformers import DynamicCache
+
+        n, dev = sampling.n, self.device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: the last column is every prompt's last token
+            ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        if n > 1:  # one prefill per prompt, then n rows each
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            mask = mask.repeat_interleave(n, dim=0)
+            positions = positions.repeat_interleave(n, dim=0)
+        rows = logits.shape[0]
+        stop_ids = torch.tensor(sorted({self.eos_token_id, *sampling.stop_token_ids}), device=dev)
+        next_pos = positions[:, -1] + 1
+        done = torch.zeros(rows, dtype=torch.bool, device=dev)
+        tokens, logps = [], []
+        for t in range(sampling.max_tokens):
+            tok, lp = sample_tokens(logits, sampling, generator)
+            tok = tok.masked_fill(done, self.pad_token_id)
+            tokens.append(tok)
+            logps.append(lp)
+            done = done | torch.isin(tok, stop_ids)
+            if bool(done.all()) or t == sampling.max_tokens - 1:
+                break
+            mask = torch.cat([mask, (~done).long()[:, None]], dim=1)  # finished rows: pads, masked out
+            logits = self.model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+            next_pos = next_pos + 1
+        return self._to_responses(torch.stack(tokens, 1), torch.stack(logps, 1), stop_ids, len(prompts), n)
+
+    def _to_responses(self, tokens: torch.Tensor, logps: torch.Tensor, stop_ids, num_prompts: int, n: int) -> list:
+        """[R, L] sampled tokens -> Responses cut after the first stop token."""
+        is_stop = torch.isin(tokens, stop_ids)
+        has_stop = is_stop.any(1)
+        first = torch.where(
+            has_stop, is_stop.int().argmax(1), torch.full_like(has_stop, tokens.shape[1], dtype=torch.long)
+        )
+        lengths = torch.where(has_stop, first + 1, first).tolist()
+        tok_rows, lp_rows = tokens.cpu().tolist(), logps.float().cpu().tolist()
+        seqs = [tuple(row[:k]) for row, k in zip(tok_rows, lengths)]
+        texts = self.tokenizer.batch_decode([list(s) for s in seqs], skip_special_tokens=True)
+        flags = has_stop.tolist()
+        responses = [
+            Response(token_ids=s, text=text, finish_reason="stop" if f else "length", logprobs=tuple(lp[: len(s)]))
+            for s, text, f, lp in zip(seqs, texts, flags, lp_rows)
+        ]
+        return [responses[i * n : (i + 1) * n] for i in range(num_prompts)]
+
+    # -- log-probs of given sequences ---------------------------------------------------------------
+
+    @torch.no_grad()
+    def logprobs(self, token_ids: Sequence[Sequence[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Per-token log-probs ``[len-1]`` (token t given tokens < t) of each sequence, float32 on CPU.
+
+        Sequences are right-padded in batches: with a causal model a pad only follows the tokens it
+        could affect, so results equal a per-sequence forward.
+        """
+        out: list[torch.Tensor] = []
+        for start in range(0, len(token_ids), self.batch_size):
+            chunk = [list(s) for s in token_ids[start : start + self.batch_size]]
+            width = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for i, s in enumerate(chunk):
+                ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+                mask[i, : len(s)] = 1
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float() / temperature
+            logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
+            out.extend(logp[i, : len(s) - 1] for i, s in enumerate(chunk))
+        return out
+
+    # -- weights -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, buckets: Iterable[NamedTensors]) -> int:
+        """Copy full HF-named tensors into the model; return how many parameters were written.
+
+        Raises ``KeyError`` naming an unknown tensor, ``ValueError`` on a shape mismatch, and
+        ``RuntimeError`` naming every parameter no bucket wrote (a partial sync). With tied embeddings
+        ``lm_head.weight`` may be sent or not; it writes the shared embedding.
+        """
+        written: set[str] = set()
+        for bucket in buckets:
+            for name, tensor in bucket:
+                target = self._tied.get(name, name)
+                param = self._params.get(target) if target is not None else None
+                if param is None:
+                    raise KeyError(f"HF engine: weight {name!r} matches no parameter of {type(self.model).__name__}")
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"HF engine: weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
+                param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+                written.add(target)
+        missing = sorted(set(self._params) - written)
+        if missing:
+            raise RuntimeError(f"HF engine: weight sync left {len(missing)} parameters unwritten: {missing}")
+        return len(written)
+
+    def sleep(self) -> None:
+        """On CUDA, move the weights to host memory; on CPU a no-op (nothing to free)."""
+        if self.device.type == "cuda":  # written for GPU, never run here
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep`."""
+        if self.device.type == "cuda":  # written for GPU, never run here
+            self.model.to(self.device)

@@ -1,0 +1,327 @@
+"""Rollout engine on vLLM, colocated with the Megatron trainer inside one torchrun job.
+
+WRITTEN FOR GPU, NEVER RUN HERE: no GPU and no vllm were available to the session that wrote it. The
+pure parts (config translation, seeds, replica layout, output conversion, bucket loading) are unit-tested
+on CPU with fake vLLM objects (tests/rollout/test_vllm_engine.py); the engine itself has a GPU test that
+has never run (``-m gpu``).
+
+Written against **vLLM 0.32.0** (torch 2.13.0 pin; 0.27-0.32 share the APIs used here, 0.33 pins torch
+2.14). Its wheel requires ``transformers>=5.16.1,<5.20``: the GPU environment gets that transformers.
+
+Layout. ``distributed_executor_backend="external_launcher"``: every trainer rank hosts one vLLM worker in
+its own process (no extra processes, no Ray). vLLM builds its groups over the trainer's default process
+group as ExternalDP x TP, ranks ``[k*tp, (k+1)*tp)`` forming replica ``k``; ``dp_rank``/``dp_size`` say which
+replica this rank is in (rollout/collect.py shards prompts by them). Every rank of a replica must submit
+the same requests with the same seeds (vLLM's external launcher relies on identical scheduling).
+
+Memory. With ``enable_sleep_mode`` the trainer calls :meth:`sleep` (``LLM.sleep(level=1)``: weights to
+host memory, KV cache dropped) before its own GPU work; :meth:`update_weights` wakes only the weights
+(``wake_up(tags=["weights"])``), and the next :meth:`generate`/:meth:`logprobs` wakes the KV cache, so the
+actor's export buffers and the KV cache are never resident together.
+
+Numerics (vLLM 0.32):
+- ``Response.logprobs``: ``logprobs_mode="processed_logprobs"``, the log-prob of each sampled token after
+  temperature (and, when enabled, top-k/top-p renormalisation); with top-k/top-p off this equals the HF
+  engine's ``log_softmax(logits / T)``. The default ``raw_logprobs`` would ignore the temperature.
+- :meth:`logprobs`: ``prompt_logprobs=0`` returns, for every prompt position t >= 1, the log-prob of the
+  prompt token t given tokens < t from the *raw* logits (prompt tokens skip the sampling processors:
+  no temperature, no top-k/top-p; position 0 is None). Only ``temperature=1`` can therefore be served.
+- Weights: ``model.load_weights`` of full HF tensors (vLLM narrows them to its TP rank and fuses q/k/v and
+  gate/up); tensors stay on the GPU they arrive on. See weight_sync/vllm_push.py for the checks.
+- Text: vLLM runs without a tokenizer (``skip_tokenizer_init``); responses are decoded with the trainer's
+  tokenizer exactly as the HF engine does, and EOS is passed as a stop token id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pacs_megatron.rollout.base import NamedTensors
+from pacs_megatron.rollout.types import Response, SamplingParams
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+VLLM_VERSION = "0.32.0"
+"""The vLLM release whose API this module follows."""
+SLEEP_LEVEL = 1
+"""``LLM.sleep`` level between phases: 1 keeps a host copy of the weights, so an engine woken without a
+sync still holds valid weights (level 2 would skip that copy, since every sync rewrites all weights)."""
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_VLLM_DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "float32": "float32"}
+_FINISH = {"stop": "stop", "length": "length"}
+
+
+# ----------------------------------------------------------------------------------------- pure helpers
+
+
+def vllm_replica(rank: int, world_size: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """``(dp_rank, dp_size)``: which vLLM replica (TP group of consecutive ranks) ``rank`` is in.
+
+    Example:
+        >>> vllm_replica(5, 8, 2), vllm_replica(5, 8, 4), vllm_replica(0, 1, 1)
+        ((2, 4), (1, 2), (0, 1))
+    """
+    if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+        raise ValueError(
+            f"rollout.vllm.tensor_parallel_size={tensor_parallel_size} must divide the job's {world_size} ranks "
+            "(each vLLM replica is a group of consecutive trainer ranks)"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside a world of {world_size}")
+    return rank // tensor_parallel_size, world_size // tensor_parallel_size
+
+
+def has_weights(model_dir: str | Path) -> bool:
+    return any((Path(model_dir) / f).exists() for f in _WEIGHT_FILES)
+
+
+def llm_kwargs(cfg, model_dir: str | Path, weights_on_disk: bool) -> dict[str, Any]:
+    """``vllm.LLM(**kwargs)`` for this run: colocated (external launcher), sleepable, seeded.
+
+    A model directory without weights (``model.init=random|tiny``) loads vLLM's dummy weights; the first
+    weight sync replaces them.
+
+    Example:
+        >>> from pacs_megatron.config import load_config
+        >>> kw = llm_kwargs(load_config(None, ["model.path=/m", "rollout.engine=vllm"]), "/m", True)
+        >>> kw["distributed_executor_backend"], kw["dtype"], kw["max_model_len"], kw["load_format"]
+        ('external_launcher', 'bfloat16', 1536, 'auto')
+    """
+    v = cfg.rollout.vllm
+    return {
+        "model": str(model_dir),
+        "skip_tokenizer_init": True,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "distributed_executor_backend": "external_launcher",
+        "dtype": _VLLM_DTYPES[cfg.model.dtype],
+        "seed": cfg.rollout.seed,
+        "gpu_memory_utilization": v.gpu_memory_utilization,
+        "enforce_eager": v.enforce_eager,
+        "enable_sleep_mode": v.enable_sleep_mode,
+        "max_num_seqs": v.max_num_seqs,
+        "max_model_len": cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        "load_format": "auto" if weights_on_disk else "dummy",
+        "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm",  # stop only on what we pass, as the HF engine does
+        "enable_prefix_caching": True,  # n samples share their prompt's KV; reset after every weight update
+    }
+
+
+def request_seed(seed: int, prompt_index: int) -> int:
+    """Seed of one prompt's request. vLLM seeds the ``n`` samples of a request ``seed + j``, so prompts
+    get well-separated seeds (a 56-bit hash of ``(seed, prompt_index)``) rather than ``seed`` each, which
+    would draw the same random numbers for every prompt.
+
+    Example:
+        >>> request_seed(7, 0) == request_seed(7, 0), request_seed(7, 0) != request_seed(7, 1)
+        (True, True)
+    """
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+def sampling_kwargs(sampling: SamplingParams, stop_token_ids: Sequence[int], seed: int) -> dict[str, Any]:
+    """``vllm.SamplingParams(**kwargs)`` of one prompt's request (``seed`` from :func:`request_seed`).
+
+    Example:
+        >>> kw = sampling_kwargs(SamplingParams(n=4, top_k=-1, stop_token_ids=(5,)), [2], seed=9)
+        >>> kw["n"], kw["top_k"], kw["stop_token_ids"], kw["logprobs"], kw["detokenize"]
+        (4, 0, [2, 5], 0, False)
+    """
+    if sampling.temperature <= 0:
+        raise ValueError(f"SamplingParams.temperature={sampling.temperature} must be > 0 (greedy: top_k=1)")
+    if sampling.max_tokens <= 0:
+        raise ValueError(f"SamplingParams.max_tokens={sampling.max_tokens} must be > 0")
+    return {
+        "n": sampling.n,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else 0,  # vLLM: 0 disables top-k
+        "max_tokens": sampling.max_tokens,
+        "seed": seed,
+        "stop_token_ids": sorted({*stop_token_ids, *sampling.stop_token_ids}),
+        "logprobs": 0,  # the sampled token's log-prob only
+        "detokenize": False,
+    }
+
+
+def prompt_logprob_kwargs() -> dict[str, Any]:
+    """``vllm.SamplingParams`` that score a sequence: prompt log-probs, one greedy (deterministic on every
+    TP rank) token that is thrown away."""
+    return {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False}
+
+
+def _token_logprob(position: dict | None, token: int, where: str) -> float:
+    if position is None or token not in position:
+        raise RuntimeError(f"vLLM returned no log-prob for token {token} at {where}")
+    return float(position[token].logprob)
+
+
+def to_responses(
+    outputs: Sequence[Any], n: int, decode: Callable[[list[list[int]]], list[str]]
+) -> list[list[Response]]:
+    """vLLM ``RequestOutput``s (one per prompt, in prompt order) -> ``n`` :class:`Response` per prompt.
+
+    ``decode`` turns token lists into texts (the trainer's tokenizer, special tokens skipped). A finish
+    reason other than "stop"/"length" (vLLM's "abort"/"error"/"repetition") is an error: it would train
+    on a response the sampler never finished.
+    """
+    flat: list[tuple[list[int], str, tuple[float, ...] | None]] = []
+    for p, out in enumerate(outputs):
+        completions = sorted(out.outputs, key=lambda c: c.index)
+        if len(completions) != n:
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {p}, expected n={n}")
+        for c in completions:
+            reason = _FINISH.get(c.finish_reason)
+            if reason is None:
+                raise RuntimeError(f"vLLM finished prompt {p} sample {c.index} with {c.finish_reason!r}")
+            tokens = list(c.token_ids)
+            lps = None
+            if c.logprobs is not None:
+                lps = tuple(
+                    _token_logprob(c.logprobs[t], tok, f"prompt {p} output {t}") for t, tok in enumerate(tokens)
+                )
+            flat.append((tokens, reason, lps))
+    texts = decode([t for t, _, _ in flat])
+    responses = [
+        Response(token_ids=tuple(tok), text=text, finish_reason=reason, logprobs=lps)
+        for (tok, reason, lps), text in zip(flat, texts)
+    ]
+    return [responses[i * n : (i + 1) * n] for i in range(len(outputs))]
+
+
+def prompt_logprobs_tensor(token_ids: Sequence[int], prompt_logprobs: Sequence[dict | None] | None) -> torch.Tensor:
+    """``[len-1]`` float32: log p(token t | tokens < t) for t = 1..len-1 from vLLM's ``prompt_logprobs``
+    (a list, or FlatLogprobs, with None at position 0)."""
+    if len(token_ids) < 2:
+        return torch.zeros(0)
+    if prompt_logprobs is None or len(prompt_logprobs) != len(token_ids):
+        got = None if prompt_logprobs is None else len(prompt_logprobs)
+        raise RuntimeError(f"vLLM returned {got} prompt log-prob positions for a {len(token_ids)}-token sequence")
+    values = [_token_logprob(prompt_logprobs[t], tok, f"position {t}") for t, tok in enumerate(token_ids) if t > 0]
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            f"rollout.engine=vllm needs vllm (this engine follows vllm=={VLLM_VERSION}; 0.27-0.32 pin torch 2.13): "
+            "pip install 'pacs-megatron[gpu]' on a GPU machine, or use rollout.engine=hf"
+        ) from e
+    return vllm
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+
+class VLLMEngine:
+    """:class:`~pacs_megatron.rollout.base.RolloutEngine` on ``vllm.LLM`` (written for GPU, never run here).
+
+    Example:
+        >>> engine = VLLMEngine(cfg=cfg, model_dir=rt.model_dir, tokenizer=tok, device="cuda:0")  # doctest: +SKIP
+        >>> engine.dp_rank, engine.dp_size  # rank 5 of 8 with rollout.vllm.tensor_parallel_size=2  # doctest: +SKIP
+        (2, 4)
+    """
+
+    def __init__(self, cfg, model_dir: str | Path, tokenizer, device: str | torch.device) -> None:
+        from pacs_megatron.utils.dist import rank_and_world
+        from pacs_megatron.weight_sync.vllm_push import VLLMWeightLoader, expected_hf_names
+
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"rollout.engine=vllm needs a CUDA device, got {device}: use rollout.engine=hf on CPU")
+        vllm = _import_vllm()
+        if not vllm.__version__.startswith(VLLM_VERSION.rsplit(".", 1)[0]):
+            logger.warning("vllm %s installed; this engine was written against %s", vllm.__version__, VLLM_VERSION)
+        missing = [k for k in _LAUNCHER_ENV if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"vLLM's external launcher needs {missing} in the environment: start with torchrun")
+        rank, world = rank_and_world()
+        self.dp_rank, self.dp_size = vllm_replica(rank, world, cfg.rollout.vllm.tensor_parallel_size)
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            raise ValueError("vLLM engine: the tokenizer has no eos_token; generation could never stop")
+        self._seed = cfg.rollout.seed
+        self._calls = 0
+        self._sleep_mode = cfg.rollout.vllm.enable_sleep_mode
+        self._vllm = vllm
+        self.llm = vllm.LLM(**llm_kwargs(cfg, model_dir, has_weights(model_dir)))
+        self._state = "awake"  # "awake" | "asleep" | "weights" (weights resident, KV cache asleep)
+        self._loader = VLLMWeightLoader(self.llm.apply_model, expected_hf_names(model_dir))
+        logger.info(
+            "vLLM engine: replica %d of %d (tp=%d)", self.dp_rank, self.dp_size, cfg.rollout.vllm.tensor_parallel_size
+        )
+
+    def _decode(self, token_lists: list[list[int]]) -> list[str]:
+        return self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
+
+    @staticmethod
+    def _prompts(token_ids: Sequence[Sequence[int]]) -> list[dict]:
+        if any(len(p) == 0 for p in token_ids):
+            raise ValueError("vLLM engine: a prompt has no tokens")
+        return [{"prompt_token_ids": [int(t) for t in p]} for p in token_ids]
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Response]]:
+        """``sampling.n`` responses per prompt, in prompt order (deterministic for a given ``seed``)."""
+        base = sampling_kwargs(sampling, [self.eos_token_id], seed=0)  # validates before anything runs
+        seed = sampling.seed if sampling.seed is not None else self._seed + self._calls
+        self._calls += 1
+        if not prompt_token_ids:
+            return []
+        params = [
+            self._vllm.SamplingParams(**{**base, "seed": request_seed(seed, k)}) for k in range(len(prompt_token_ids))
+        ]
+        self.wake()
+        outputs = self.llm.generate(self._prompts(prompt_token_ids), params, use_tqdm=False)
+        return to_responses(outputs, sampling.n, self._decode)
+
+    def logprobs(self, token_ids: Sequence[Sequence[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Per-token log-probs ``[len-1]`` of each sequence (vLLM prompt log-probs; ``temperature`` must be 1)."""
+        if temperature != 1.0:
+            raise ValueError(
+                f"vLLM engine: prompt log-probs ignore temperature (raw logits); got {temperature}, use 1.0"
+            )
+        if not token_ids:
+            return []
+        self.wake()
+        params = self._vllm.SamplingParams(**prompt_logprob_kwargs())
+        outputs = self.llm.generate(self._prompts(token_ids), params, use_tqdm=False)
+        return [prompt_logprobs_tensor(list(s), o.prompt_logprobs) for s, o in zip(token_ids, outputs)]
+
+    def update_weights(self, buckets: Iterable[NamedTensors]) -> int:
+        """Load full HF-named tensors bucket by bucket; return how many were loaded. Raises naming any
+        tensor that never arrived or any vLLM parameter left unwritten (see weight_sync/vllm_push.py)."""
+        if self._state == "asleep":
+            self.llm.wake_up(tags=["weights"])
+            self._state = "weights"
+        count = self._loader.load(list(b) for b in buckets)
+        if self._state == "awake":  # a sleeping engine's prefix cache was cleared by sleep()
+            self.llm.reset_prefix_cache()
+        return count
+
+    def sleep(self) -> None:
+        """Free the GPU for the trainer (no-op without ``rollout.vllm.enable_sleep_mode``)."""
+        if self._sleep_mode and self._state != "asleep":
+            if self._state == "weights":  # vLLM sleeps from a fully awake state
+                self.llm.wake_up(tags=["kv_cache"])
+            self.llm.sleep(level=SLEEP_LEVEL)
+            self._state = "asleep"
+
+    def wake(self) -> None:
+        """Make weights and KV cache resident again (generate / logprobs call it themselves)."""
+        if self._state == "asleep":
+            self.llm.wake_up()
+        elif self._state == "weights":
+            self.llm.wake_up(tags=["kv_cache"])
+        self._state = "awake"

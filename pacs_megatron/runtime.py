@@ -1,0 +1,141 @@
+"""What a training run holds besides the loop: the process layout, and the components built from
+the config (dataset, actor, engine, reward scorer, weight sync), with their save and restore.
+
+``setup`` runs first on every rank: process groups, output dir, the model directory (written for
+the tiny synthetic model), seeds. ``build_components`` then builds the heavy pieces in data-flow
+order. Checkpoints hold the actor (model, optimizer, scheduler, RNG; megatron dist_checkpointing)
+and the trainer's own state (step, data position) as ``extra_state``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from pacs_megatron.config import RunConfig, to_yaml
+from pacs_megatron.utils.logging import get_logger, init_logging
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Runtime:
+    """This process's place in the job."""
+
+    groups: Any
+    """ParallelGroups (TP/PP/DP groups, ranks, device)."""
+    output_dir: Path
+    """trainer.output_dir."""
+    model_dir: Path
+    """Hugging Face model directory (config.json, tokenizer, maybe weights)."""
+    config_dict: dict
+    """The resolved config as plain data (saved with the run and sent to wandb)."""
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.groups.rank == 0
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def setup(cfg: RunConfig) -> Runtime:
+    """Process groups, output dir (config.yaml saved), model dir, seeds. Collective."""
+    from pacs_megatron.parallel import init_distributed, initialize_parallel
+
+    init_logging(cfg.logging.level)
+    init_distributed(cfg.parallel)
+    output_dir, model_dir = Path(cfg.trainer.output_dir), Path(cfg.model.path)
+    if dist.get_rank() == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(to_yaml(cfg))
+        if cfg.model.init == "tiny" and not (model_dir / "config.json").is_file():
+            from pacs_megatron.data.synthetic import write_tiny_model_dir
+
+            write_tiny_model_dir(model_dir, cfg.model.tiny)
+            logger.info("wrote the tiny model config and task tokenizer to %s", model_dir)
+    dist.barrier()
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    groups = initialize_parallel(cfg.parallel, hf_config)
+    _seed_everything(cfg.trainer.seed)
+    return Runtime(groups, output_dir, model_dir, OmegaConf.to_container(OmegaConf.structured(cfg)))
+
+
+def teardown(rt: Runtime | None) -> None:
+    from pacs_megatron.parallel import destroy_parallel
+
+    destroy_parallel()
+
+
+@dataclass
+class Components:
+    """The run's pieces, in data-flow order."""
+
+    cfg: RunConfig
+    rt: Runtime
+    tokenizer: Any
+    dataset: Any
+    """PromptDataset: the resumable, shuffled train stream."""
+    val_sets: dict
+    """name -> list[PromptRecord] for periodic validation."""
+    actor: Any
+    """MegatronActor."""
+    engine: Any
+    """RolloutEngine (HF on CPU, vLLM on GPU)."""
+    scorer: Any
+    """RewardScorer."""
+    sync: Any
+    """WeightSync (actor -> engine, probed)."""
+    stop_ids: tuple[int, ...] = field(default=())
+    """Extra stop tokens of sampling."""
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+    def save(self, directory: Path, step: int) -> None:
+        """Collective: actor checkpoint with the trainer state; optional HF export."""
+        self.actor.save_checkpoint(str(directory), {"step": step, "dataset": self.dataset.state_dict()})
+        if self.cfg.trainer.export_hf:
+            self.actor.save_hf(str(directory / "hf"))
+
+    def restore(self, directory: Path | None) -> int:
+        """Load ``directory`` (None: fresh run) and return the last completed step."""
+        if directory is None:
+            return 0
+        extra = self.actor.load_checkpoint(str(directory))
+        self.dataset.load_state_dict(extra["dataset"])
+        logger.info("resumed from %s (step %d)", directory, extra["step"])
+        return int(extra["step"])
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def build_components(cfg: RunConfig, rt: Runtime) -> Components:
+    """Tokenizer, datasets, actor, engine, scorer and weight sync (collective)."""
+    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.data import build_train_dataset, build_val_datasets, load_tokenizer
+    from pacs_megatron.reward import RewardScorer
+    from pacs_megatron.rollout import build_engine
+    from pacs_megatron.weight_sync import WeightSync
+
+    tokenizer = load_tokenizer(cfg.model.tokenizer or str(rt.model_dir), cfg.data.chat_template)
+    dataset = build_train_dataset(cfg, tokenizer)
+    val_sets = build_val_datasets(cfg, tokenizer) if cfg.trainer.test_freq else {}
+    actor = MegatronActor(cfg, rt.groups, str(rt.model_dir))
+    engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device)
+    sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype)
+    return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync)

@@ -1,0 +1,143 @@
+"""The named stages of one RL step; ``train.py`` calls them in order and holds no logic itself.
+
+Every function here runs on every rank. Host-side work (sampling, scoring) is sharded over ranks
+and gathered, so every rank holds the step's whole :class:`TrainBatch`; each data-parallel rank then
+trains on its own contiguous share of whole prompt groups.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+
+import torch
+
+from pacs_megatron.config import RunConfig
+from pacs_megatron.data.batching import TrainBatch, build_train_batch, dp_shard, split_mini_batches
+from pacs_megatron.eval.runner import evaluate, score_rollouts
+from pacs_megatron.pacs import get_loss, outcome_advantages
+from pacs_megatron.rollout.collect import generate_sharded
+from pacs_megatron.rollout.types import Response, SamplingParams
+
+
+def train_sampling(cfg: RunConfig, stop_token_ids: Sequence[int] = ()) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        n=r.n,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_tokens=r.max_response_length,
+        seed=r.seed,
+        stop_token_ids=tuple(stop_token_ids),
+    )
+
+
+def val_sampling(cfg: RunConfig) -> SamplingParams:
+    t = cfg.trainer
+    return SamplingParams(
+        n=t.val_n,
+        temperature=t.val_temperature,
+        top_p=t.val_top_p,
+        max_tokens=cfg.rollout.max_response_length,
+        seed=cfg.rollout.seed,
+    )
+
+
+def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, dict, list]:
+    """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
+    sampling = train_sampling(cfg, c.stop_ids)
+    groups: list[list[Response]] = generate_sharded(c.engine, [r.prompt_ids for r in records], sampling, step)
+    flat = [(rec, resp) for rec, group in zip(records, groups) for resp in group]
+    scores, reward_metrics = score_rollouts(
+        c.scorer,
+        [rec.prompt_text for rec, _ in flat],
+        [resp.text for _, resp in flat],
+        [rec.answer for rec, _ in flat],
+        [dict(rec.extra) if rec.extra else None for rec, _ in flat],
+        sharded=True,
+    )
+    batch = build_train_batch(
+        [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8
+    )
+    lengths = torch.tensor([len(resp.token_ids) for _, resp in flat], dtype=torch.float32)
+    s = batch.scores.reshape(-1, cfg.rollout.n)
+    metrics = {
+        "reward/mean": batch.scores.mean(),
+        "reward/accuracy": (batch.scores > 0.5).float().mean(),
+        "data/mixed_group_frac": ((s.max(1).values > 0.5) & (s.min(1).values < 0.5)).float().mean(),
+        "data/all_correct_group_frac": (s.min(1).values > 0.5).float().mean(),
+        "response/length_mean": lengths.mean(),
+        "response/length_max": lengths.max(),
+        "response/truncation_rate": torch.tensor([float(resp.truncated) for _, resp in flat]).mean(),
+        "data/tokens": float(batch.seq_lens.sum()),
+        **reward_metrics,
+    }
+    samples = [
+        {"step": step, "prompt": rec.prompt_text, "response": resp.text, "answer": rec.answer, "score": sc}
+        for (rec, resp), sc in list(zip(flat, scores))[: cfg.trainer.log_rollouts]
+    ]
+    return batch, metrics, samples
+
+
+def prepare_local_batch(
+    cfg: RunConfig, actor, batch: TrainBatch, dp_rank: int, dp_size: int
+) -> tuple[TrainBatch, dict]:
+    """This DP rank's groups, with outcome advantages (baselines) and old log-probs filled."""
+    loss_cfg = cfg.algorithm.loss_config()
+    if get_loss(cfg.algorithm.loss).needs_advantages:
+        batch = batch.with_(advantages=outcome_advantages(batch.scores, batch.group_size, loss_cfg))
+    local = dp_shard(batch, dp_rank, dp_size)
+    mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
+    out = actor.compute_logprobs(local, micro_batch_size=mbs, temperature=cfg.rollout.temperature, with_entropy=True)
+    metrics = {}
+    if getattr(out, "entropy", None) is not None:
+        m = local.response_mask.float()
+        metrics["actor/entropy"] = (out.entropy * m).sum() / m.sum().clamp(min=1.0)
+    return local.with_(old_logp=out.token_logp), metrics
+
+
+def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict:
+    """``ppo_epochs`` passes over mini-batches of whole groups, one optimizer step each."""
+    per_rank_prompts = cfg.mini_batch_prompts // dp_size
+    history: list[dict] = []
+    for _ in range(cfg.algorithm.ppo_epochs):
+        for mini in split_mini_batches(local, per_rank_prompts):
+            history.append(actor.train_step(mini))
+    metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0] if k != "actor/max_abs_logratio"}
+    # Before any update the policy equals the rollout policy: any non-zero log-ratio here is noise
+    # between the old-log-prob pass and the training forward, i.e. noise in PACS's reward.
+    metrics["pacs/first_minibatch_max_logratio"] = history[0].get("actor/max_abs_logratio", float("nan"))
+    metrics["actor/skipped_steps"] = history[-1].get("actor/skipped_steps", 0.0)
+    return metrics
+
+
+def format_warmup(cfg: RunConfig, rt, c) -> dict:
+    """Supervised warm-up on (prompt, random digit + eos): teaches the answer *format*, never the
+    answer (targets are drawn uniformly), so the RL run still starts at chance level. Prompts are
+    drawn with their own RNG, so the RL prompt stream is untouched."""
+    from pacs_megatron.data.synthetic import format_warmup_examples
+
+    rng = random.Random(cfg.trainer.seed)
+    rows = cfg.mini_batch_prompts * cfg.rollout.n
+    last: dict = {}
+    for _ in range(cfg.trainer.sft_warmup_steps):
+        pairs = format_warmup_examples([rng.choice(c.dataset.records) for _ in range(rows)], rng)
+        batch = build_train_batch([p for p, _ in pairs], [t for _, t in pairs], [0.0] * rows, 1, c.pad_id, 8)
+        local = dp_shard(batch.with_(old_logp=torch.zeros(batch.input_ids.shape)), rt.groups.dp_rank, rt.groups.dp_size)
+        last = c.actor.train_step(local, loss_name="sft")
+    return last
+
+
+def validate(cfg: RunConfig, c, step: int) -> dict:
+    """pass@k on the validation sets with the (just synced) engine; collective."""
+    metrics, _ = evaluate(c.engine, c.val_sets, val_sampling(cfg), cfg.trainer.val_k, c.scorer, sharded=True, step=step)
+    return metrics
+
+
+def save_samples(rt, samples: list[dict]) -> None:
+    """Append a few of the step's rollouts to OUTPUT_DIR/rollouts.jsonl (rank 0)."""
+    if rt.is_rank0 and samples:
+        with (rt.output_dir / "rollouts.jsonl").open("a") as fh:
+            fh.writelines(json.dumps(x) + "\n" for x in samples)

@@ -1,0 +1,82 @@
+"""The PACS training loop, one page: every line is a named stage from its own package.
+
+for step:  prompts -> rollouts (engine) -> rewards -> old log-probs (actor, no grad)
+           -> ppo_epochs x mini-batches of the loss (PACS / GRPO / PPO-clip) -> weight sync + probe
+           -> metrics -> validation every test_freq -> checkpoint every save_freq / on SIGTERM
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from pacs_megatron import stages
+from pacs_megatron.config import RunConfig
+from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
+from pacs_megatron.utils.checkpoint import CheckpointManager
+from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress
+from pacs_megatron.utils.preemption import EXIT_PREEMPTED, PreemptionFlag
+
+logger = get_logger(__name__)
+
+
+def train(cfg: RunConfig) -> int:
+    rt: Runtime = setup(cfg)
+    c = None
+    try:
+        c = build_components(cfg, rt)  # dataset, actor, engine, scorer, weight sync, validation sets
+        return _loop(cfg, rt, c)
+    finally:
+        if c is not None:
+            c.close()
+        teardown(rt)
+
+
+def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
+    ckpt = CheckpointManager(rt.output_dir)
+    writer = MetricsWriter(
+        rt.output_dir, rt.is_rank0, cfg.logging.tensorboard, cfg.logging.wandb_project, config=rt.config_dict
+    )
+    flag = PreemptionFlag()
+    start = c.restore(ckpt.resolve(cfg.trainer.resume))  # step to start from; 0 for a fresh run
+    writer.truncate_after(start)
+    if start == 0 and cfg.trainer.sft_warmup_steps:
+        logger.info("format warm-up: %s", stages.format_warmup(cfg, rt, c))
+    c.sync.sync()  # the engine starts from the actor's weights, verified
+    progress = Progress(cfg.trainer.total_steps, start, rt.is_rank0 and cfg.logging.progress_bar)
+
+    step = start
+    for step in range(start + 1, cfg.trainer.total_steps + 1):
+        timer, t0 = PhaseTimer(), time.perf_counter()
+        with timer("rollout"):
+            records = c.dataset.next_batch(cfg.trainer.train_batch_size)
+            batch, metrics, samples = stages.collect_batch(cfg, c, records, step)
+        with timer("old_logprob"):
+            local, m = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size)
+            metrics |= m
+        with timer("update"):
+            metrics |= stages.update_actor(cfg, c.actor, local, rt.groups.dp_size)
+        with timer("sync"):
+            metrics |= c.sync.sync().metrics()
+        if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
+            with timer("eval"):
+                metrics |= stages.validate(cfg, c, step)
+        metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0}
+        metrics["perf/tokens_per_s"] = metrics["data/tokens"] / metrics["timing/step_s"]
+        writer.log(step, metrics)
+        stages.save_samples(rt, samples)
+        progress.update(step, metrics)
+        stop = flag.should_stop()
+        if stop or step == cfg.trainer.total_steps or (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0):
+            ckpt.save(step, lambda d, s=step: c.save(d, s))
+        if stop:
+            logger.warning("stopped by signal after step %d; resume with --resume auto", step)
+            progress.close()
+            writer.close()
+            return EXIT_PREEMPTED
+    progress.close()
+    writer.close()
+    if rt.is_rank0:
+        (rt.output_dir / "final.json").write_text(json.dumps({"last_step": step}))
+    return 0

@@ -1,0 +1,105 @@
+"""Tiny HF models, run configs and batches shared by the actor tests (importable in spawned ranks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pacs_megatron.config import (
+    AlgorithmConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+)
+from pacs_megatron.data.batching import TrainBatch, build_train_batch
+from pacs_megatron.pacs import PolicyLossConfig, outcome_advantages
+
+GROUP = 2
+
+
+def make_qwen2(path: Path, *, vocab: int = 255, layers: int = 4, tie: bool = True, shard: str | None = None) -> str:
+    """A random tiny Qwen2 (hidden 64, 4 heads, 2 KV heads) saved with save_pretrained."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # HF zero-initialises biases; random ones exercise the qkv-bias layout
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(path, **kwargs)
+    return str(path)
+
+
+def hf_config(model_dir: str) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def run_config(model_dir: str, tp=1, pp=1, dp=1, vpp=1, init="pretrained", seed=1234, **opt) -> RunConfig:
+    """Small-batch config; Adam with a large eps makes the update smooth in the gradient, so layouts
+    can be compared on weights after a step."""
+    optimizer = OptimizerConfig(**{"lr": 0.5, "weight_decay": 0.0, "adam_eps": 1.0, "clip_grad": 1.0, **opt})
+    return RunConfig(
+        model=ModelConfig(path=model_dir, init=init, seed=seed),
+        parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp),
+        rollout=RolloutConfig(n=GROUP, temperature=1.0),
+        algorithm=AlgorithmConfig(micro_batch_size=2 * GROUP, logprob_micro_batch_size=GROUP),
+        trainer=TrainerConfig(total_steps=4, train_batch_size=4),
+        optimizer=optimizer,
+    )
+
+
+def sample_batch(vocab: int, groups: int = 4, seed: int = 1) -> TrainBatch:
+    """``groups`` prompt groups of GROUP responses, ragged lengths, mixed 0/1 scores, GRPO advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses, scores = [], [], []
+    for k in range(groups):
+        prompt = torch.randint(1, vocab, (3 + k % 3,), generator=g).tolist()
+        for j in range(GROUP):
+            prompts.append(prompt)
+            responses.append(torch.randint(1, vocab, (2 + (k + 3 * j) % 5,), generator=g).tolist())
+            scores.append(float((k + j) % 2))
+    batch = build_train_batch(prompts, responses, scores, GROUP, pad_id=0)
+    adv = outcome_advantages(batch.scores, GROUP, PolicyLossConfig(adv_estimator="grpo"))
+    return batch.with_(advantages=adv)
+
+
+def hf_logprobs(model_dir: str, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, T]`` transformers log-probs in fp32 (column 0 = 0)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits.float() / temperature
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0))
+
+
+def valid_positions(batch: TrainBatch) -> torch.Tensor:
+    """``[B, T]`` bool: positions 1..len-1 (predicted tokens that are not padding)."""
+    t = torch.arange(batch.input_ids.shape[1])
+    return (t[None] >= 1) & (t[None] < batch.seq_lens[:, None])
+
+
+def rel_update_diff(a0: dict, a1: dict, b0: dict, b1: dict) -> float:
+    """Two runs' updates a1 - a0 and b1 - b0: max |difference| / max |a1 - a0| over all tensors."""
+    num = max(float(((a1[k] - a0[k]) - (b1[k] - b0[k])).abs().max()) for k in a0)
+    den = max(float((a1[k] - a0[k]).abs().max()) for k in a0)
+    return num / den

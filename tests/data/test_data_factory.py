@@ -1,0 +1,71 @@
+"""build_prompt_dataset: the trainer's view of data for the math and the synthetic task."""
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pacs_megatron.config import RunConfig, load_config
+from pacs_megatron.data import PromptDataset, build_prompt_dataset, load_tokenizer
+from pacs_megatron.data.synthetic import write_tiny_model_dir
+
+CPU_TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "cpu_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(data_root):
+    return load_tokenizer(data_root / "tokenizers" / "qwen2.5", "qwen2.5")
+
+
+def test_math_train_and_val(qwen_tok, tmp_path, data_root):
+    extra = tmp_path / "mine.parquet"
+    pq.write_table(pa.table({"problem": ["What is 2+2?"], "answer": ["4"]}), extra)
+    cfg = load_config(
+        None,
+        [
+            f"data.data_root={data_root}",
+            f"data.train_files=[amc23,aime2024,{extra}]",
+            "data.val_files=[aime2025,amc23]",
+            "data.max_prompt_length=1024",
+            "trainer.val_max_problems=7",
+        ],
+    )
+    train = build_prompt_dataset(cfg, qwen_tok, "train")
+    assert isinstance(train, PromptDataset) and len(train) == 71
+    assert {r.source for r in train.records} == {"amc23", "aime2024", "mine"}
+    batch = train.next_batch(100)
+    assert len(batch) == 100 and all(r.prompt_text.endswith("<|im_start|>assistant\n") for r in batch)
+    assert all("Please reason step by step" in r.prompt_text for r in batch)
+    val = build_prompt_dataset(cfg, qwen_tok, "val")
+    assert list(val) == ["aime2025", "amc23"] and [len(v) for v in val.values()] == [7, 7]
+    assert [r.id for r in val["amc23"][:2]] == ["amc23-00", "amc23-01"]
+    with pytest.raises(ValueError, match="split='test'"):
+        build_prompt_dataset(cfg, qwen_tok, "test")
+
+
+def test_arith_task_matches_the_cpu_default(tmp_path):
+    cfg = load_config(CPU_TINY, [f"model.path={tmp_path}/m"])
+    write_tiny_model_dir(cfg.model.path, cfg.model.tiny)
+    tok = load_tokenizer(cfg.model.path, cfg.data.chat_template)
+    train = build_prompt_dataset(cfg, tok, "train")
+    assert len(train) == 25
+    batch = train.next_batch(cfg.trainer.train_batch_size)  # 50: every problem twice
+    assert sorted(r.id for r in batch[:25]) == sorted(r.id for r in batch[25:])
+    rec = next(r for r in batch if r.problem == "3+4=")
+    assert (rec.prompt_text, rec.answer, len(rec.prompt_ids)) == ("3+4=", "7", 4)
+    assert tok.decode(list(rec.prompt_ids)) == "3+4="
+    state = train.state_dict()
+    nxt = [r.id for r in train.next_batch(50)]
+    again = build_prompt_dataset(cfg, tok, "train")
+    again.load_state_dict(state)
+    assert [r.id for r in again.next_batch(50)] == nxt
+    val = build_prompt_dataset(cfg, tok, "val")
+    assert list(val) == ["arith"] and len(val["arith"]) == 25
+
+
+def test_default_runconfig_resolves_shared_sets(qwen_tok, data_root, monkeypatch):
+    monkeypatch.setenv("PACS_DATA_ROOT", str(data_root))
+    cfg = RunConfig()
+    train = build_prompt_dataset(cfg, qwen_tok, "train")  # deepscaler_subset803, max_prompt_length 512
+    assert 700 <= len(train) <= 803

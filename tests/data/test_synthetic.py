@@ -1,0 +1,105 @@
+"""The synthetic "a+b=" task: problems, character tokenizer, tiny model directory, format warm-up."""
+
+import json
+import random
+from collections import Counter
+
+import pytest
+
+from pacs_megatron.config import ArithTaskConfig, TinyModelConfig
+from pacs_megatron.data.synthetic import (
+    DIGIT_IDS,
+    EOS_ID,
+    arith_problems,
+    arith_records,
+    build_arith_tokenizer,
+    format_warmup_examples,
+    write_tiny_model_dir,
+)
+
+
+def test_cpu_default_problem_set():
+    problems = arith_problems(ArithTaskConfig(max_operand=4, modulo=0))
+    assert len(problems) == 25
+    assert {p.problem for p in problems} == {f"{a}+{b}=" for a in range(5) for b in range(5)}
+    for p in problems:
+        a, b = map(int, p.problem[:-1].split("+"))
+        assert p.answer == str(a + b)
+    assert sorted({int(p.answer) for p in problems}) == list(range(9))
+
+
+def test_modulo_and_subsets():
+    problems = arith_problems(ArithTaskConfig(max_operand=9, modulo=10))
+    assert len(problems) == 100 and {p.answer for p in problems} == {str(d) for d in range(10)}
+    assert next(p for p in problems if p.problem == "7+8=").answer == "5"
+    sub = arith_problems(ArithTaskConfig(max_operand=9, modulo=10, num_problems=12), seed=3)
+    assert len({p.id for p in sub}) == 12 and sub == arith_problems(ArithTaskConfig(9, 10, 12), seed=3)
+    assert sub != arith_problems(ArithTaskConfig(9, 10, 12), seed=4)
+    with pytest.raises(ValueError, match="num_problems=200 exceeds the 100"):
+        arith_problems(ArithTaskConfig(max_operand=9, modulo=10, num_problems=200))
+
+
+def test_character_tokenizer_round_trip(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = build_arith_tokenizer()
+    assert len(tok) == 16 and tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    ids = tok("12+7=", add_special_tokens=False)["input_ids"]
+    assert ids == [tok.convert_tokens_to_ids(c) for c in "12+7="] and len(ids) == 5
+    assert tok.decode([*tok.encode("19"), tok.eos_token_id], skip_special_tokens=True) == "19"
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert again("3+5=", add_special_tokens=False)["input_ids"] == tok("3+5=", add_special_tokens=False)["input_ids"]
+    assert (again.eos_token_id, again.pad_token_id) == (EOS_ID, tok.pad_token_id)
+    assert [again.convert_ids_to_tokens(i) for i in DIGIT_IDS] == list("0123456789")
+
+
+def test_tiny_model_dir_builds_a_qwen2(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tiny = TinyModelConfig(
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    path = write_tiny_model_dir(tmp_path / "m", tiny)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen2ForCausalLM"] and raw["model_type"] == "qwen2"
+    assert raw["vocab_size"] % 16 == 0 and raw["vocab_size"] >= 16
+    assert (raw["rms_norm_eps"], raw["rope_theta"], raw["hidden_act"], raw["torch_dtype"]) == (
+        1e-6,
+        10000.0,
+        "silu",
+        "float32",
+    )
+    assert raw["tie_word_embeddings"] is False and raw["max_position_embeddings"] == 32
+    assert not list(path.glob("*.safetensors"))
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    assert (raw["eos_token_id"], raw["pad_token_id"]) == (tok.eos_token_id, tok.pad_token_id)
+    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    assert cfg.rope_parameters["rope_theta"] == 10000.0 and cfg.num_key_value_heads == 2
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert model.lm_head.weight.shape == (raw["vocab_size"], 32)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
+def test_format_warmup_targets_are_random_digits_not_answers():
+    tok = build_arith_tokenizer()
+    records = arith_records(arith_problems(ArithTaskConfig(max_operand=4, modulo=0)), tok) * 40  # 1000
+    pairs = format_warmup_examples(records, random.Random(0))
+    assert len(pairs) == 1000
+    digits = Counter()
+    correct = 0
+    for rec, (prompt, target) in zip(records, pairs):
+        assert prompt == list(rec.prompt_ids)
+        assert len(target) == 2 and target[-1] == EOS_ID and target[0] in DIGIT_IDS
+        digits[target[0]] += 1
+        correct += tok.decode(target, skip_special_tokens=True) == rec.answer
+    assert set(digits) == set(DIGIT_IDS)  # every digit, including 9 which is never an answer here
+    assert all(60 <= c <= 140 for c in digits.values())  # ~100 each
+    assert 50 <= correct <= 150  # chance level (~1/10), not the answer
+    assert format_warmup_examples(records, random.Random(0)) == pairs

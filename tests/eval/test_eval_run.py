@@ -1,0 +1,120 @@
+"""Evaluation end to end: the library entry with a scripted engine (known metrics), and the
+``pacs-megatron eval`` command on CPU with a tiny random Qwen2 and the shared Qwen2.5 tokenizer."""
+
+import argparse
+import json
+
+import pytest
+
+from pacs_megatron.config import ArithTaskConfig, RewardConfig, TinyModelConfig
+from pacs_megatron.data.synthetic import arith_problems, arith_records, build_arith_tokenizer, tiny_qwen2_config
+from pacs_megatron.eval import cli
+from pacs_megatron.eval.runner import evaluate
+from pacs_megatron.reward import RewardScorer
+from pacs_megatron.rollout.types import Response, SamplingParams
+
+
+class ScriptedEngine:
+    """Answers each prompt with scripted texts (one per sample), whatever the sampling."""
+
+    def __init__(self, tok, script: dict[str, list[str]]):
+        self.tok, self.script, self.calls = tok, script, []
+
+    def generate(self, prompt_token_ids, sampling):
+        self.calls.append(sampling)
+        out = []
+        for ids in prompt_token_ids:
+            texts = self.script[self.tok.decode(list(ids))][: sampling.n]
+            out.append([Response(tuple(self.tok(t)["input_ids"]), t, "stop") for t in texts])
+        return out
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_evaluate_metrics_and_rows(sharded):
+    tok = build_arith_tokenizer()
+    recs = arith_records(arith_problems(ArithTaskConfig(max_operand=1, modulo=0)), tok)  # 0+0 0+1 1+0 1+1
+    script = {"0+0=": ["0", "0"], "0+1=": ["1", "2"], "1+0=": ["2", "3"], "1+1=": ["2", "0"]}
+    engine = ScriptedEngine(tok, script)
+    sampling = SamplingParams(n=2, max_tokens=2, seed=3)
+    with RewardScorer(RewardConfig(fn="arith", num_workers=0)) as scorer:
+        metrics, rows = evaluate(engine, {"x": recs[:2], "y": recs[2:]}, sampling, [1, 2], scorer, sharded=sharded)
+    # x: [1,1] and [1,0] -> pass@1 (1 + .5)/2, pass@2 1; y: [0,0] and [1,0] -> pass@1 .25, pass@2 .5
+    assert metrics["val/x/pass@1"] == pytest.approx(0.75) and metrics["val/x/pass@2"] == pytest.approx(1.0)
+    assert metrics["val/y/pass@1"] == pytest.approx(0.25) and metrics["val/y/pass@2"] == pytest.approx(0.5)
+    assert metrics["val/overall/pass@1"] == pytest.approx(0.5)
+    assert metrics["val/reward_errors"] == 0 and metrics["val/reward_timeouts"] == 0
+    assert [r["id"] for r in rows] == ["arith-0+0", "arith-0+1", "arith-1+0", "arith-1+1"]
+    assert rows[1]["responses"] == ["1", "2"] and rows[1]["scores"] == [1.0, 0.0] and rows[1]["dataset"] == "x"
+    assert rows[3]["prompt"] == "1+1=" and rows[3]["answer"] == "2"
+    assert len(engine.calls) == 1  # all datasets in one generate call
+    with pytest.raises(ValueError, match="k=\\[4\\]"):
+        evaluate(engine, {"x": recs}, sampling, [4], scorer)
+
+
+def _args(**kw) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    argv = []
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def qwen_tiny_dir(tmp_path_factory, data_root):
+    """config.json of a tiny random Qwen2 over the shared Qwen2.5 tokenizer's vocabulary."""
+    path = tmp_path_factory.mktemp("qwen_tiny")
+    tiny = TinyModelConfig(hidden_size=16, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    cfg = tiny_qwen2_config(tiny, 151665, eos_id=151645, pad_id=151643)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_eval_cli_end_to_end_and_recompute(qwen_tiny_dir, data_root, tmp_path, capsys):
+    out = tmp_path / "out"
+    tokenizer = data_root / "tokenizers" / "qwen2.5"
+    common = dict(data="math500,amc23", n=2, k="1,2", limit=2, reward_workers=0, out=out)
+    rc = cli.main(_args(model=qwen_tiny_dir, tokenizer=tokenizer, max_tokens=4, temperature=0, seed=1, **common))
+    assert rc == 0
+    rows = [json.loads(line) for line in (out / "eval_rollout.jsonl").read_text().splitlines()]
+    first_ids = {
+        name: [json.loads(line)["id"] for line in (data_root / "eval" / f"{name}.jsonl").read_text().splitlines()[:2]]
+        for name in ("math500", "amc23")
+    }
+    assert [(r["dataset"], r["id"]) for r in rows] == [(d, i) for d in ("math500", "amc23") for i in first_ids[d]]
+    for r in rows:
+        assert {"id", "dataset", "problem", "prompt", "answer", "responses", "scores"} <= set(r)
+        assert len(r["responses"]) == 2 and len(r["scores"]) == 2
+        assert all(s == 0.0 for s in r["scores"])  # a random model does not solve competition math
+        assert r["prompt"].startswith("<|im_start|>system\n") and r["prompt"].endswith("<|im_start|>assistant\n")
+        assert r["problem"] in r["prompt"] and "\\boxed{}" in r["prompt"]
+        assert all(n <= 4 for n in r["num_tokens"])
+        assert r["responses"][0] == r["responses"][1]  # --temperature 0 is greedy
+    metrics = json.loads((out / "eval_metrics.json").read_text())
+    assert set(metrics) == {"math500", "amc23", "overall"}
+    assert metrics["math500"]["pass@1"] == 0.0 and metrics["amc23"]["num_problems"] == 2
+    assert {"pass@1", "pass@2", "mean@n"} <= set(metrics["overall"])
+
+    # Re-run with the rollouts present: metrics only (a model dir without config.json proves no sampling).
+    for r, scores in zip(rows, ([1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0])):
+        r["scores"] = scores
+    (out / "eval_rollout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert cli.main(_args(model=tmp_path / "no_model", **common)) == 0
+    assert "recomputing metrics only" in capsys.readouterr().err
+    metrics = json.loads((out / "eval_metrics.json").read_text())
+    assert metrics["math500"]["pass@1"] == pytest.approx(0.25) and metrics["math500"]["pass@2"] == pytest.approx(0.5)
+    assert metrics["amc23"]["pass@1"] == pytest.approx(0.75) and metrics["amc23"]["pass@2"] == pytest.approx(1.0)
+    assert metrics["overall"]["pass@2"] == pytest.approx(0.75)
+
+
+def test_eval_cli_argument_errors(qwen_tiny_dir, data_root, tmp_path, capsys):
+    assert cli.main(_args(model=tmp_path, n=2, k="1,4")) == 2
+    assert "k=[4]" in capsys.readouterr().err
+    assert cli.main(_args(model=tmp_path, n=2, k="1", top_p=1.5)) == 2
+    assert "--top-p" in capsys.readouterr().err
+    assert cli.main(_args(model=tmp_path, n=2, k="1")) == 2  # no config.json, no rollouts
+    assert "config.json" in capsys.readouterr().err
+    tokenizer = data_root / "tokenizers" / "qwen2.5"
+    assert cli.main(_args(model=qwen_tiny_dir, tokenizer=tokenizer, n=1, k="1", data="no_such_set", out=tmp_path)) == 2
+    assert "'no_such_set'" in capsys.readouterr().err

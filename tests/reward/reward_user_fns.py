@@ -1,0 +1,54 @@
+"""User reward functions loaded by dotted path ("reward_user_fns:NAME") in the reward tests.
+
+This directory is on sys.path under pytest, and spawned workers inherit the parent's sys.path.
+"""
+
+import os
+import signal
+import time
+
+
+def exact(prompt, response, ground_truth, extra):
+    """Exact match; reads ``extra`` to prove it is passed through."""
+    bonus = (extra or {}).get("bonus", 0.0)
+    return float(response == ground_truth) + bonus
+
+
+def sleepy(prompt, response, ground_truth, extra):
+    """Sleeps past any test timeout when the response says so."""
+    if response == "sleep":
+        time.sleep(60)
+    return 1.0
+
+
+def hang(prompt, response, ground_truth, extra):
+    """Ignores SIGTERM and spins: only SIGKILL stops it."""
+    if response == "hang":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            pass
+    return 1.0
+
+
+def crash(prompt, response, ground_truth, extra):
+    """Kills its own process on "crash"."""
+    if response == "crash":
+        os._exit(3)
+    return 1.0
+
+
+def raising(prompt, response, ground_truth, extra):
+    if response == "raise":
+        raise ZeroDivisionError("user bug")
+    return 1.0
+
+
+def returns_str(prompt, response, ground_truth, extra):
+    return "1.0"
+
+
+def two_args(response, ground_truth):
+    return 1.0
+
+
+NOT_CALLABLE = 3

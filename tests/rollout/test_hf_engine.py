@@ -1,0 +1,186 @@
+"""HF transformers engine: seeded sampling, EOS/stop/length handling, log-prob agreement, weight updates."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from pacs_megatron.config import RunConfig, TinyModelConfig
+from pacs_megatron.data.synthetic import write_tiny_model_dir
+from pacs_megatron.rollout import build_engine
+from pacs_megatron.rollout.hf_engine import HFEngine
+from pacs_megatron.rollout.types import SamplingParams
+
+TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    tied = write_tiny_model_dir(root / "tied", TINY)
+    untied = write_tiny_model_dir(root / "untied", TinyModelConfig(**{**TINY.__dict__, "tie_word_embeddings": False}))
+    return tied, untied
+
+
+@pytest.fixture(scope="module")
+def tok(model_dirs):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dirs[0]), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs, tok):
+    return HFEngine(model_dirs[0], tok, batch_size=2, seed=1)
+
+
+def ids(tok, texts):
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def state(eng: HFEngine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+
+
+def forced_engine(model_dir, tok, token_id: int) -> HFEngine:
+    """An untied engine whose next token is ``token_id`` with probability ~1 at every position: the
+    blocks' outputs are zeroed (the residual stream is the token embedding), every embedding is the
+    ones vector (so the normed hidden state is ones), and only ``token_id``'s LM-head row is non-zero."""
+    eng = HFEngine(model_dir, tok, seed=0)
+    sd = state(eng)
+    for k, v in sd.items():
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            v.zero_()
+    sd["model.embed_tokens.weight"].fill_(1.0)
+    head = torch.zeros_like(sd["lm_head.weight"])
+    head[token_id] = 1.0
+    sd["lm_head.weight"] = head
+    eng.update_weights([list(sd.items())])
+    return eng
+
+
+def test_seeded_sampling_is_deterministic_and_shaped(engine, tok):
+    prompts = ids(tok, ["3+5=", "12+4=", "7+7=", "1+0=", "9+9="])  # 5 prompts, batch_size 2: 3 generate calls
+    sp = SamplingParams(n=3, temperature=0.8, top_p=0.9, top_k=8, max_tokens=5, seed=7)
+    a, b = engine.generate(prompts, sp), engine.generate(prompts, sp)
+    assert [len(g) for g in a] == [3] * 5
+    assert a == b
+    assert [[r.logprobs for r in g] for g in a] == [[r.logprobs for r in g] for g in b]
+    c = engine.generate(prompts, SamplingParams(n=3, temperature=0.8, top_p=0.9, top_k=8, max_tokens=5, seed=8))
+    assert [[r.token_ids for r in g] for g in a] != [[r.token_ids for r in g] for g in c]
+    for g in a:
+        for r in g:
+            assert 1 <= len(r.token_ids) <= 5 and len(r.logprobs) == len(r.token_ids)
+            assert all(lp <= 0 for lp in r.logprobs)
+            assert r.finish_reason == ("stop" if r.token_ids[-1] == tok.eos_token_id else "length")
+            assert tok.eos_token_id not in r.token_ids[:-1]
+            assert r.text == tok.decode(list(r.token_ids), skip_special_tokens=True)
+    # the global RNG of the caller is untouched by seeded generation
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    engine.generate(prompts[:1], sp)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_engine_logprobs_equal_forward_logprobs(engine, tok):
+    # prompts of different lengths share a left-padded batch; the per-token log-probs of the sampled
+    # tokens (raw logits / T) must equal a plain forward over prompt + response without padding
+    prompts = ids(tok, ["3+5=", "12+34=", "7="])
+    temp = 0.7
+    groups = engine.generate(prompts, SamplingParams(n=4, temperature=temp, top_k=5, top_p=0.8, max_tokens=6, seed=3))
+    seqs, expected = [], []
+    for p, g in zip(prompts, groups):
+        for r in g:
+            seqs.append(list(p) + list(r.token_ids))
+            expected.append((len(p), torch.tensor(r.logprobs)))
+    got = engine.logprobs(seqs, temperature=temp)
+    for (plen, lp), full, seq in zip(expected, got, seqs):
+        assert full.shape == (len(seq) - 1,)
+        torch.testing.assert_close(full[plen - 1 :], lp, atol=1e-5, rtol=0)
+    # batched (right-padded) equals one-by-one
+    singles = [engine.logprobs([s], temperature=temp)[0] for s in seqs[:4]]
+    for a, b in zip(singles, got[:4]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_eos_forcing_model_stops_immediately(model_dirs, tok):
+    eng = forced_engine(model_dirs[1], tok, tok.eos_token_id)
+    groups = eng.generate(ids(tok, ["3+5=", "1+1="]), SamplingParams(n=3, max_tokens=8, seed=0))
+    for g in groups:
+        for r in g:
+            assert r.token_ids == (tok.eos_token_id,)
+            assert r.finish_reason == "stop" and r.text == "" and not r.truncated
+            assert r.logprobs[0] > -1e-6
+
+
+def test_stop_token_ids_and_length_truncation(model_dirs, tok):
+    plus = tok.convert_tokens_to_ids("+")
+    eng = forced_engine(model_dirs[1], tok, plus)
+    stopped = eng.generate(ids(tok, ["3+5="]), SamplingParams(n=2, max_tokens=8, seed=0, stop_token_ids=(plus,)))
+    assert [(r.token_ids, r.finish_reason, r.text) for r in stopped[0]] == [((plus,), "stop", "+")] * 2
+    long = eng.generate(ids(tok, ["3+5=", "4="]), SamplingParams(n=2, max_tokens=4, seed=0))
+    for g in long:
+        for r in g:
+            assert r.token_ids == (plus,) * 4 and r.finish_reason == "length" and r.truncated and r.text == "++++"
+
+
+def test_top_k_one_is_greedy(engine, tok):
+    g = engine.generate(ids(tok, ["2+2="]), SamplingParams(n=3, top_k=1, max_tokens=4, seed=0))[0]
+    assert g[0].token_ids == g[1].token_ids == g[2].token_ids
+    seq = ids(tok, ["2+2="])[0] + list(g[0].token_ids)
+    logits = engine.model(input_ids=torch.tensor([seq])).logits[0]
+    assert list(g[0].token_ids) == logits[3 : 3 + len(g[0].token_ids)].argmax(-1).tolist()
+
+
+def test_update_weights_round_trip_and_errors(model_dirs, tok):
+    src = HFEngine(model_dirs[0], tok, seed=11)
+    torch.manual_seed(99)  # the engine's random init draws from the global RNG
+    dst = HFEngine(model_dirs[0], tok, seed=22)
+    seqs = ids(tok, ["12+34=46", "9+9=18 "])
+    assert not torch.allclose(src.logprobs(seqs)[0], dst.logprobs(seqs)[0])
+    sd = state(src)
+    assert "lm_head.weight" not in sd  # tied: one tensor under the embedding's name
+    items = [(n, t.to(torch.float64)) for n, t in sd.items()]  # dtype is cast on copy
+    items.append(("lm_head.weight", sd["model.embed_tokens.weight"]))  # tied alias accepted
+    buckets = [items[i : i + 5] for i in range(0, len(items), 5)]
+    assert dst.update_weights(iter(buckets)) == len(sd)
+    for a, b in zip(src.logprobs(seqs), dst.logprobs(seqs)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+    with pytest.raises(KeyError, match="model.layers.0.mlp.nonexistent.weight"):
+        dst.update_weights([[("model.layers.0.mlp.nonexistent.weight", torch.zeros(1))]])
+    with pytest.raises(ValueError, match="shape"):
+        dst.update_weights([[("model.norm.weight", torch.zeros(7))]])
+    partial = [(n, t) for n, t in sd.items() if n != "model.norm.weight"]
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        dst.update_weights([partial])
+
+
+def test_sleep_wake_noop_on_cpu(engine, tok):
+    before = engine.logprobs(ids(tok, ["1+2=3"]))[0]
+    engine.sleep()
+    engine.wake()
+    assert torch.equal(engine.logprobs(ids(tok, ["1+2=3"]))[0], before)
+
+
+def test_build_engine_factory(model_dirs, tok):
+    run = RunConfig()
+    run.rollout.batch_size = 3
+    eng = build_engine(run, model_dirs[0], tok, device="cpu")
+    assert isinstance(eng, HFEngine) and eng.batch_size == 3 and eng.dtype == torch.float32
+    run.model.dtype = "bfloat16"
+    assert build_engine(run, model_dirs[0], tok, device="cpu").dtype == torch.bfloat16
+    if importlib.util.find_spec("vllm") is None:
+        run.rollout.engine = "vllm"
+        with pytest.raises(RuntimeError, match="vllm is not installed"):
+            build_engine(run, model_dirs[0], tok, device="cpu")
+
+
+def test_bad_inputs_raise_clear_errors(engine, tok, tmp_path):
+    with pytest.raises(ValueError, match="no tokens"):
+        engine.generate([[3], []], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.generate([[3]], SamplingParams(max_tokens=0))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        HFEngine(tmp_path, tok)

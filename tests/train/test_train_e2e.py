@@ -1,0 +1,151 @@
+"""End to end on CPU: the real launcher, 2 ranks (TP=2 over gloo), the tiny synthetic task.
+
+One short run is killed with SIGKILL after its step-2 checkpoint and resumed; its metrics for the
+later steps must equal those of the uninterrupted run bit for bit (timings excepted). The user
+reward raises on some responses: the run must count the errors and go on. A SIGTERM makes every
+rank checkpoint and exit with 143.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
+SMALL = [
+    "trainer.train_batch_size=10",
+    "rollout.n=4",
+    "algorithm.micro_batch_size=20",
+    "trainer.sft_warmup_steps=2",
+    "trainer.save_freq=2",
+    "logging.progress_bar=false",
+    "reward.fn=flaky_reward:score",
+]
+# Keys whose values depend on the wall clock or on what the process did before, not on the maths.
+NONDETERMINISTIC = ("timing/", "perf/", "sync/seconds", "sync/gbytes_per_s")
+
+
+def _cmd(out: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pacs_megatron",
+        "train",
+        "--config",
+        str(CONFIG),
+        f"trainer.output_dir={out}",
+        f"model.path={out}/model",
+        f"trainer.total_steps={steps}",
+        *SMALL,
+        *extra,
+    ]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _rows(out: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r for r in rows}
+
+
+def _deterministic(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)}
+
+
+def _wait_for(pred, timeout: float, proc: subprocess.Popen) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited early with {proc.returncode}")
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting for the run")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_train_resume_sigkill_and_sigterm(tmp_path):
+    full = tmp_path / "full"
+    subprocess.run(_cmd(full, 4), env=_env(), check=True, timeout=300)
+    rows = _rows(full)
+    assert sorted(rows) == [1, 2, 3, 4]
+    for key in (
+        "reward/mean",
+        "reward/accuracy",
+        "reward/errors",
+        "data/mixed_group_frac",
+        "response/length_mean",
+        "response/length_max",
+        "response/truncation_rate",
+        "pacs/loss",
+        "pacs/psi_mean",
+        "pacs/implicit_reward_abs_mean",
+        "actor/grad_norm",
+        "actor/skipped_steps",
+        "actor/entropy",
+        "actor/lr",
+        "timing/rollout_s",
+        "timing/old_logprob_s",
+        "timing/update_s",
+        "timing/sync_s",
+        "timing/step_s",
+        "perf/tokens_per_s",
+        "sync/max_logprob_diff",
+        "sync/gbytes",
+        "pacs/first_minibatch_max_logratio",
+    ):
+        assert key in rows[1], key
+    # batch-invariant log-probs: the first training forward reproduces the old log-probs exactly
+    assert all(r["pacs/first_minibatch_max_logratio"] == 0.0 for r in rows.values())
+    assert sum(r["reward/errors"] for r in rows.values()) > 0  # the broken reward was hit, the run went on
+    assert (full / "checkpoints" / "step_00000004" / "COMPLETE").is_file()
+    assert (full / "rollouts.jsonl").is_file() and any((full / "tb").iterdir())
+
+    # Same run, killed with SIGKILL once step 3 is logged (after the step-2 checkpoint), then resumed.
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(killed, 4), env=_env(), start_new_session=True)
+    try:
+        _wait_for(lambda: (killed / "metrics.jsonl").exists() and 3 in _rows(killed), 300, proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (killed / "checkpoints" / "step_00000004").exists()
+    subprocess.run(_cmd(killed, 4), env=_env(), check=True, timeout=300)
+    resumed = _rows(killed)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert _deterministic(resumed[step]) == _deterministic(rows[step]), step
+
+    # SIGTERM to the launcher: every rank checkpoints the step it finished, exit code 143.
+    term = tmp_path / "term"
+    proc = subprocess.Popen(_cmd(term, 50), env=_env())
+    _wait_for(lambda: (term / "metrics.jsonl").exists() and 1 in _rows(term), 300, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    last = max(_rows(term))
+    assert (term / "checkpoints" / f"step_{last:08d}" / "COMPLETE").is_file()
+
+
+def test_dry_run_and_config_errors(tmp_path, capsys):
+    from pacs_megatron.cli import main
+
+    out = tmp_path / "dry"
+    assert main(["train", "--config", str(CONFIG), "--dry-run", f"trainer.output_dir={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert "world_size" in printed and "tp: 2" in printed
+    assert not out.exists()  # nothing heavy happened
+    assert main(["train", "--config", str(CONFIG), "algorithm.micro_batch_size=7"]) == 2
+    assert main(["train", "--config", str(CONFIG), "parallel.tp=4"]) == 2

@@ -1,0 +1,123 @@
+"""WeightSync's push accounting and probe tolerance, on a fake actor and a fake engine."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pacs_megatron.config import SyncConfig
+from pacs_megatron.weight_sync import SyncResult, WeightSync, WeightSyncError, probe_batch
+
+VOCAB = 50
+
+
+class FakeActor:
+    """Exports fixed tensors; its log-probs of token t are -scale * (1 + t % 7) (position 0 holds 0)."""
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+        self.tensors = [("a", torch.ones(256)), ("b", torch.ones(256, 2)), ("ids", torch.arange(4))]
+
+    def export_hf_weights(self):
+        yield from self.tensors
+
+    def reference(self, ids: torch.Tensor) -> torch.Tensor:
+        lp = -self.scale * (1.0 + (ids % 7).double())
+        lp[..., 0] = 0.0
+        return lp
+
+    def compute_logprobs(self, batch, micro_batch_size, temperature):
+        assert temperature == 1.0 and micro_batch_size == len(batch)
+        return SimpleNamespace(token_logp=self.reference(batch.input_ids).float())
+
+
+class FakeEngine:
+    """Receives buckets; returns the actor's log-probs plus ``error(position)`` at every token."""
+
+    def __init__(self, actor: FakeActor, error=lambda t: 0.0):
+        self.actor, self.error = actor, error
+        self.received: list[list[tuple[str, torch.Tensor]]] = []
+
+    def update_weights(self, buckets):
+        self.received = [list(b) for b in buckets]
+        return sum(len(b) for b in self.received)
+
+    def logprobs(self, token_ids, temperature=1.0):
+        out = []
+        for seq in token_ids:
+            ref = self.actor.reference(torch.tensor(seq))[1:]
+            out.append(torch.tensor([r + self.error(t) for t, r in enumerate(ref.tolist(), 1)], dtype=torch.float64))
+        return out
+
+
+def _sync(actor, engine, param_dtype=torch.float32, **cfg):
+    return WeightSync(actor, engine, SyncConfig(**cfg), VOCAB, param_dtype)
+
+
+def test_push_counts_buckets_and_bytes_and_casts():
+    actor = FakeActor()
+    engine = FakeEngine(actor)
+    res = _sync(actor, engine, bucket_mb=1, dtype="bfloat16").push()
+    assert res.buckets == 1 and math.isnan(res.max_logprob_diff) and res.seconds > 0
+    assert res.gbytes == pytest.approx((256 * 2 + 512 * 2 + 4 * 8) / 1e9)
+    dtypes = {n: t.dtype for b in engine.received for n, t in b}
+    assert dtypes == {"a": torch.bfloat16, "b": torch.bfloat16, "ids": torch.int64}
+    m = SyncResult(seconds=2.0, gbytes=1.0, max_logprob_diff=0.5, buckets=3).metrics()
+    assert m == {
+        "sync/seconds": 2.0,
+        "sync/gbytes": 1.0,
+        "sync/gbytes_per_s": 0.5,
+        "sync/max_logprob_diff": 0.5,
+        "sync/buckets": 3.0,
+    }
+
+
+def test_exact_engine_passes_with_zero_difference():
+    actor = FakeActor()
+    res = _sync(actor, FakeEngine(actor)).sync()
+    assert res.max_logprob_diff == 0.0 and res.buckets == 1
+
+
+def test_tolerance_is_relative_to_the_logprob_magnitude():
+    # |logp| ~ 40 * (1..7): an absolute error of 2e-4 is float32 rounding there, 5e-6 relative: passes
+    big = FakeActor(scale=40.0)
+    res = _sync(big, FakeEngine(big, lambda t: 2e-4)).sync()
+    assert res.max_logprob_diff == pytest.approx(2e-4, rel=1e-6)
+    # the same 2e-4 on log-probs of magnitude ~1 is 2e-4 relative (> 1e-5): a wrong weight
+    small = FakeActor(scale=0.1)
+    with pytest.raises(WeightSyncError, match=r"differ from the actor's by 0.0002 .*> sync.probe_tolerance 1e-05"):
+        _sync(small, FakeEngine(small, lambda t: 2e-4)).sync()
+    # one bad position is enough
+    with pytest.raises(WeightSyncError):
+        _sync(big, FakeEngine(big, lambda t: 1.0 if t == 5 else 0.0)).sync()
+
+
+def test_default_tolerance_follows_the_dtype_sent():
+    actor = FakeActor(scale=0.5)
+    err = FakeEngine(actor, lambda t: 0.02)  # 0.02 / max(1, |logp|) <= 0.02
+    assert _sync(actor, err, param_dtype=torch.bfloat16).sync().max_logprob_diff == pytest.approx(0.02)
+    assert _sync(actor, err, dtype="bfloat16").tolerance == 5e-2
+    with pytest.raises(WeightSyncError):
+        _sync(actor, err).sync()  # float32: 1e-5
+    with pytest.raises(WeightSyncError):
+        _sync(actor, FakeEngine(actor, lambda t: 0.2), param_dtype=torch.bfloat16).sync()
+    # an explicit tolerance wins over the dtype default
+    assert _sync(actor, err, probe_tolerance=0.05).sync().max_logprob_diff == pytest.approx(0.02)
+    with pytest.raises(WeightSyncError):
+        _sync(actor, err, param_dtype=torch.bfloat16, probe_tolerance=0.01).sync()
+
+
+def test_no_probe_sequences_means_no_probe():
+    actor = FakeActor()
+    res = _sync(actor, FakeEngine(actor, lambda t: 100.0), probe_sequences=0).sync()
+    assert math.isnan(res.max_logprob_diff)
+
+
+def test_probe_batch_is_fixed_and_in_vocabulary():
+    a, b = probe_batch(VOCAB, 3), probe_batch(VOCAB, 3)
+    assert torch.equal(a.input_ids, b.input_ids) and len(a) == 3
+    assert int(a.input_ids.max()) < VOCAB and int(a.input_ids.min()) >= 0
+    assert not torch.equal(a.input_ids, probe_batch(VOCAB, 3, seed=7).input_ids)

@@ -343,7 +343,9 @@ class SyncConfig:
     """Fixed sequences whose engine log-probs are compared with the actor's after every sync."""
     probe_tolerance: float = -1.0
     """Max allowed per-token |engine - actor| log-prob, scaled by max(1, |logp|) (float32 rounding grows
-    with the magnitude); -1: 1e-5 for float32, 5e-2 for bfloat16."""
+    with the magnitude); -1: 1e-4 for float32, 5e-2 for bfloat16. Two correct fp32 implementations
+    (HF transformers vs Megatron) were measured up to 1.2e-5 apart on a trained tiny model; a wrong or
+    missing tensor moves log-probs by 1e-1 and more."""
 
     def __post_init__(self) -> None:
         _positive("sync.bucket_mb", self.bucket_mb)

@@ -17,6 +17,7 @@ from pacs_megatron.utils.checkpoint import CheckpointManager
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress
 from pacs_megatron.utils.preemption import EXIT_PREEMPTED, PreemptionFlag
+from pacs_megatron.weight_sync import WeightSyncError
 
 logger = get_logger(__name__)
 
@@ -52,16 +53,22 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         with timer("rollout"):
             records = c.dataset.next_batch(cfg.trainer.train_batch_size)
             batch, metrics, samples = stages.collect_batch(cfg, c, records, step)
+            c.engine.sleep()  # colocated: free the engine's memory while the actor trains
         with timer("old_logprob"):
             local, m = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size)
             metrics |= m
         with timer("update"):
             metrics |= stages.update_actor(cfg, c.actor, local, rt.groups.dp_size)
         with timer("sync"):
-            metrics |= c.sync.sync().metrics()
+            try:
+                metrics |= c.sync.sync().metrics()
+            except WeightSyncError:  # the engine is wrong, the actor is not: keep its update, then stop
+                ckpt.save(step, lambda d, s=step: c.save(d, s))
+                raise
         if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
             with timer("eval"):
                 metrics |= stages.validate(cfg, c, step)
+                c.engine.sleep()
         metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0}
         metrics["perf/tokens_per_s"] = metrics["data/tokens"] / metrics["timing/step_s"]
         writer.log(step, metrics)

@@ -21,13 +21,13 @@ from functools import partial
 import torch
 
 from pacs_megatron.actor import checkpoint as ckpt
-from pacs_megatron.actor.forward import forward_logprobs, micro_batches, run_schedule
+from pacs_megatron.actor.forward import forward_logprobs, run_schedule
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
 from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
 from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, train_loss_func
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import TrainBatch
+from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.pacs import get_loss
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
@@ -144,7 +144,7 @@ class MegatronActor:
         loss = get_loss(name)
         check_train_batch(batch, loss, name)
         mbs = self.cfg.algorithm.micro_batch_size
-        micro = micro_batches(batch, mbs if len(batch) >= mbs else len(batch))
+        micro = split_micro_batches(batch, min(mbs, len(batch)))
         make = partial(
             train_loss_func,
             spec=self.spec,

@@ -96,22 +96,30 @@ def shard_from_hf(kind: str, hf: list[torch.Tensor], spec: ModelSpec, tp_rank: i
 
 
 def hf_from_shards(kind: str, shards: list[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
-    """The full HF tensors of one parameter from its shards in TP-rank order (inverse of shard_from_hf)."""
+    """The full HF tensors of one parameter from its shards in TP-rank order (inverse of shard_from_hf).
+
+    With one shard (TP=1) no copy is made: the results may be views of the shard."""
+
+    def cat(dim: int) -> torch.Tensor:
+        return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
+
     if kind == "rep":
         return [shards[0]]
     if kind == "vocab":
-        return [torch.cat(shards, dim=0)[: spec.vocab_size]]
+        return [cat(0)[: spec.vocab_size]]
     if kind == "row":
-        return [torch.cat(shards, dim=1)]
+        return [cat(1)]
     if kind in ("qkv_w", "qkv_b"):
         ng, hd, rep = spec.num_kv_heads, spec.head_dim, spec.num_heads // spec.num_kv_heads
-        full = torch.cat(shards, dim=0)
+        full = cat(0)
         rest = full.shape[1:]
         grouped = full.reshape(ng, (rep + 2) * hd, *rest)
         q, k, v = grouped.split([rep * hd, hd, hd], dim=1)
         return [q.reshape(ng * rep * hd, *rest), k.reshape(ng * hd, *rest), v.reshape(ng * hd, *rest)]
     if kind == "fc1":
         halves = [s.chunk(2, dim=0) for s in shards]
+        if len(halves) == 1:
+            return list(halves[0])
         return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
     raise ValueError(f"unknown layout kind {kind!r}")
 

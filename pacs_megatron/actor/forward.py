@@ -20,9 +20,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from pacs_megatron.actor.logprob_shim import fused_logprobs
 from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
-from pacs_megatron.data.batching import TrainBatch
+from pacs_megatron.data.batching import TrainBatch, split_micro_batches
+from pacs_megatron.ops import fused_logprobs
 from pacs_megatron.parallel import ParallelGroups
 
 
@@ -52,21 +52,6 @@ def token_logprobs(
     token_logp = F.pad(rec.token_logp.float(), (1, 0))
     entropy = F.pad(rec.entropy.float(), (1, 0)) if with_entropy else None
     return token_logp, entropy
-
-
-def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
-    """Consecutive micro-batches of whole prompt groups (ValueError when a group would be split)."""
-    n = batch.group_size
-    if micro_batch_size % n:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} would split a prompt group of {n} responses: use a multiple of {n}"
-        )
-    if len(batch) % micro_batch_size:
-        raise ValueError(
-            f"the batch has {len(batch)} rows, not a multiple of micro_batch_size={micro_batch_size}: every "
-            "micro-batch of a pass must have the same size (pipeline buffers are shaped from it)"
-        )
-    return [batch.rows(s, s + micro_batch_size) for s in range(0, len(batch), micro_batch_size)]
 
 
 LossFactory = Callable[[TrainBatch, torch.Tensor, bool], Callable]
@@ -166,7 +151,7 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """No-grad log-probs of ``batch`` ``[B, T]`` (+ entropy) on every rank of this pipeline (CPU tensors)."""
     B, T = batch.input_ids.shape
-    micro = micro_batches(batch, min(micro_batch_size, B))
+    micro = split_micro_batches(batch, min(micro_batch_size, B))
     make = partial(logprob_loss_func, spec=spec, groups=groups, temperature=temperature, with_entropy=with_entropy)
     with torch.no_grad():
         store = run_schedule(chunks, micro, make, groups, forward_only=True)

@@ -70,7 +70,8 @@ def export_hf_weights(
     """Yield ``(hf_name, full tensor)`` on every rank of the pipeline, in HF order (collective).
 
     Tensors are on ``groups.device``, in ``dtype`` (default: the parameters' dtype). Only one
-    parameter's full tensors exist at a time.
+    parameter's full tensors exist at a time. They may be views of (or the) live parameters, possibly
+    non-contiguous: consume them before the next optimizer step, and copy for storage.
     """
     local = _local_params(chunks, spec)
     shapes = hf_shapes(spec)
@@ -82,13 +83,15 @@ def export_hf_weights(
             if hf_names not in local:
                 raise RuntimeError(f"stage {owner} should hold {hf_names} but has no such parameter")
             kind, shard = local[hf_names]
-            shard = shard.detach().contiguous()
+            shard = shard.detach()
             if groups.tp_size > 1:
                 shards = [torch.empty_like(shard) for _ in range(groups.tp_size)]
-                dist.all_gather(shards, shard, group=groups.tp_group)
+                dist.all_gather(shards, shard.contiguous(), group=groups.tp_group)
             else:
                 shards = [shard]
-            tensors = [t.to(out_dtype).contiguous() for t in hf_from_shards(kind, shards, spec)]
+            tensors = [t.to(out_dtype) for t in hf_from_shards(kind, shards, spec)]
+            if groups.pp_size > 1:  # collectives need contiguous buffers; a local consumer does not
+                tensors = [t.contiguous() for t in tensors]
         else:
             tensors = [torch.empty(shapes[n], dtype=out_dtype, device=groups.device) for n in hf_names]
         if groups.pp_size > 1:
@@ -116,7 +119,7 @@ def save_hf(
         return
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    files = write_safetensors(((n, t.cpu()) for n, t in items), out)
+    files = write_safetensors(((n, t.to("cpu", copy=True)) for n, t in items), out)  # own storage per tensor
     written_dtype = dtype or next(p for c in chunks for p in c.parameters()).dtype
     hf_config.dtype = written_dtype  # transformers >= 4.56 name; older versions read torch_dtype
     hf_config.save_pretrained(out)

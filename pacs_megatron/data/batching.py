@@ -119,7 +119,10 @@ def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainB
             "use a multiple of rollout.n"
         )
     if len(batch) % micro_batch_size:
-        raise ValueError(f"{len(batch)} rows do not split into micro-batches of {micro_batch_size}")
+        raise ValueError(
+            f"the batch has {len(batch)} rows, not a multiple of micro_batch_size={micro_batch_size}: every "
+            "micro-batch of a pass must have the same size (pipeline buffers are shaped from it)"
+        )
     return [batch.rows(s, s + micro_batch_size) for s in range(0, len(batch), micro_batch_size)]
 
 

@@ -13,7 +13,6 @@ from transformers import LlamaConfig, Qwen2Config
 
 from pacs_megatron.actor.convert import hf_from_shards, hf_shapes, shard_from_hf
 from pacs_megatron.actor.hf_io import SafetensorsReader, write_safetensors
-from pacs_megatron.actor.logprob_shim import _fallback_logprobs
 from pacs_megatron.actor.model import llama3_inv_freq, mask_padded_vocab, model_spec_from_hf
 from pacs_megatron.config import ConfigError
 
@@ -128,22 +127,6 @@ def test_safetensors_sharded_write_and_read(tmp_path):
         reader.get("missing")
     with pytest.raises(FileNotFoundError, match="model.init=random"):
         SafetensorsReader(tmp_path / "empty")
-
-
-def test_fallback_logprobs_match_the_ops_package():
-    from pacs_megatron.ops import fused_logprobs
-
-    logits = torch.randn(2, 5, 11, requires_grad=True)
-    targets = torch.randint(0, 11, (2, 5))
-    mask = torch.rand(2, 5) > 0.3
-    a = _fallback_logprobs(logits, targets, mask, temperature=0.7, return_entropy=True)
-    b = fused_logprobs(logits, targets, mask, temperature=0.7, return_entropy=True)
-    assert torch.allclose(a.token_logp, b.token_logp, atol=1e-6)
-    assert torch.allclose(a.seq_logp, b.seq_logp, atol=1e-5)
-    assert torch.allclose(a.entropy, b.entropy, atol=1e-5)
-    (ga,) = torch.autograd.grad(a.token_logp.sum(), logits)
-    (gb,) = torch.autograd.grad(b.token_logp.sum(), logits)
-    assert torch.allclose(ga, gb, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- one process: Llama, init

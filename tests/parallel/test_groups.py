@@ -32,15 +32,14 @@ def test_layout_checks_name_the_field_and_fix():
 def test_group_splitting_micro_batches_rejected():
     with pytest.raises(ConfigError, match="would split a prompt group"):
         RunConfig(rollout=RolloutConfig(n=4), algorithm=AlgorithmConfig(micro_batch_size=6))
-    from pacs_megatron.actor.forward import micro_batches
-    from pacs_megatron.data.batching import build_train_batch
+    from pacs_megatron.data.batching import build_train_batch, split_micro_batches
 
     batch = build_train_batch([[1]] * 8, [[2]] * 8, [0.0] * 8, group_size=4, pad_id=0)
-    assert [len(m) for m in micro_batches(batch, 4)] == [4, 4]
+    assert [len(m) for m in split_micro_batches(batch, 4)] == [4, 4]
     with pytest.raises(ValueError, match="would split a prompt group of 4"):
-        micro_batches(batch, 2)
+        split_micro_batches(batch, 2)
     with pytest.raises(ValueError, match="not a multiple of micro_batch_size=8"):
-        micro_batches(batch.rows(0, 4), 8)
+        split_micro_batches(batch.rows(0, 4), 8)
 
 
 def _groups_body(rank, world):

@@ -391,7 +391,7 @@ def _free_port() -> int:
 def test_real_engine_matches_transformers(tmp_path, monkeypatch):
     """Written for GPU, never run here: vLLM log-probs vs transformers, a weight round trip, sleep/wake."""
     pytest.importorskip("vllm")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from pacs_megatron.rollout.hf_engine import HFEngine
 
@@ -400,7 +400,7 @@ def test_real_engine_matches_transformers(tmp_path, monkeypatch):
     )
     model_dir = write_tiny_model_dir(tmp_path / "m", shape)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_pretrained(str(model_dir)).save_pretrained(str(model_dir))  # random weights on disk
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir))).save_pretrained(str(model_dir))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(k, v)

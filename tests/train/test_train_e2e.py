@@ -26,6 +26,7 @@ SMALL = [
     "algorithm.micro_batch_size=20",
     "trainer.sft_warmup_steps=2",
     "trainer.save_freq=2",
+    "trainer.test_freq=2",
     "logging.progress_bar=false",
     "reward.fn=flaky_reward:score",
 ]
@@ -108,6 +109,7 @@ def test_train_resume_sigkill_and_sigterm(tmp_path):
         "pacs/first_minibatch_max_logratio",
     ):
         assert key in rows[1], key
+    assert "val/arith/pass@1" in rows[2] and "val/arith/pass@4" in rows[4] and "timing/eval_s" in rows[2]
     # batch-invariant log-probs: the first training forward reproduces the old log-probs exactly
     assert all(r["pacs/first_minibatch_max_logratio"] == 0.0 for r in rows.values())
     assert sum(r["reward/errors"] for r in rows.values()) > 0  # the broken reward was hit, the run went on

@@ -75,6 +75,18 @@ def test_push_counts_buckets_and_bytes_and_casts():
     }
 
 
+def test_engine_that_loads_in_place_gets_the_stream_tensor_by_tensor_uncast():
+    actor = FakeActor()
+    streaming = FakeEngine(actor)
+    streaming.loads_in_place = True
+    sync = _sync(actor, streaming, bucket_mb=1, dtype="bfloat16")
+    res = sync.push()
+    assert res.buckets == 3 and [len(b) for b in streaming.received] == [1, 1, 1]
+    assert {t.dtype for b in streaming.received for _, t in b} == {torch.float32, torch.int64}  # it casts itself
+    assert res.gbytes == pytest.approx((1024 + 2048 + 32) / 1e9)
+    assert sync.tolerance == 5e-2  # the probe still judges the dtype the engine holds
+
+
 def test_exact_engine_passes_with_zero_difference():
     actor = FakeActor()
     res = _sync(actor, FakeEngine(actor)).sync()
@@ -82,14 +94,20 @@ def test_exact_engine_passes_with_zero_difference():
 
 
 def test_tolerance_is_relative_to_the_logprob_magnitude():
-    # |logp| ~ 40 * (1..7): an absolute error of 2e-4 is float32 rounding there, 5e-6 relative: passes
-    big = FakeActor(scale=40.0)
-    res = _sync(big, FakeEngine(big, lambda t: 2e-4)).sync()
-    assert res.max_logprob_diff == pytest.approx(2e-4, rel=1e-6)
-    # the same 2e-4 on log-probs of magnitude ~1 is 2e-4 relative (> 1e-5): a wrong weight
+    big = FakeActor(scale=40.0)  # |logp| = 40 .. 280
+    tol = _sync(big, FakeEngine(big)).tolerance
+    assert 0 < tol < 1e-3  # float32 default
+    # an absolute error of 20 * tol is float32-rounding sized next to |logp| >= 40 (0.5 tol relative): passes
+    res = _sync(big, FakeEngine(big, lambda t: 20 * tol)).sync()
+    assert res.max_logprob_diff == pytest.approx(20 * tol, rel=1e-6)
+    # the same absolute error on log-probs of magnitude < 1 is 20 tol relative: a wrong weight
     small = FakeActor(scale=0.1)
-    with pytest.raises(WeightSyncError, match=r"differ from the actor's by 0.0002 .*> sync.probe_tolerance 1e-05"):
-        _sync(small, FakeEngine(small, lambda t: 2e-4)).sync()
+    with pytest.raises(WeightSyncError, match=rf"differ from the actor's by {20 * tol:.3g} .*> sync.probe_tolerance"):
+        _sync(small, FakeEngine(small, lambda t: 20 * tol)).sync()
+    # just under / over the bound at |logp| < 1
+    assert _sync(small, FakeEngine(small, lambda t: 0.9 * tol)).sync().max_logprob_diff < tol
+    with pytest.raises(WeightSyncError):
+        _sync(small, FakeEngine(small, lambda t: 1.1 * tol)).sync()
     # one bad position is enough
     with pytest.raises(WeightSyncError):
         _sync(big, FakeEngine(big, lambda t: 1.0 if t == 5 else 0.0)).sync()
@@ -100,8 +118,9 @@ def test_default_tolerance_follows_the_dtype_sent():
     err = FakeEngine(actor, lambda t: 0.02)  # 0.02 / max(1, |logp|) <= 0.02
     assert _sync(actor, err, param_dtype=torch.bfloat16).sync().max_logprob_diff == pytest.approx(0.02)
     assert _sync(actor, err, dtype="bfloat16").tolerance == 5e-2
+    assert _sync(actor, err).tolerance < 5e-2
     with pytest.raises(WeightSyncError):
-        _sync(actor, err).sync()  # float32: 1e-5
+        _sync(actor, err).sync()  # float32 default
     with pytest.raises(WeightSyncError):
         _sync(actor, FakeEngine(actor, lambda t: 0.2), param_dtype=torch.bfloat16).sync()
     # an explicit tolerance wins over the dtype default

@@ -141,7 +141,7 @@ def test_sync_into_hf_engine(model_dirs, layout, tp, pp, model):
         assert r["before"] > 1e-2, where  # the check below can fail: the engine starts elsewhere
         assert r["weight_change"] > 1e-4, where
         assert r["probe"] <= 1e-5 and r["after"] <= 1e-5, where
-        assert r["buckets"] == 1 and r["gbytes"] > 0, where
+        assert r["buckets"] == r["params"] and r["gbytes"] > 0, where  # the HF engine streams tensor by tensor
         assert "does not hold the actor's weights" in r["corrupt"] and r["corrupt_diff"] > 1e-3, where
         assert r["small_buckets"] > 5 and r["written"] == r["params"], where
         assert r["restored"] <= 1e-5, where

@@ -9,7 +9,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/_dist.py for spawned children
-os.environ.setdefault("PACS_DATA_ROOT", str(REPO.parent / "shared" / "data"))
+if "PACS_DATA_ROOT" not in os.environ:
+    from pacs_megatron.config import DataConfig
+
+    os.environ["PACS_DATA_ROOT"] = str(DataConfig().resolved_root())
 
 
 def pytest_collection_modifyitems(config, items):

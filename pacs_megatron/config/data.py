@@ -1,0 +1,93 @@
+"""Dataset and reward settings."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pacs_megatron.config.base import ConfigError, _choice, _positive
+
+
+@dataclass
+class ArithTaskConfig:
+    """The synthetic verifiable task of the CPU default: "a+b=" answered by the digits of the sum."""
+
+    max_operand: int = 9
+    """Operands are drawn from 0..max_operand."""
+    modulo: int = 10
+    """Answers are (a + b) % modulo, a one-token answer; 0 disables the modulo."""
+    num_problems: int = 0
+    """Distinct problems in the train set; 0 means all (max_operand + 1)^2 pairs."""
+
+    def __post_init__(self) -> None:
+        _positive("data.arith.max_operand", self.max_operand)
+        _positive("data.arith.modulo", self.modulo, allow_zero=True)
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets."""
+
+    task: str = "math"
+    """"math" (JSONL/parquet math problems) or "arith" (the built-in synthetic task)."""
+    data_root: str = ""
+    """Folder that dataset names resolve against; empty: $PACS_DATA_ROOT, else ../shared/data."""
+    train_files: list[str] = field(default_factory=lambda: ["deepscaler_subset803"])
+    """Train sets: names of the shared sets (math_train, deepscaler_subset803, ...) or file paths."""
+    val_files: list[str] = field(default_factory=lambda: ["math500"])
+    """Validation sets (names or paths) for periodic pass@k."""
+    chat_template: str = "qwen2.5"
+    """"qwen2.5" (ChatML, shipped in the package) or "none" (raw prompt text)."""
+    max_prompt_length: int = 512
+    """Prompts longer than this (in tokens) are handled per ``overlong_prompts``."""
+    overlong_prompts: str = "drop"
+    """"drop" (counted in the log) or "error"."""
+    bad_records: str = "error"
+    """Malformed rows: "error" (file, line and field named) or "skip" (counted)."""
+    shuffle: bool = True
+    """Shuffle each epoch, deterministically from ``seed``."""
+    seed: int = 42
+    """Shuffling seed."""
+    arith: ArithTaskConfig = field(default_factory=ArithTaskConfig)
+    """Settings of the synthetic task (task=arith)."""
+
+    def __post_init__(self) -> None:
+        _choice("data.task", self.task, ("math", "arith"))
+        _choice("data.chat_template", self.chat_template, ("qwen2.5", "none"))
+        _choice("data.overlong_prompts", self.overlong_prompts, ("drop", "error"))
+        _choice("data.bad_records", self.bad_records, ("error", "skip"))
+        _positive("data.max_prompt_length", self.max_prompt_length)
+        if self.task == "math" and not self.train_files:
+            raise ConfigError("data.train_files is empty: name at least one set, e.g. data.train_files=[math_train]")
+
+    def resolved_root(self) -> Path:
+        """``data_root``, else $PACS_DATA_ROOT, else the first existing of ``<repo>/../shared/data``,
+        ``<repo>/shared/data`` and ``./shared/data`` (the repo's neighbour by default)."""
+        if self.data_root:
+            return Path(self.data_root)
+        env = os.environ.get("PACS_DATA_ROOT")
+        if env:
+            return Path(env)
+        repo = Path(__file__).resolve().parents[2]
+        candidates = [repo.parent / "shared" / "data", repo / "shared" / "data", Path.cwd() / "shared" / "data"]
+        return next((c for c in candidates if c.is_dir()), candidates[0])
+
+
+@dataclass
+class RewardConfig:
+    """The verifiable reward."""
+
+    fn: str = "math"
+    """"math" (math-verify), "arith" (exact match of the synthetic task) or "module.path:function"
+    with signature (prompt, response, ground_truth, extra) -> float."""
+    num_workers: int = 2
+    """Scoring processes (math-verify's timeouts only work outside threads)."""
+    timeout_s: float = 10.0
+    """Per-response scoring timeout; a timeout scores 0 and is counted."""
+
+    def __post_init__(self) -> None:
+        if self.fn not in ("math", "arith") and ":" not in self.fn:
+            raise ConfigError(f"reward.fn={self.fn!r}: use 'math', 'arith' or 'package.module:function'")
+        _positive("reward.num_workers", self.num_workers, allow_zero=True)
+        _positive("reward.timeout_s", self.timeout_s)

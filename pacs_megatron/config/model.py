@@ -1,0 +1,96 @@
+"""Model and parallel-layout settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pacs_megatron.config.base import ConfigError, _choice, _positive
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of a randomly initialised Qwen2 model (``model.init=tiny``); vocab comes from the tokenizer."""
+
+    hidden_size: int = 128
+    """Model width."""
+    num_layers: int = 2
+    """Transformer layers (must divide by parallel.pp * vpp)."""
+    num_attention_heads: int = 4
+    """Query heads (must divide by parallel.tp)."""
+    num_key_value_heads: int = 2
+    """KV heads for GQA (must divide by parallel.tp)."""
+    intermediate_size: int = 256
+    """SwiGLU hidden width."""
+    max_position_embeddings: int = 128
+    """Longest sequence the model is configured for."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and the LM head, as small Qwen2.5 models do."""
+
+    def __post_init__(self) -> None:
+        for k in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            _positive(f"model.tiny.{k}", getattr(self, k))
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError("model.tiny.hidden_size must be a multiple of model.tiny.num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("model.tiny.num_attention_heads must be a multiple of model.tiny.num_key_value_heads")
+
+
+@dataclass
+class ModelConfig:
+    """Which model the actor trains and how it is initialised."""
+
+    path: str = ""
+    """Hugging Face model directory (config.json, *.safetensors, tokenizer). For init=tiny it is
+    created (config + tokenizer of the synthetic task) when missing."""
+    init: str = "pretrained"
+    """"pretrained": load the safetensors in ``path``; "random": config.json only, random weights;
+    "tiny": build a tiny Qwen2 from ``model.tiny`` and the task's tokenizer."""
+    tokenizer: str = ""
+    """Tokenizer directory; empty means ``path``."""
+    dtype: str = "auto"
+    """Parameter dtype: "auto" (bfloat16 on GPU, float32 on CPU), "float32" or "bfloat16"."""
+    seed: int = 1234
+    """Seed of random initialisation."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape used when init=tiny."""
+    recompute_activations: bool = False
+    """Full activation recomputation per layer (saves memory for long responses)."""
+
+    def __post_init__(self) -> None:
+        _choice("model.init", self.init, ("pretrained", "random", "tiny"))
+        _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        if not self.path:
+            raise ConfigError(
+                "model.path is empty: set it to a Hugging Face model directory (model.path=/ckpt/Qwen2.5-7B)"
+            )
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron-Core layout: world size = tp * pp * dp."""
+
+    tp: int = 1
+    """Tensor-parallel size (must divide attention heads and KV heads)."""
+    pp: int = 1
+    """Pipeline-parallel size (must divide the layers, times vpp)."""
+    vpp: int = 1
+    """Virtual pipeline stages per rank (interleaved 1F1B); 1 disables interleaving."""
+    dp: int = 1
+    """Data-parallel size. A self-launched run starts tp * pp * dp local processes."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs Transformer Engine or Apex, and tp > 1)."""
+    backend: str = "auto"
+    """torch.distributed backend: "auto" (nccl with GPUs, gloo without), "nccl" or "gloo"."""
+
+    def __post_init__(self) -> None:
+        for k in ("tp", "pp", "vpp", "dp"):
+            _positive(f"parallel.{k}", getattr(self, k))
+        _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is a pipeline schedule)")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp

@@ -1,0 +1,148 @@
+"""Algorithm, optimizer, trainer-loop and logging settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pacs_megatron.config.base import ConfigError, _choice, _positive
+from pacs_megatron.pacs.config import PACSConfig, PolicyLossConfig
+
+
+@dataclass
+class AlgorithmConfig:
+    """Which loss trains the actor, and how the batch is cut for it."""
+
+    loss: str = "pacs"
+    """"pacs" (default), or the paper's baselines "grpo" and "ppo" (PPO-clip, critic-free)."""
+    pacs: PACSConfig = field(default_factory=PACSConfig)
+    """PACS settings (beta, reward_method, adv_estimator, weight_mode)."""
+    policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """GRPO / PPO-clip settings (clip ratios, loss aggregation, advantage)."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    mini_batch_size: int = 0
+    """Prompts per optimizer step (all their n responses); 0 means the whole train batch."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward, per data-parallel rank: a multiple of rollout.n, so a prompt
+    group is never split (PACS needs the whole group in one loss)."""
+    logprob_micro_batch_size: int = 0
+    """Sequences per forward of the old-log-prob pass; 0 means micro_batch_size. Any value gives
+    bit-identical log-probs on CPU (batch invariance)."""
+
+    def __post_init__(self) -> None:
+        _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo"))
+        _positive("algorithm.ppo_epochs", self.ppo_epochs)
+        _positive("algorithm.mini_batch_size", self.mini_batch_size, allow_zero=True)
+        _positive("algorithm.micro_batch_size", self.micro_batch_size)
+        _positive("algorithm.logprob_micro_batch_size", self.logprob_micro_batch_size, allow_zero=True)
+
+    def loss_config(self) -> PACSConfig | PolicyLossConfig:
+        """The sub-config the selected loss reads, with ``policy.adv_estimator=auto`` resolved."""
+        if self.loss == "pacs":
+            return self.pacs
+        estimator = self.policy.adv_estimator
+        if estimator == "auto":
+            estimator = "rloo" if self.loss == "ppo" else "grpo"
+        return replace(self.policy, adv_estimator=estimator)
+
+
+@dataclass
+class OptimizerConfig:
+    """Megatron optimizer (Adam) and learning-rate schedule."""
+
+    lr: float = 1e-6
+    """Peak learning rate (the paper: 1e-6)."""
+    min_lr: float = 0.0
+    """Floor of the decay."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip; 0 disables clipping. A non-finite norm skips the step (counted)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up, in optimizer steps."""
+    lr_decay_style: str = "constant"
+    """"constant", "linear" or "cosine" (to min_lr at the last optimizer step)."""
+    use_distributed_optimizer: str = "auto"
+    """Shard optimizer state over DP: "auto" (on with GPUs), "true" or "false"."""
+
+    def __post_init__(self) -> None:
+        _positive("optimizer.lr", self.lr)
+        _positive("optimizer.clip_grad", self.clip_grad, allow_zero=True)
+        _choice("optimizer.lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine"))
+        _choice(
+            "optimizer.use_distributed_optimizer",
+            str(self.use_distributed_optimizer).lower(),
+            ("auto", "true", "false"),
+        )
+        self.use_distributed_optimizer = str(self.use_distributed_optimizer).lower()
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: length, batch, validation, checkpoints."""
+
+    total_steps: int = 100
+    """RL steps (each: rollout, update, sync)."""
+    train_batch_size: int = 32
+    """Prompts per step (each gets rollout.n responses)."""
+    output_dir: str = "outputs/run"
+    """Where metrics.jsonl, TensorBoard, rollouts, checkpoints and plots go."""
+    save_freq: int = 0
+    """Checkpoint every this many steps (0: only at the end and on SIGTERM/SIGUSR1)."""
+    test_freq: int = 0
+    """Validate (pass@k on data.val_files) every this many steps; 0 disables it."""
+    resume: str = "auto"
+    """"auto" (latest complete checkpoint in output_dir, if any), "never", or a checkpoint path."""
+    seed: int = 42
+    """Seed of everything not seeded elsewhere."""
+    export_hf: bool = False
+    """Also write Hugging Face safetensors with each checkpoint."""
+    sft_warmup_steps: int = 0
+    """Supervised steps before RL (the synthetic task uses it to learn the answer *format* only)."""
+    val_n: int = 4
+    """Samples per validation problem."""
+    val_k: list[int] = field(default_factory=lambda: [1])
+    """k values of the reported pass@k (each <= val_n)."""
+    val_temperature: float = 0.6
+    """Validation sampling temperature."""
+    val_top_p: float = 0.95
+    """Validation nucleus sampling."""
+    val_max_problems: int = 0
+    """Cap on problems per validation set (0: all)."""
+    log_rollouts: int = 4
+    """Rollout samples saved per step to rollouts.jsonl."""
+    dry_run: bool = False
+    """Validate the config and layout, print them, and exit before any heavy work."""
+
+    def __post_init__(self) -> None:
+        _positive("trainer.total_steps", self.total_steps, allow_zero=True)
+        _positive("trainer.train_batch_size", self.train_batch_size)
+        _positive("trainer.save_freq", self.save_freq, allow_zero=True)
+        _positive("trainer.test_freq", self.test_freq, allow_zero=True)
+        _positive("trainer.val_n", self.val_n)
+        for k in self.val_k:
+            if not 1 <= k <= self.val_n:
+                raise ConfigError(f"trainer.val_k has {k}: each k must be in 1..trainer.val_n={self.val_n}")
+
+
+@dataclass
+class LoggingConfig:
+    """Where and how metrics are reported (rank 0 only)."""
+
+    level: str = "INFO"
+    """Log level of the package logger."""
+    tensorboard: bool = True
+    """Write TensorBoard events under output_dir/tb."""
+    wandb_project: str = ""
+    """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
+    progress_bar: bool = True
+    """Rich progress bar with ETA on rank 0."""
+
+    def __post_init__(self) -> None:
+        _choice("logging.level", self.level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))

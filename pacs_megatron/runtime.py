@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +97,6 @@ class Components:
     """RewardScorer."""
     sync: Any
     """WeightSync (actor -> engine, probed)."""
-    stop_ids: tuple[int, ...] = field(default=())
-    """Extra stop tokens of sampling."""
 
     @property
     def pad_id(self) -> int:

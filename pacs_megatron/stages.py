@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
 
 import torch
 
@@ -21,7 +20,7 @@ from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.types import Response, SamplingParams
 
 
-def train_sampling(cfg: RunConfig, stop_token_ids: Sequence[int] = ()) -> SamplingParams:
+def train_sampling(cfg: RunConfig) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(
         n=r.n,
@@ -30,7 +29,6 @@ def train_sampling(cfg: RunConfig, stop_token_ids: Sequence[int] = ()) -> Sampli
         top_k=r.top_k,
         max_tokens=r.max_response_length,
         seed=r.seed,
-        stop_token_ids=tuple(stop_token_ids),
     )
 
 
@@ -47,7 +45,7 @@ def val_sampling(cfg: RunConfig) -> SamplingParams:
 
 def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, dict, list]:
     """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
-    sampling = train_sampling(cfg, c.stop_ids)
+    sampling = train_sampling(cfg)
     groups: list[list[Response]] = generate_sharded(c.engine, [r.prompt_ids for r in records], sampling, step)
     flat = [(rec, resp) for rec, group in zip(records, groups) for resp in group]
     scores, reward_metrics = score_rollouts(

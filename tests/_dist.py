@@ -15,7 +15,6 @@ and then). A failure in any rank fails the test with that rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -24,11 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pacs_megatron.utils.spawn import free_port
 
 
 def _child(rank: int, world_size: int, port: int, out_dir: str, fn, args, kwargs) -> None:

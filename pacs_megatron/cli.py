@@ -13,7 +13,7 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("pacs_megatron.launch", "train with PACS / GRPO / PPO-clip (spawns local ranks unless under torchrun)"),
+    "train": ("pacs_megatron.launch.cli", "train with PACS / GRPO / PPO-clip (spawns local ranks unless launched)"),
     "eval": ("pacs_megatron.eval.cli", "sample n answers per problem and report unbiased pass@k"),
     "parity": ("pacs_megatron.actor.parity", "compare Megatron log-probs with Hugging Face transformers"),
     "plot": ("pacs_megatron.utils.plot", "render PNG curves from OUTPUT_DIR/metrics.jsonl"),

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pacs_megatron.utils.spawn import free_port
+from pacs_megatron.utils.dist import free_port
 
 
 def _child(rank: int, world_size: int, port: int, out_dir: str, fn, args, kwargs) -> None:

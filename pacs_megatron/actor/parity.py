@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pacs_megatron.launch.local import spawn_local
+from pacs_megatron.utils.dist import under_launcher
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.spawn import spawn_local, under_launcher
 
 logger = get_logger(__name__)
 

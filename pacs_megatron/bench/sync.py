@@ -237,7 +237,8 @@ def _print_report(report: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pacs_megatron.utils.spawn import spawn_local, under_launcher
+    from pacs_megatron.launch.local import spawn_local
+    from pacs_megatron.utils.dist import under_launcher
 
     if under_launcher():  # one rank of a --tp N job (or of any launcher)
         workdir = Path(args.workdir)

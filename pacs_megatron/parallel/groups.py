@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from pacs_megatron.config import ConfigError, ParallelConfig
 from pacs_megatron.parallel.cpu_patches import apply_cpu_patches
+from pacs_megatron.utils.dist import free_port, under_launcher
 from pacs_megatron.utils.logging import get_logger
-from pacs_megatron.utils.spawn import free_port, under_launcher
 
 logger = get_logger(__name__)
 

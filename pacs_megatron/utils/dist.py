@@ -3,12 +3,26 @@ rewards, metrics). Model-parallel groups live in ``parallel/``; these never touc
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 T = TypeVar("T")
+
+
+def under_launcher() -> bool:
+    """True inside a rank started by a launcher (torchrun, Slurm, Ray, or the local spawner)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -3,8 +3,8 @@
 import pytest
 from _dist import run_distributed
 
+from pacs_megatron.launch.local import spawn_local
 from pacs_megatron.utils.dist import map_sharded, shard_bounds
-from pacs_megatron.utils.spawn import spawn_local
 
 
 def test_shard_bounds_cover_everything():

@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
+from pacs_megatron.launch.local import spawn_local
 from pacs_megatron.parallel import check_layout
+from pacs_megatron.utils.dist import under_launcher
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.spawn import spawn_local, under_launcher
 
 logger = get_logger(__name__)
 
@@ -92,9 +93,3 @@ def main(args: argparse.Namespace) -> int:
         return train(cfg)
     argv = ["pacs_megatron", "train", "--config", args.config, *overrides]
     return spawn_local(argv, cfg.parallel.world_size)
-
-
-if __name__ == "__main__":  # torchrun -m pacs_megatron.launch --config ...
-    parser = argparse.ArgumentParser(prog="pacs_megatron.launch")
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))

@@ -9,28 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from pacs_megatron.utils.dist import free_port
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 GRACE_S = 30.0
-
-
-def under_launcher() -> bool:
-    """True inside a rank started by torchrun, srun+env, or :func:`spawn_local`."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:

@@ -16,7 +16,7 @@ from pacs_megatron.runtime import Components, Runtime, build_components, setup, 
 from pacs_megatron.utils.checkpoint import CheckpointManager
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress
-from pacs_megatron.utils.preemption import EXIT_PREEMPTED, PreemptionFlag
+from pacs_megatron.utils.preemption import PreemptionFlag
 from pacs_megatron.weight_sync import WeightSyncError
 
 logger = get_logger(__name__)
@@ -39,7 +39,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     writer = MetricsWriter(
         rt.output_dir, rt.is_rank0, cfg.logging.tensorboard, cfg.logging.wandb_project, config=rt.config_dict
     )
-    flag = PreemptionFlag()
+    flag = PreemptionFlag(cfg.trainer)  # signals and the time budget (trainer.stop_after_s, deadline_unix)
     start = c.restore(ckpt.resolve(cfg.trainer.resume))  # step to start from; 0 for a fresh run
     writer.truncate_after(start)
     if start == 0 and cfg.trainer.sft_warmup_steps:
@@ -78,10 +78,10 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         if stop or step == cfg.trainer.total_steps or (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0):
             ckpt.save(step, lambda d, s=step: c.save(d, s))
         if stop:
-            logger.warning("stopped by signal after step %d; resume with --resume auto", step)
+            logger.warning("stopped after step %d (signal or time budget); resume with --resume auto", step)
             progress.close()
             writer.close()
-            return EXIT_PREEMPTED
+            return flag.exit_code
     progress.close()
     writer.close()
     if rt.is_rank0:

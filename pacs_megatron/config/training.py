@@ -119,6 +119,15 @@ class TrainerConfig:
     """Rollout samples saved per step to rollouts.jsonl."""
     dry_run: bool = False
     """Validate the config and layout, print them, and exit before any heavy work."""
+    stop_after_s: float = 0.0
+    """Time budget of one launch in seconds: checkpoint and exit 143 (requeue) before it runs out,
+    leaving room for the longest step seen plus stop_margin_s; 0: no budget."""
+    deadline_unix: float = 0.0
+    """Absolute end (Unix seconds) by which the run must have checkpointed and exited 143, e.g. the
+    Slurm job's end time (examples/slurm/multinode.sbatch sets it); 0: none."""
+    stop_margin_s: float = 60.0
+    """Seconds kept free before stop_after_s / deadline_unix beyond the longest step (a checkpoint
+    save must fit in them until a periodic save has been timed)."""
 
     def __post_init__(self) -> None:
         _positive("trainer.total_steps", self.total_steps, allow_zero=True)
@@ -126,6 +135,8 @@ class TrainerConfig:
         _positive("trainer.save_freq", self.save_freq, allow_zero=True)
         _positive("trainer.test_freq", self.test_freq, allow_zero=True)
         _positive("trainer.val_n", self.val_n)
+        for key in ("stop_after_s", "deadline_unix", "stop_margin_s"):
+            _positive(f"trainer.{key}", getattr(self, key), allow_zero=True)
         for k in self.val_k:
             if not 1 <= k <= self.val_n:
                 raise ConfigError(f"trainer.val_k has {k}: each k must be in 1..trainer.val_n={self.val_n}")

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
 from pacs_megatron.launch.local import spawn_local
+from pacs_megatron.launch.slurm import apply_srun_env
 from pacs_megatron.parallel import check_layout
 from pacs_megatron.utils.dist import under_launcher
 from pacs_megatron.utils.logging import get_logger, init_logging
+from pacs_megatron.utils.preemption import EXIT_INTERRUPTED
 
 logger = get_logger(__name__)
 
@@ -75,6 +77,7 @@ def layout_summary(cfg: RunConfig) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     init_logging()
+    apply_srun_env()  # srun started this rank directly (examples/slurm): RANK etc. from SLURM_*
     overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
     if args.dry_run:
         overrides.append("trainer.dry_run=true")
@@ -90,6 +93,10 @@ def main(args: argparse.Namespace) -> int:
     if under_launcher() or cfg.parallel.world_size == 1:
         from pacs_megatron.train import train
 
-        return train(cfg)
+        try:
+            return train(cfg)
+        except KeyboardInterrupt:  # Ctrl-C before the loop's handler (preemption.py) was installed
+            logger.warning("interrupted while starting up: nothing to save")
+            return EXIT_INTERRUPTED
     argv = ["pacs_megatron", "train", "--config", args.config, *overrides]
     return spawn_local(argv, cfg.parallel.world_size)

@@ -1,8 +1,10 @@
 """Start N local ranks of a command, as ``torchrun --standalone`` would, so one-line commands work
 without a launcher. Under torchrun / srun (RANK and WORLD_SIZE set) nothing is spawned.
 
-The parent forwards SIGTERM / SIGUSR1 / SIGINT to every child (they checkpoint and exit), and when
-one child fails it gives the others a grace period, then terminates them, like torchrun.
+The parent forwards SIGTERM / SIGUSR1 / SIGINT to every child (they checkpoint and exit 143, or 130
+after Ctrl-C; a second Ctrl-C stops them at once), and when one child fails it gives the others a
+grace period, then kills them, like torchrun. A Ctrl-C in a terminal reaches the children directly
+too; they take the forwarded copy for the same Ctrl-C (utils/preemption.py), so it is not a second one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 from pacs_megatron.utils.dist import free_port
 from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 logger = get_logger(__name__)
 
@@ -61,7 +64,8 @@ def spawn_local(module_argv: list[str], world_size: int) -> int:
                 break
             if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = time.monotonic()
-                logger.error("a rank exited with %s; stopping the others", codes)
+                if any(c not in (None, 0, EXIT_INTERRUPTED, EXIT_PREEMPTED) for c in codes):
+                    logger.error("a rank exited with %s; stopping the others", codes)
             if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
                 for p in procs:
                     if p.poll() is None:

@@ -1,14 +1,29 @@
-"""Graceful stop on SIGTERM / SIGUSR1 (Slurm pre-emption, ``scancel``, a container stop).
+"""Graceful stop: on a signal or when the time budget runs out, checkpoint after the step and exit.
 
-The handler only sets a flag; the trainer checks it between steps, agrees across ranks (one rank may
-get the signal first), checkpoints, and exits with :data:`EXIT_PREEMPTED` so a requeue script
-resumes. ``sbatch --signal=B:USR1@120`` gives two minutes of warning.
+Signals: SIGTERM / SIGUSR1 (Slurm pre-emption and time limits, ``scancel``, a container stop) exit
+with :data:`EXIT_PREEMPTED` (143, what requeue scripts test); SIGINT (Ctrl-C) exits with 130. The
+handler only records the signal: the trainer asks :meth:`PreemptionFlag.should_stop` between steps,
+every rank agrees (an all-reduce: one rank may see the signal first, or alone), checkpoints and
+returns :attr:`PreemptionFlag.exit_code`. A second Ctrl-C stops at once (``os._exit(130)``, no
+checkpoint, no traceback). A SIGINT within :data:`DUPLICATE_S` of the first is the same Ctrl-C seen
+twice (the terminal signals the whole foreground process group, and torchrun or the local spawner
+forward it again), not a second one.
+
+Time budget (no signal needed): ``trainer.stop_after_s`` (seconds since this process started the
+loop) and ``trainer.deadline_unix`` (an absolute end, e.g. the Slurm job's end time, set by
+``launch/slurm.py``). At each check the flag stops when the next step could end after the budget:
+``now + longest interval between checks + trainer.stop_margin_s > end``. The interval between two
+checks is one step plus any periodic checkpoint, so it also sizes the final save; the margin covers
+the save when none has happened yet. Each rank decides on its own clock; the all-reduce makes it one
+decision.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,28 +33,74 @@ from pacs_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: "terminated", what schedulers and requeue scripts expect
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's code for Ctrl-C
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+DUPLICATE_S = 1.0
 
 
 class PreemptionFlag:
-    """Records that a stop signal arrived; ``should_stop()`` is collective over the default group."""
+    """Records stop requests; ``should_stop()`` is collective over the default group.
 
-    def __init__(self) -> None:
+    ``trainer`` is a :class:`~pacs_megatron.config.TrainerConfig` (or anything with ``stop_after_s``,
+    ``deadline_unix`` and ``stop_margin_s``); without it only signals stop the run.
+    """
+
+    def __init__(self, trainer=None) -> None:
         self.signum: int | None = None
+        self.exit_code = 0
+        self._sigint_at: float | None = None
+        self._started = self._last_check = time.monotonic()
+        self._longest = 0.0
+        end = float(getattr(trainer, "deadline_unix", 0.0) or 0.0)
+        after = float(getattr(trainer, "stop_after_s", 0.0) or 0.0)
+        # Everything in monotonic seconds; a deadline in Unix time is converted once, here.
+        ends = ([end - time.time() + self._started] if end else []) + ([self._started + after] if after else [])
+        self._end = min(ends) if ends else None
+        self._margin = float(getattr(trainer, "stop_margin_s", 0.0) or 0.0)
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        now = time.monotonic()
+        if signum == signal.SIGINT:
+            if self._sigint_at is not None and now - self._sigint_at > DUPLICATE_S:
+                logger.warning("second Ctrl-C: stopping now, without a checkpoint")
+                os._exit(EXIT_INTERRUPTED)
+            self._sigint_at = self._sigint_at or now
         if self.signum is None:
-            logger.warning("received %s: will checkpoint after the current step and exit", signal.Signals(signum).name)
-        self.signum = signum
+            logger.warning(
+                "received %s: will checkpoint after the current step and exit%s",
+                signal.Signals(signum).name,
+                " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "",
+            )
+            self.signum = signum
+
+    def _local_code(self) -> int:
+        """This rank's wish: 0 (go on), 130 (Ctrl-C) or 143 (signal or budget)."""
+        now = time.monotonic()
+        self._longest = max(self._longest, now - self._last_check)
+        self._last_check = now
+        if self.signum is not None:
+            return EXIT_INTERRUPTED if self.signum == signal.SIGINT else EXIT_PREEMPTED
+        if self._end is not None and now + self._longest + self._margin > self._end:
+            logger.warning(
+                "time budget: %.0fs left, a step (+ checkpoint) takes up to %.0fs and the margin is %.0fs: "
+                "checkpointing now",
+                self._end - now,
+                self._longest,
+                self._margin,
+            )
+            return EXIT_PREEMPTED
+        return 0
 
     def should_stop(self) -> bool:
-        flag = torch.tensor([1 if self.signum is not None else 0], dtype=torch.int32)
+        """Collective: True on every rank when any rank got a signal or ran out of time."""
+        code = torch.tensor([self._local_code()], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized():
             # nccl reduces device tensors only; gloo takes the CPU tensor as is.
             if dist.get_backend() == "nccl":
-                flag = flag.cuda()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+                code = code.cuda()
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)  # 143 wins over 130: a scheduler is waiting
+        self.exit_code = int(code.item())
+        return self.exit_code != 0

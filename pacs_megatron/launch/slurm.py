@@ -1,0 +1,112 @@
+"""Slurm glue for ``examples/slurm/multinode.sbatch``: srun starts the trainer ranks directly.
+
+Why srun and not torchrun under srun: on pre-emption every rank must finish its step and write its
+checkpoint shard. torchrun's agent handles SIGTERM/SIGINT/SIGHUP/SIGQUIT by forwarding the signal and
+SIGKILLing the workers after its shutdown timeout (30 s by default), and dies on the SIGUSR1 Slurm
+sends. With srun starting one task per rank there is no agent in between: a signal reaches the ranks
+themselves (:mod:`pacs_megatron.utils.preemption`), which stop collectively after the step.
+
+Two pieces:
+
+- :func:`apply_srun_env` (called by ``pacs_megatron.launch`` in each task): maps ``SLURM_PROCID`` /
+  ``SLURM_STEP_NUM_TASKS`` / ``SLURM_LOCALID`` to the ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` that
+  torch.distributed reads. ``MASTER_ADDR``/``MASTER_PORT`` come from the batch script.
+- ``python -m pacs_megatron.launch.slurm plan --nodes N --nproc-per-node P --config FILE [a.b=c ...]``
+  (run once by the batch script, before any srun): validates the config for that world size and
+  prints the overrides srun adds: ``parallel.dp`` (world size / (tp * pp): the script does no
+  arithmetic) and ``trainer.deadline_unix`` (the job's end time from ``squeue``), or one error line
+  naming the node count, the processes per node and the layout, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from datetime import datetime
+
+from pacs_megatron.config import ConfigError, load_config
+
+USAGE = "python -m pacs_megatron.launch.slurm plan --nodes N --nproc-per-node P --config FILE [a.b=c ...]"
+
+
+def apply_srun_env(environ: os._Environ | dict | None = None) -> bool:
+    """Inside an srun step of several tasks with no RANK set (no torchrun): derive the torch.distributed
+    variables from Slurm's. Returns True when it did. Under torchrun (RANK set) nothing changes."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
+        return False
+    ntasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+    if ntasks < 2:  # one task: the local spawner starts the ranks, as on a workstation
+        return False
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = str(ntasks)
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
+    env.setdefault("LOCAL_WORLD_SIZE", tasks_per_node or "1")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in env:
+        raise RuntimeError("srun started the ranks without MASTER_PORT: launch through examples/slurm/multinode.sbatch")
+    return True
+
+
+def job_end_unix(job_id: str | None = None) -> float:
+    """The job's end time (``squeue -o %e``) as Unix seconds; 0.0 when unknown or unlimited."""
+    job_id = job_id or os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return 0.0
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+        return datetime.fromisoformat(out).timestamp()  # squeue prints the controller's local time
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0.0  # "NONE" / "Unknown" (no time limit) or squeue unavailable: no deadline
+
+
+def plan(nodes: int, nproc_per_node: int, config: str, overrides: list[str]) -> list[str]:
+    """The overrides srun adds for this allocation; raises ConfigError with one line when it cannot fit."""
+    cfg = load_config(config, overrides)
+    par = cfg.parallel
+    world = nodes * nproc_per_node
+    model = par.tp * par.pp
+    if world % model:
+        raise ConfigError(
+            f"{nodes} node(s) x NPROC_PER_NODE={nproc_per_node} = {world} ranks is not a multiple of "
+            f"parallel.tp * parallel.pp = {par.tp}*{par.pp} = {model}: change the node count, NPROC_PER_NODE "
+            "or the layout"
+        )
+    dp = world // model
+    if any(o.startswith("parallel.dp=") for o in overrides) and dp != par.dp:
+        raise ConfigError(
+            f"parallel.dp={par.dp} was given but {nodes} node(s) x NPROC_PER_NODE={nproc_per_node} = {world} ranks "
+            f"give dp={dp}: drop the parallel.dp override (it follows from the allocation)"
+        )
+    out = [f"parallel.dp={dp}"]
+    load_config(config, [*overrides, *out])  # the cross-area checks (batch sizes over dp) for this dp
+    if not any(o.startswith("trainer.deadline_unix=") for o in overrides):
+        end = job_end_unix()
+        if end:
+            out.append(f"trainer.deadline_unix={end:.0f}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pacs_megatron.launch.slurm", usage=USAGE)
+    p.add_argument("action", choices=["plan"])
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--nproc-per-node", type=int, required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_intermixed_args(argv)
+    try:
+        sys.stdout.write(" ".join(plan(args.nodes, args.nproc_per_node, args.config, args.overrides)) + "\n")
+    except ConfigError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Shared pieces of the launch tests: the short CPU run they all use and log readers."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
+
+
+def short_run(out: Path, steps: int, *extra: str) -> list[str]:
+    """Overrides for a few-second run of the CPU default (TP=2) writing to ``out``."""
+    return [
+        f"trainer.output_dir={out}",
+        f"model.path={out}/model",
+        f"trainer.total_steps={steps}",
+        "trainer.train_batch_size=10",
+        "rollout.n=4",
+        "algorithm.micro_batch_size=20",
+        "trainer.sft_warmup_steps=1",
+        "trainer.test_freq=0",
+        "trainer.save_freq=0",
+        "trainer.log_rollouts=1",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        *extra,
+    ]
+
+
+def steps_of(path: Path) -> list[int]:
+    """The ``step`` of every line of a JSONL log, in file order ([] when absent)."""
+    if not path.exists():
+        return []
+    return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
+
+
+def wait_until(pred, timeout: float, what: str, alive=lambda: True) -> float:
+    """Poll ``pred`` until true; return the seconds waited. ``alive()`` False fails early."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if pred():
+            return time.monotonic() - start
+        if not alive():
+            raise AssertionError(f"gave up waiting for {what}: the run ended")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,45 @@
+#!/bin/bash
+# Multi-node PACS with torchrun, without a scheduler: run this once on every node.
+#
+#   # node 0 (its address: 10.0.0.1)             # node 1
+#   examples/torchrun/multinode.sh --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 \
+#       --config examples/configs/qwen2.5_7b_pacs.yaml model.path=/models/Qwen2.5-7B
+#   examples/torchrun/multinode.sh --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --config ...
+#
+# Each option may come from the environment instead: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
+# (default 29500), NPROC_PER_NODE (default: the node's GPUs, 1 without). parallel.dp follows from
+# the world size. Stop: send SIGUSR1 (or SIGTERM / Ctrl-C) to every torchrun; torchrun forwards it,
+# the ranks checkpoint after their step and exit 143 (130 for Ctrl-C), and torchrun waits
+# SHUTDOWN_TIMEOUT seconds (default 900; size it above a step + a checkpoint) before it would
+# SIGKILL them. Re-run the same command to resume.
+set -euo pipefail
+USAGE="usage: $0 [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P] [--nproc-per-node G] --config FILE [a.b.c=value ...]"
+CONFIG=
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nnodes) NNODES=$2; shift 2 ;;
+    --node-rank) NODE_RANK=$2; shift 2 ;;
+    --master-addr) MASTER_ADDR=$2; shift 2 ;;
+    --master-port) MASTER_PORT=$2; shift 2 ;;
+    --nproc-per-node) NPROC_PER_NODE=$2; shift 2 ;;
+    --config) CONFIG=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
+if [[ -z "$CONFIG" || -z "${NNODES:-}" || -z "${NODE_RANK:-}" || -z "${MASTER_ADDR:-}" ]]; then
+  echo "$USAGE" >&2
+  exit 2
+fi
+PYTHON=${PYTHON:-python3}
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+  NPROC_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  [[ "$NPROC_PER_NODE" -gt 0 ]] || NPROC_PER_NODE=1
+fi
+PLAN=$("$PYTHON" -m pacs_megatron.launch.slurm plan --nodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
+  --config "$CONFIG" "$@") || exit 2
+
+# shellcheck disable=SC2086  # PLAN is a list of a.b=c words
+exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+  --nproc-per-node "$NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "${SHUTDOWN_TIMEOUT:-900}" \
+  -m pacs_megatron.launch --config "$CONFIG" "$@" $PLAN

@@ -1,0 +1,115 @@
+"""Graceful stop (utils/preemption.py) and the srun environment mapping (launch/slurm.py).
+
+Unit checks of the time budget and the Ctrl-C rules in plain processes, then one end-to-end run of
+the CPU default through the local spawner: Ctrl-C as a terminal sends it (SIGINT to the whole
+process group: the spawner and both ranks) checkpoints after the step and exits 130 with no
+KeyboardInterrupt traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pacs_megatron.config import ConfigError
+from pacs_megatron.launch.slurm import apply_srun_env, plan
+from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, PreemptionFlag
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
+
+
+def _budget(**kw) -> SimpleNamespace:
+    return SimpleNamespace(**({"stop_after_s": 0.0, "deadline_unix": 0.0, "stop_margin_s": 0.0} | kw))
+
+
+def test_time_budget_stops_before_the_next_step_would_overrun():
+    flag = PreemptionFlag(_budget(stop_after_s=1.0))
+    assert not flag.should_stop() and flag.exit_code == 0  # ~0 s in, steps take ~0 s
+    time.sleep(0.6)  # a 0.6 s "step": 0.6 + 0.6 > 1.0, another would not fit
+    assert flag.should_stop() and flag.exit_code == EXIT_PREEMPTED
+
+    # an absolute deadline (the Slurm job's end) with a margin that already covers it
+    flag = PreemptionFlag(_budget(deadline_unix=time.time() + 5.0, stop_margin_s=10.0))
+    assert flag.should_stop() and flag.exit_code == EXIT_PREEMPTED
+    # no budget at all: only signals stop
+    flag = PreemptionFlag(_budget())
+    time.sleep(0.2)
+    assert not flag.should_stop()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from pacs_megatron.utils.preemption import PreemptionFlag
+    flag = PreemptionFlag()
+    print("ready", flush=True)
+    while flag.signum is None:
+        time.sleep(0.05)
+    print("stop", flag.should_stop(), flag.exit_code, flush=True)
+    time.sleep(20)  # a long checkpoint: only a second Ctrl-C ends it early
+    """
+)
+
+
+def test_ctrl_c_twice_stops_at_once_but_a_duplicate_does_not():
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)  # the same Ctrl-C, forwarded by a launcher: ignored
+    assert proc.stdout.readline().split() == ["stop", "True", str(EXIT_INTERRUPTED)]
+    time.sleep(1.3)
+    assert proc.poll() is None  # still running: the duplicate did not stop it
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # a real second Ctrl-C
+    assert proc.wait(timeout=10) == EXIT_INTERRUPTED
+    assert time.monotonic() - t0 < 5
+    err = proc.stderr.read()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_srun_env_and_plan():
+    env = {"SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1"}
+    env |= {"SLURM_STEP_TASKS_PER_NODE": "2(x2)", "MASTER_PORT": "1234"}
+    assert apply_srun_env(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "1", "2")
+    assert not apply_srun_env({"RANK": "0", "SLURM_PROCID": "1", "SLURM_STEP_ID": "0"})  # torchrun's ranks
+    assert not apply_srun_env({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"})
+
+    assert plan(2, 2, str(CONFIG), [])[0] == "parallel.dp=2"  # 4 ranks / TP=2
+    with pytest.raises(ConfigError, match=r"3 node\(s\) x NPROC_PER_NODE=1 = 3 ranks is not a multiple of parallel.tp \* parallel.pp"):
+        plan(3, 1, str(CONFIG), [])
+    with pytest.raises(ConfigError, match="drop the parallel.dp override"):
+        plan(2, 2, str(CONFIG), ["parallel.dp=1"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ctrl_c_checkpoints_and_exits_130(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pacs_megatron", "train", "--config", str(CONFIG), f"trainer.output_dir={out}"]
+    cmd += [f"model.path={out}/model", "trainer.total_steps=200", "trainer.train_batch_size=10", "rollout.n=4"]
+    cmd += ["algorithm.micro_batch_size=20", "trainer.sft_warmup_steps=1", "trainer.test_freq=0"]
+    cmd += ["logging.progress_bar=false", "logging.tensorboard=false"]
+    # Own process group, as a shell job: killpg(SIGINT) is what Ctrl-C in the terminal does.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    end = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < end, "the run ended before step 1"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    log, _ = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_INTERRUPTED, log[-3000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    last = len(metrics.read_text().splitlines())
+    assert last < 200 and (out / "checkpoints" / f"step_{last:08d}" / "COMPLETE").is_file()
+    assert "received SIGINT" in log and "a rank exited" not in log

@@ -1,0 +1,213 @@
+"""``pacs-megatron doctor [--config FILE [a.b=c ...]] [--gpu-gib G] [--json]``: what a run here would use.
+
+Reports Python, torch, CUDA and NCCL; the GPUs; the compiled extension (built? with CUDA? for which
+archs); the versions of the stack (megatron-core, Transformer Engine, Apex, vLLM, ray,
+nvidia-modelopt, math-verify) and whether each imports; the launcher variables in the environment
+(torchrun, Slurm, Ray). With ``--config``: the layout check and the per-GPU memory plan
+(``tools/memory.py``), with a warning when it cannot fit. Each problem is one line naming the piece
+and the fix; exit 1 when any is hard (the run would fail), 0 otherwise.
+
+Run it on a compute node (``srun -N1 pacs-megatron doctor --config ...``) to see what the ranks see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import json
+import os
+import platform
+import re
+import sys
+import warnings
+from pathlib import Path
+
+# (import name, distribution, what it is for, the fix when missing / mismatched)
+STACK = (
+    ("megatron.core", "megatron-core", "the actor", "pip install megatron-core==0.16.1"),
+    ("transformer_engine", "transformer-engine", "fused GPU layers (optional)", "use an NGC PyTorch image"),
+    ("apex.normalization", "apex", "fused norms / optimizer (optional)", "use an NGC PyTorch image (the PyPI 'apex' is unrelated)"),
+    ("vllm", "vllm", "GPU rollouts (rollout.engine=vllm)", "pip install vllm==0.32.0 (with torch 2.13.0)"),
+    ("ray", "ray", "the Ray launcher", "pip install 'ray>=2.40'"),
+    ("modelopt", "nvidia-modelopt", "FP8 rollouts", "pip install nvidia-modelopt huggingface_hub"),
+    ("math_verify", "math-verify", "the math reward", "pip install 'math-verify[antlr4_13_2]'"),
+)
+REQUIRED = {"megatron.core", "math_verify"}
+PINS = {"megatron-core": "0.16.1"}
+LAUNCHER_VARS = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|SLURM_(JOB_ID|JOB_NODELIST|NNODES|NTASKS|PROCID|LOCALID|GPUS_ON_NODE|RESTART_COUNT)|RAY_ADDRESS|CUDA_VISIBLE_DEVICES)$")  # noqa: E501
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _try_import(name: str) -> str | None:
+    """None when ``import name`` works, else the error's first line."""
+    try:
+        with warnings.catch_warnings():  # megatron warns about missing TE/Apex: doctor reports it itself
+            warnings.simplefilter("ignore")
+            importlib.import_module(name)
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure to import is the finding
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def torch_report() -> dict:
+    import torch
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    out["gpus"] = [
+        {
+            "name": p.name,
+            "memory_gib": round(p.total_memory / 1024**3, 1),
+            "capability": f"{p.major}.{p.minor}",
+        }
+        for p in (torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count()))
+    ]
+    return out
+
+
+def extension_report() -> dict:
+    import torch  # noqa: F401 - _C needs libc10 loaded first
+
+    from pacs_megatron.ops import logprob
+
+    mod = logprob._ext()
+    if mod is None:
+        return {"built": False, "error": logprob._C_ERROR}
+    path = Path(mod.__file__)
+    # CUDA archs: the fatbinary names its cubins sm_XX and its PTX compute_XX; a cheap scan of the binary.
+    blob = path.read_bytes() if mod.built_with_cuda() else b""
+    sm = sorted({int(a) for a in re.findall(rb"sm_(\d{2,3})", blob)})
+    ptx = sorted({int(a) for a in re.findall(rb"compute_(\d{2,3})", blob)})
+    return {"built": True, "cuda": bool(mod.built_with_cuda()), "archs": sm, "ptx": ptx, "path": str(path)}
+
+
+def stack_report() -> list[dict]:
+    rows = []
+    for name, dist, purpose, fix in STACK:
+        version = _version(dist)
+        error = _try_import(name) if version else "not installed"
+        rows.append({"module": name, "version": version, "imports": error is None, "error": error, "for": purpose})
+        rows[-1]["fix"] = fix
+    return rows
+
+
+def problems(report: dict) -> list[tuple[str, str]]:
+    """(level, message) pairs: "error" means the run would fail, "warning" that it may."""
+    out: list[tuple[str, str]] = []
+    ext = report["extension"]
+    if not ext["built"]:
+        out.append(("warning", f"extension not built ({ext['error']}): the pure-torch log-prob is used; "
+                    "build it with `pip install --no-build-isolation -e .`"))  # fmt: skip
+    elif report["torch"]["cuda_available"] and not ext["cuda"]:
+        out.append(("error", "extension built without CUDA on a GPU machine: rebuild it where nvcc and a CUDA torch are"))
+    gpus = report["torch"]["gpus"]
+    if ext.get("cuda") and gpus:
+        # A GPU runs a cubin of its own arch, or JIT-compiles PTX of an older one.
+        need = sorted({int(g["capability"].replace(".", "")) for g in gpus})
+        bad = [cc for cc in need if cc not in ext["archs"] and not any(p <= cc for p in ext["ptx"])]
+        if bad:
+            out.append(("error", f"extension has kernels for sm_{ext['archs']} (PTX {ext['ptx']}) but the GPUs are "
+                        f"sm_{bad}: rebuild with TORCH_CUDA_ARCH_LIST including them, or ending in +PTX"))  # fmt: skip
+    for row in report["stack"]:
+        required = row["module"] in REQUIRED or (row["module"] == "vllm" and report.get("engine") == "vllm")
+        if not row["imports"]:
+            level = "error" if required else "warning"
+            out.append((level, f"{row['module']} ({row['for']}): {row['error']}: {row['fix']}"))
+        dist = next(d for n, d, _, _ in STACK if n == row["module"])
+        if row["version"] and dist in PINS and row["version"] != PINS[dist]:
+            out.append(("error", f"{dist} {row['version']} is installed, the code is written for {PINS[dist]}: {row['fix']}"))
+    plan = report.get("memory")
+    if plan and not plan["fits"]:
+        out.append(("error", f"memory plan needs {plan['peak_gib']:.1f} GiB per GPU (rollout {plan['rollout_gib']:.1f}, "
+                    f"train {plan['train_gib']:.1f}) but the GPU has {plan['gpu_gib']:.0f} GiB: raise TP/PP or DP "
+                    "(distributed optimizer), lower rollout.vllm.gpu_memory_utilization or the micro-batch, or "
+                    "set model.recompute_activations=true"))  # fmt: skip
+    if report.get("engine") == "vllm" and not gpus:
+        out.append(("warning", "the config uses vLLM but this machine has no GPU (fine on a login node)"))
+    return out
+
+
+def config_report(config: str, overrides: list[str], gpu_gib: float | None, gpus: list[dict]) -> dict:
+    from pacs_megatron.config import load_config
+    from pacs_megatron.launch.cli import layout_summary
+    from pacs_megatron.tools.memory import estimate_run
+
+    from pacs_megatron.config import ConfigError
+
+    cfg = load_config(config, overrides)  # a ConfigError here: nothing more to check
+    out: dict = {"engine": cfg.rollout.engine}
+    try:
+        out["layout"] = layout_summary(cfg)  # heads over TP, layers over PP, TE/Apex for sequence parallel
+    except ConfigError as e:
+        out["config_error"] = str(e)
+    hf_path = Path(cfg.model.path) / "config.json"
+    gib = gpu_gib or (min(g["memory_gib"] for g in gpus) if gpus else 80.0)
+    if hf_path.is_file():
+        out["memory"] = estimate_run(cfg, json.loads(hf_path.read_text()), gib).as_dict()
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="also check this run config: layout and per-GPU memory")
+    p.add_argument("overrides", nargs="*", help="config overrides as a.b.c=value")
+    p.add_argument("--gpu-gib", type=float, default=None, help="GPU memory for the plan (default: this GPU, else 80)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _text(report: dict, found: list[tuple[str, str]]) -> str:
+    t, ext = report["torch"], report["extension"]
+    lines = [
+        f"python      {report['python']}",
+        f"torch       {t['torch']}  CUDA {t['cuda'] or '-'}  NCCL {t['nccl'] or '-'}",
+        "gpus        " + ("; ".join(f"{g['name']} {g['memory_gib']} GiB sm_{g['capability']}" for g in t["gpus"]) or "none"),
+        "extension   " + (f"built, CUDA {'yes' if ext['cuda'] else 'no'}, archs {ext['archs'] or '-'}" if ext["built"]
+                          else "not built"),
+    ]  # fmt: skip
+    for row in report["stack"]:
+        state = "ok" if row["imports"] else f"FAILS ({row['error']})"
+        lines.append(f"{row['module']:<19} {row['version'] or '-':<12} {state}")
+    lines.append("launcher    " + (" ".join(f"{k}={v}" for k, v in report["launcher"].items()) or "none (local)"))
+    if "layout" in report:
+        lines.append("layout      " + json.dumps({k: v for k, v in report["layout"].items() if k != "model"}))
+    if report.get("memory"):
+        m = report["memory"]
+        lines.append(
+            f"memory/GPU  params {m['params_gib']:.1f} + grads {m['grads_gib']:.1f} + optimizer {m['optimizer_gib']:.1f}"
+            f" GiB; activations {m['activations_gib']:.1f}; vLLM {m['vllm_gib']:.1f}"
+        )
+        lines.append(
+            f"            rollout {m['rollout_gib']:.1f} GiB, training {m['train_gib']:.1f} GiB of "
+            f"{m['gpu_gib']:.0f} GiB (+ CUDA contexts and NCCL buffers)"
+        )
+    lines += [f"{level.upper():<11} {msg}" for level, msg in found]
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    from pacs_megatron.config import ConfigError
+
+    report = {
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "torch": torch_report(),
+        "extension": extension_report(),
+        "stack": stack_report(),
+        "launcher": {k: v for k, v in sorted(os.environ.items()) if LAUNCHER_VARS.match(k)},
+    }
+    if args.config:
+        try:
+            report |= config_report(args.config, args.overrides, args.gpu_gib, report["torch"]["gpus"])
+        except ConfigError as e:
+            report["config_error"] = str(e)
+    found = problems(report)
+    if "config_error" in report:
+        found.append(("error", f"config: {report['config_error']}"))
+    report["problems"] = [{"level": lv, "message": m} for lv, m in found]
+    sys.stdout.write(json.dumps(report, indent=2) + "\n" if args.json else _text(report, found))
+    return 1 if any(level == "error" for level, _ in found) else 0

@@ -1,0 +1,161 @@
+"""Per-GPU memory plan of a run, by arithmetic only (no torch, no GPU): what ``doctor --config`` prints.
+
+From the Hugging Face ``config.json`` and the run config, for the worst pipeline stage of one rank:
+
+- parameters: bf16 (2 bytes) or fp32 (4) per parameter of the rank's shard. Everything is split by
+  TP except the norms; the embedding sits on the first stage, the LM head on the last.
+- gradients: Megatron's DDP keeps an fp32 main-grad buffer (4 bytes/param).
+- optimizer: Adam in mixed precision keeps an fp32 master copy and two moments (12 bytes/param),
+  divided by DP with the distributed optimizer.
+- activations at the micro-batch (training only): with ``model.recompute_activations`` (full
+  recompute) only each layer's input (2 bytes x seq x micro-batch x hidden) plus one layer's
+  working set; without it ~34 bytes per token per hidden unit and layer (Korthikanti et al. 2022,
+  flash attention so no seq^2 term; /TP with sequence parallelism, (10 + 24/TP) without), plus the
+  fp32 logits and their gradient (8 bytes x seq x micro-batch x vocab / TP).
+- vLLM: ``gpu_memory_utilization`` x the GPU's memory while awake (weights + KV cache + graphs);
+  asleep (``enable_sleep_mode``) it frees that, colocated it holds it during training otherwise.
+
+"Resident during rollout" is actor (params + grads + optimizer, or nothing when the actor is
+offloaded to CPU for the rollout) + vLLM's share; "during training" is actor + activations (+ vLLM's
+share if it cannot sleep). CUDA contexts, NCCL buffers and allocator fragmentation come on top
+(budget a few GiB). Example (the issue's numbers): Qwen2.5-7B, TP=2 x DP=4, bf16, distributed
+optimizer, gpu_memory_utilization 0.5 on 80 GiB: actor 31.9 GiB + vLLM 40 GiB = ~72 GiB in rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-GPU GiB of one rank on its heaviest pipeline stage."""
+
+    params_per_rank: float
+    """Parameters held by the rank (count, not bytes)."""
+    params_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    vllm_gib: float
+    rollout_gib: float
+    """Resident while vLLM generates."""
+    train_gib: float
+    """Resident while the actor trains."""
+    gpu_gib: float
+    """The GPU's memory the plan is compared with."""
+
+    @property
+    def peak_gib(self) -> float:
+        return max(self.rollout_gib, self.train_gib)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gib <= self.gpu_gib
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"peak_gib": self.peak_gib, "fits": self.fits}
+
+
+def param_counts(hf: dict) -> dict[str, int]:
+    """Parameter counts of a Llama/Qwen2-style decoder from its config.json: per layer (split by TP),
+    per-layer norms (replicated), embedding, LM head (0 when tied), final norm."""
+    h, inter = hf["hidden_size"], hf["intermediate_size"]
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or h // heads
+    q, kvd = heads * head_dim, kv * head_dim
+    bias = q + 2 * kvd if hf.get("attention_bias", hf.get("model_type") == "qwen2") else 0
+    attn = h * q + 2 * h * kvd + q * h + bias
+    mlp = 3 * h * inter  # gate, up, down (SwiGLU)
+    vocab = hf["vocab_size"]
+    return {
+        "layer_split": attn + mlp,
+        "layer_norms": 2 * h,
+        "layers": hf["num_hidden_layers"],
+        "embedding": vocab * h,
+        "lm_head": 0 if hf.get("tie_word_embeddings", False) else vocab * h,
+        "final_norm": h,
+        "vocab": vocab,
+        "hidden": h,
+    }
+
+
+def total_params(hf: dict) -> int:
+    c = param_counts(hf)
+    per_layer = c["layer_split"] + c["layer_norms"]
+    return c["layers"] * per_layer + c["embedding"] + c["lm_head"] + c["final_norm"]
+
+
+def estimate(
+    hf: dict,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    gpu_gib: float,
+    bf16: bool = True,
+    distributed_optimizer: bool = True,
+    seq_len: int = 4096,
+    micro_batch: int = 1,
+    recompute: bool = False,
+    sequence_parallel: bool = False,
+    vllm_utilization: float = 0.0,
+    vllm_sleeps: bool = True,
+    offload_during_rollout: bool = False,
+) -> MemoryPlan:
+    """The plan for one rank (see the module docstring for each term). ``vllm_utilization=0`` means no
+    colocated vLLM (the HF engine); ``offload_during_rollout`` moves the actor to CPU while vLLM runs."""
+    c = param_counts(hf)
+    layers = c["layers"] // pp
+    stage_layers = layers * (c["layer_split"] / tp + c["layer_norms"])
+    first = stage_layers + c["embedding"] / tp + (c["lm_head"] / tp + c["final_norm"] if pp == 1 else 0)
+    last = stage_layers + c["lm_head"] / tp + c["final_norm"] if pp > 1 else first
+    if pp > 1 and c["lm_head"] == 0:  # tied: the last stage keeps its own copy of the embedding
+        last += c["embedding"] / tp
+    n = max(first, last)
+    params = n * (2 if bf16 else 4) / GIB
+    grads = n * 4 / GIB
+    optimizer = n * (12 if bf16 else 8) / (dp if distributed_optimizer else 1) / GIB
+    tokens = seq_len * micro_batch
+    hidden = c["hidden"]
+    if recompute:
+        act = layers * tokens * hidden * 2 + tokens * hidden * 34 / tp
+    else:
+        per_token_layer = 34 / tp if sequence_parallel else 10 + 24 / tp
+        act = layers * tokens * hidden * per_token_layer
+    act += tokens * c["vocab"] / tp * 8  # fp32 logits and their gradient on the last stage
+    act_gib = act / GIB
+    vllm = vllm_utilization * gpu_gib
+    actor = params + grads + optimizer
+    rollout = (0.0 if offload_during_rollout else actor) + vllm
+    train = actor + act_gib + (0.0 if vllm_sleeps else vllm)
+    return MemoryPlan(n, params, grads, optimizer, act_gib, vllm, rollout, train, gpu_gib)
+
+
+def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | None = None) -> MemoryPlan:
+    """:func:`estimate` with the settings of a :class:`~pacs_megatron.config.RunConfig`.
+    ``offload_during_rollout`` defaults to ``actor.offload_during_rollout`` when the config has it."""
+    if offload_during_rollout is None:
+        offload_during_rollout = bool(getattr(getattr(cfg, "actor", None), "offload_during_rollout", False))
+    par, vllm = cfg.parallel, cfg.rollout.vllm
+    use_vllm = cfg.rollout.engine == "vllm"
+    dist_opt = cfg.optimizer.use_distributed_optimizer
+    return estimate(
+        hf,
+        tp=par.tp,
+        pp=par.pp,
+        dp=par.dp,
+        gpu_gib=gpu_gib,
+        bf16=str(cfg.model.dtype) in ("bfloat16", "bf16", "float16", "fp16"),
+        distributed_optimizer=dist_opt == "true" or (dist_opt == "auto" and use_vllm),
+        seq_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        micro_batch=cfg.algorithm.micro_batch_size,
+        recompute=cfg.model.recompute_activations,
+        sequence_parallel=par.sequence_parallel,
+        vllm_utilization=vllm.gpu_memory_utilization if use_vllm else 0.0,
+        vllm_sleeps=vllm.enable_sleep_mode,
+        offload_during_rollout=offload_during_rollout,
+    )

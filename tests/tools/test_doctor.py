@@ -1,0 +1,84 @@
+"""``pacs-megatron doctor``: the memory arithmetic on the issue's 7B numbers, and the report on this
+machine (in process: the checks are imports and arithmetic)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pacs_megatron.cli import main
+from pacs_megatron.tools import doctor
+from pacs_megatron.tools.memory import estimate, total_params
+
+REPO = Path(__file__).resolve().parents[2]
+# Qwen2.5-7B's config.json, the fields the estimate reads (known values; the model is not needed).
+QWEN25_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "intermediate_size": 18944,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 32768,
+}
+
+
+def test_memory_plan_of_qwen25_7b():
+    assert total_params(QWEN25_7B) / 1e9 == pytest.approx(7.62, abs=0.01)  # the published size
+    kw = dict(tp=2, pp=1, dp=4, gpu_gib=80.0, vllm_utilization=0.5, seq_len=4608, micro_batch=8, recompute=True)
+    plan = estimate(QWEN25_7B, **kw)
+    # bf16 params + fp32 grads + Adam/DP = 7.1 + 14.2 + 10.6 GiB, plus vLLM's 40 GiB: ~72 GiB in rollout
+    assert plan.params_gib + plan.grads_gib + plan.optimizer_gib == pytest.approx(31.9, abs=0.2)
+    assert plan.rollout_gib == pytest.approx(72.0, abs=0.5) and plan.fits
+    assert estimate(QWEN25_7B, **kw, offload_during_rollout=True).rollout_gib == pytest.approx(40.0)
+    # without the distributed optimizer every rank holds all of Adam's 12 bytes/param: no longer fits
+    assert not estimate(QWEN25_7B, **kw, distributed_optimizer=False).fits
+    # TP=4 halves what the actor holds per GPU; PP=2 puts the embedding and the head on different stages
+    assert estimate(QWEN25_7B, **kw | {"tp": 4}).params_gib == pytest.approx(plan.params_gib / 2, rel=0.01)
+    assert estimate(QWEN25_7B, **kw | {"pp": 2}).params_gib < 0.55 * plan.params_gib
+
+
+def _doctor(capsys, *argv: str) -> tuple[int, dict]:
+    code = main(["doctor", "--json", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_doctor_reports_this_machine_and_a_7b_plan(tmp_path, capsys, monkeypatch):
+    code, report = _doctor(capsys)
+    assert report["torch"]["torch"] and report["python"]
+    assert report["extension"]["built"] in (True, False)
+    assert {r["module"] for r in report["stack"]} >= {"megatron.core", "vllm", "ray", "modelopt", "math_verify"}
+    assert code == (1 if any(p["level"] == "error" for p in report["problems"]) else 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert _doctor(capsys)[1]["launcher"]["SLURM_JOB_ID"] == "42"
+
+    model = tmp_path / "Qwen2.5-7B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_7B))
+    cfg = str(REPO / "examples" / "configs" / "qwen2.5_7b_pacs.yaml")
+    code, report = _doctor(capsys, "--config", cfg, f"model.path={model}", "--gpu-gib", "80")
+    if "layout" in report:  # sequence parallelism needs TE or Apex: without them the layout check says so
+        assert report["layout"]["tp"] == 2 and report["layout"]["dp"] == 4
+    else:
+        assert code == 1 and "sequence_parallel" in report["config_error"]
+    assert report["memory"]["rollout_gib"] == pytest.approx(72.0, abs=0.5) and report["memory"]["fits"]
+    if not any(r["module"] == "vllm" and r["imports"] for r in report["stack"]):
+        assert code == 1  # the config needs vLLM: a hard problem, named with its fix
+        assert any("vllm" in p["message"] and "pip install vllm" in p["message"] for p in report["problems"])
+
+    code, report = _doctor(capsys, "--config", cfg, f"model.path={model}", "optimizer.use_distributed_optimizer=false")
+    assert code == 1 and any("memory plan needs" in p["message"] for p in report["problems"])
+    code, report = _doctor(capsys, "--config", cfg, f"model.path={tmp_path}/none")
+    assert code == 1 and any("has no config.json" in p["message"] for p in report["problems"])
+
+
+def test_doctor_names_a_mismatched_package(capsys, monkeypatch):
+    monkeypatch.setattr(doctor, "PINS", {"megatron-core": "0.0.1"})
+    code = main(["doctor"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "megatron-core 0.16.1 is installed, the code is written for 0.0.1: pip install megatron-core" in out

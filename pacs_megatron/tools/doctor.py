@@ -27,7 +27,7 @@ from pathlib import Path
 STACK = (
     ("megatron.core", "megatron-core", "the actor", "pip install megatron-core==0.16.1"),
     ("transformer_engine", "transformer-engine", "fused GPU layers (optional)", "use an NGC PyTorch image"),
-    ("apex.normalization", "apex", "fused norms / optimizer (optional)", "use an NGC PyTorch image (the PyPI 'apex' is unrelated)"),
+    ("apex.normalization", "apex", "fused norms (optional)", "use an NGC image (PyPI's 'apex' is unrelated)"),
     ("vllm", "vllm", "GPU rollouts (rollout.engine=vllm)", "pip install vllm==0.32.0 (with torch 2.13.0)"),
     ("ray", "ray", "the Ray launcher", "pip install 'ray>=2.40'"),
     ("modelopt", "nvidia-modelopt", "FP8 rollouts", "pip install nvidia-modelopt huggingface_hub"),
@@ -35,7 +35,9 @@ STACK = (
 )
 REQUIRED = {"megatron.core", "math_verify"}
 PINS = {"megatron-core": "0.16.1"}
-LAUNCHER_VARS = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|SLURM_(JOB_ID|JOB_NODELIST|NNODES|NTASKS|PROCID|LOCALID|GPUS_ON_NODE|RESTART_COUNT)|RAY_ADDRESS|CUDA_VISIBLE_DEVICES)$")  # noqa: E501
+LAUNCHER_VARS = re.compile(
+    r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|SLURM_(JOB_ID|JOB_NODELIST|NNODES|NTASKS|PROCID|LOCALID|GPUS_ON_NODE|RESTART_COUNT)|RAY_ADDRESS|CUDA_VISIBLE_DEVICES)$"
+)  # noqa: E501
 
 
 def _version(dist: str) -> str | None:
@@ -103,18 +105,19 @@ def problems(report: dict) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     ext = report["extension"]
     if not ext["built"]:
-        out.append(("warning", f"extension not built ({ext['error']}): the pure-torch log-prob is used; "
-                    "build it with `pip install --no-build-isolation -e .`"))  # fmt: skip
+        fix = "build it with `pip install --no-build-isolation -e .`"
+        out.append(("warning", f"extension not built ({ext['error']}): the pure-torch log-prob is used; {fix}"))
     elif report["torch"]["cuda_available"] and not ext["cuda"]:
-        out.append(("error", "extension built without CUDA on a GPU machine: rebuild it where nvcc and a CUDA torch are"))
+        out.append(("error", "extension built without CUDA on a GPU machine: rebuild it with nvcc and a CUDA torch"))
     gpus = report["torch"]["gpus"]
     if ext.get("cuda") and gpus:
         # A GPU runs a cubin of its own arch, or JIT-compiles PTX of an older one.
         need = sorted({int(g["capability"].replace(".", "")) for g in gpus})
         bad = [cc for cc in need if cc not in ext["archs"] and not any(p <= cc for p in ext["ptx"])]
         if bad:
-            out.append(("error", f"extension has kernels for sm_{ext['archs']} (PTX {ext['ptx']}) but the GPUs are "
-                        f"sm_{bad}: rebuild with TORCH_CUDA_ARCH_LIST including them, or ending in +PTX"))  # fmt: skip
+            have = f"sm_{ext['archs']} (PTX {ext['ptx']})"
+            fix = "rebuild with TORCH_CUDA_ARCH_LIST including them, or ending in +PTX"
+            out.append(("error", f"extension has kernels for {have} but the GPUs are sm_{bad}: {fix}"))
     for row in report["stack"]:
         required = row["module"] in REQUIRED or (row["module"] == "vllm" and report.get("engine") == "vllm")
         if not row["imports"]:
@@ -122,24 +125,25 @@ def problems(report: dict) -> list[tuple[str, str]]:
             out.append((level, f"{row['module']} ({row['for']}): {row['error']}: {row['fix']}"))
         dist = next(d for n, d, _, _ in STACK if n == row["module"])
         if row["version"] and dist in PINS and row["version"] != PINS[dist]:
-            out.append(("error", f"{dist} {row['version']} is installed, the code is written for {PINS[dist]}: {row['fix']}"))
+            msg = f"{dist} {row['version']} is installed, the code is written for {PINS[dist]}: {row['fix']}"
+            out.append(("error", msg))
     plan = report.get("memory")
     if plan and not plan["fits"]:
-        out.append(("error", f"memory plan needs {plan['peak_gib']:.1f} GiB per GPU (rollout {plan['rollout_gib']:.1f}, "
-                    f"train {plan['train_gib']:.1f}) but the GPU has {plan['gpu_gib']:.0f} GiB: raise TP/PP or DP "
-                    "(distributed optimizer), lower rollout.vllm.gpu_memory_utilization or the micro-batch, or "
-                    "set model.recompute_activations=true"))  # fmt: skip
+        need = f"{plan['peak_gib']:.1f} GiB per GPU (rollout {plan['rollout_gib']:.1f}, train {plan['train_gib']:.1f})"
+        fix = (
+            "raise TP/PP or DP (distributed optimizer), lower rollout.vllm.gpu_memory_utilization or the "
+            "micro-batch, or set model.recompute_activations=true"
+        )
+        out.append(("error", f"memory plan needs {need} but the GPU has {plan['gpu_gib']:.0f} GiB: {fix}"))
     if report.get("engine") == "vllm" and not gpus:
         out.append(("warning", "the config uses vLLM but this machine has no GPU (fine on a login node)"))
     return out
 
 
 def config_report(config: str, overrides: list[str], gpu_gib: float | None, gpus: list[dict]) -> dict:
-    from pacs_megatron.config import load_config
+    from pacs_megatron.config import ConfigError, load_config
     from pacs_megatron.launch.cli import layout_summary
     from pacs_megatron.tools.memory import estimate_run
-
-    from pacs_megatron.config import ConfigError
 
     cfg = load_config(config, overrides)  # a ConfigError here: nothing more to check
     out: dict = {"engine": cfg.rollout.engine}
@@ -163,13 +167,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _text(report: dict, found: list[tuple[str, str]]) -> str:
     t, ext = report["torch"], report["extension"]
+    gpus = t["gpus"]
+    archs = f"archs sm {ext.get('archs') or '-'} PTX {ext.get('ptx') or '-'}"
     lines = [
         f"python      {report['python']}",
         f"torch       {t['torch']}  CUDA {t['cuda'] or '-'}  NCCL {t['nccl'] or '-'}",
-        "gpus        " + ("; ".join(f"{g['name']} {g['memory_gib']} GiB sm_{g['capability']}" for g in t["gpus"]) or "none"),
-        "extension   " + (f"built, CUDA {'yes' if ext['cuda'] else 'no'}, archs {ext['archs'] or '-'}" if ext["built"]
-                          else "not built"),
-    ]  # fmt: skip
+        "gpus        " + ("; ".join(f"{g['name']} {g['memory_gib']} GiB sm_{g['capability']}" for g in gpus) or "none"),
+        "extension   " + (f"built, CUDA {'yes' if ext['cuda'] else 'no'}, {archs}" if ext["built"] else "not built"),
+    ]
     for row in report["stack"]:
         state = "ok" if row["imports"] else f"FAILS ({row['error']})"
         lines.append(f"{row['module']:<19} {row['version'] or '-':<12} {state}")
@@ -179,8 +184,8 @@ def _text(report: dict, found: list[tuple[str, str]]) -> str:
     if report.get("memory"):
         m = report["memory"]
         lines.append(
-            f"memory/GPU  params {m['params_gib']:.1f} + grads {m['grads_gib']:.1f} + optimizer {m['optimizer_gib']:.1f}"
-            f" GiB; activations {m['activations_gib']:.1f}; vLLM {m['vllm_gib']:.1f}"
+            f"memory/GPU  params {m['params_gib']:.1f} + grads {m['grads_gib']:.1f} + optimizer "
+            f"{m['optimizer_gib']:.1f} GiB; activations {m['activations_gib']:.1f}; vLLM {m['vllm_gib']:.1f}"
         )
         lines.append(
             f"            rollout {m['rollout_gib']:.1f} GiB, training {m['train_gib']:.1f} GiB of "

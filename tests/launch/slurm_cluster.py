@@ -153,7 +153,8 @@ def start_cluster(timeout: float = 60.0) -> SlurmCluster:
         _wait(lambda: sock.exists(), 10, "munged socket", cluster)
         cluster.procs.append(subprocess.Popen([_sbin("slurmctld"), "-D", "-i", "-f", str(cluster.conf)], **quiet))
         for node in ("n1", "n2"):
-            cluster.procs.append(subprocess.Popen([_sbin("slurmd"), "-D", "-N", node, "-f", str(cluster.conf)], **quiet))
+            slurmd = [_sbin("slurmd"), "-D", "-N", node, "-f", str(cluster.conf)]
+            cluster.procs.append(subprocess.Popen(slurmd, **quiet))
 
         def idle() -> bool:
             out = cluster.run("sinfo", "-h", "-N", "-o", "%N %t", check=False)

@@ -1,31 +1,47 @@
-# GPU image: NGC PyTorch ships CUDA, NCCL, Apex and Transformer Engine matched to its torch.
-#   docker build -t pacs-megatron .
+# GPU image: NGC PyTorch (CUDA, NCCL, cuDNN, Apex and Transformer Engine matched to its torch)
+# + vLLM built from source against that torch + this package. Never built here (no registry or GPU
+# was reachable where it was written; hadolint checks it in tests/launch/test_container.py).
+#
+#   docker build -t pacs-megatron .                       # ~30-60 min: vLLM's CUDA kernels compile
 #   docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
-#     -v /data:/data -v $PWD/outputs:/workspace/pacs_megatron/outputs pacs-megatron \
-#     torchrun --nproc-per-node 8 -m pacs_megatron.launch --config examples/configs/qwen2.5_7b_pacs.yaml
-# vLLM's wheels are built against one torch: pick the NGC release whose torch is the one the pinned
-# vLLM needs (vllm 0.32.0 <-> torch 2.13.0), so NGC's torch, Apex and TE stay in place.
-# (The default tag is an assumption to check against NGC's release notes: no Docker engine was
-# available where this file was written, so the image has never been built.)
+#     -v /models:/models:ro -v /data:/data:ro -v $PWD/outputs:/workspace/pacs_megatron/outputs \
+#     -e PACS_DATA_ROOT=/data pacs-megatron \
+#     torchrun --standalone --nproc-per-node 8 -m pacs_megatron.launch \
+#       --config examples/configs/qwen2.5_7b_pacs.yaml model.path=/models/Qwen2.5-7B
+#
+# Why vLLM is built from source: vLLM's install docs (0.32, "Set up using Python") say its wheels are
+# compiled against one PyTorch build and are binary-incompatible with any other, "even for the same
+# PyTorch version with different building configurations"; to use an existing PyTorch (NGC's) they
+# say to build from source after `python use_existing_torch.py`, which drops torch from vLLM's
+# requirement files. So: no vLLM wheel over NGC's torch (its C++ ops would load against the wrong
+# ABI), and no pip-installed torch over NGC's (it would discard NGC's Apex/TE/NCCL pairing). vLLM's
+# own runtime requirements (requirements/cuda.txt minus torch: flashinfer, fastapi, openai-harmony,
+# cachetools, ...) come from its source tree with their pins, so nothing `from vllm import LLM`
+# imports is missing. NGC's PIP_CONSTRAINT stays in force: a dependency that would move a package
+# NGC pinned fails the build loudly instead of breaking torch at run time.
 ARG NGC_TAG=26.08-py3
 FROM nvcr.io/nvidia/pytorch:${NGC_TAG}
 
-ENV PIP_NO_CACHE_DIR=1 PIP_CONSTRAINT=""
-WORKDIR /workspace/pacs_megatron
-
-# --no-deps keeps pip from replacing NGC's torch/TE/apex; vLLM's own runtime deps follow explicitly
-# (vllm 0.32.0 also wants transformers>=5.16.1,<5.20). The vLLM engine was written against 0.32.0.
+# The NGC release must carry the torch vLLM 0.32 is written for (2.13): check its release notes.
 ARG VLLM_VERSION=0.32.0
-RUN pip install --no-deps "vllm==${VLLM_VERSION}" && \
-    pip install "megatron-core==0.16.1" "nvidia-modelopt>=0.27" huggingface_hub \
-        "transformers>=5.16.1,<5.20" tokenizers safetensors "math-verify[antlr4_13_2]" omegaconf pyarrow psutil \
-        tensorboard matplotlib rich pybind11 ninja \
-        msgspec cloudpickle blake3 gguf openai prometheus-fastapi-instrumentator lm-format-enforcer \
-        outlines_core xgrammar partial-json-parser compressed-tensors depyf mistral_common cbor2 pybase64 \
-        setproctitle diskcache lark llguidance numba
+# Ampere, Hopper, Blackwell cubins, and PTX of the newest so later GPUs JIT-compile it.
+ARG TORCH_CUDA_ARCH_LIST="8.0;9.0;10.0;12.0+PTX"
+ARG MAX_JOBS=16
+ENV PIP_NO_CACHE_DIR=1 \
+    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
+    MAX_JOBS=${MAX_JOBS}
 
+WORKDIR /opt/vllm
+RUN git clone --depth 1 --branch "v${VLLM_VERSION}" https://github.com/vllm-project/vllm.git . \
+    && python use_existing_torch.py \
+    && pip install --no-cache-dir -r requirements/build.txt \
+    && pip install --no-cache-dir --no-build-isolation . \
+    && python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+
+WORKDIR /workspace/pacs_megatron
 COPY . .
-# The CUDA kernel is built for Ampere and Hopper; torch and TE come from the container.
-RUN TORCH_CUDA_ARCH_LIST="8.0;9.0" pip install --no-build-isolation --no-deps -e .
+# The log-prob kernel for the same archs; torch, TE and Apex stay NGC's (--no-build-isolation).
+RUN pip install --no-cache-dir --no-build-isolation -e . \
+    && pacs-megatron doctor
 
-CMD ["pacs-megatron", "--help"]
+CMD ["pacs-megatron", "doctor"]

@@ -28,11 +28,12 @@ DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMO
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
-def _submit(slurm, work: Path, *args: str, nodes: int = 2, env: dict | None = None) -> str:
+def _submit(slurm, work: Path, *args: str, nodes: int = 2, env: dict | None = None, time_min: int = 0) -> str:
     work.mkdir(parents=True, exist_ok=True)
     env = dict(slurm.env, PYTHON=sys.executable, MASTER_PORT=str(free_port()), **(env or {}))
+    limit = ["--time", str(time_min)] if time_min else []
     out = subprocess.run(
-        ["sbatch", "--parsable", "--nodes", str(nodes), str(SCRIPT), *args],
+        ["sbatch", "--parsable", "--nodes", str(nodes), *limit, str(SCRIPT), *args],
         env=env,
         cwd=work,
         capture_output=True,
@@ -57,7 +58,7 @@ def _finished(slurm, work: Path, job: str, timeout: float) -> str:
 
 def test_sbatch_two_nodes_preempt_requeue_resume(slurm, tmp_path):
     out, steps = tmp_path / "run", 25
-    job = _submit(slurm, tmp_path, "--config", str(CONFIG), *short_run(out, steps))
+    job = _submit(slurm, tmp_path, "--config", str(CONFIG), *short_run(out, steps), time_min=30)
     running = lambda: slurm.job_field(job, "JobState") in ("PENDING", "RUNNING")  # noqa: E731
     wait_until(lambda: 2 in steps_of(out / "metrics.jsonl"), 240, "step 2", running)
     assert slurm.job_field(job, "NodeList") == "n[1-2]"  # TP=2: rank 0 on n1, rank 1 on n2
@@ -76,6 +77,7 @@ def test_sbatch_two_nodes_preempt_requeue_resume(slurm, tmp_path):
     log = _log(tmp_path, job)
     assert state == "COMPLETED", log[-4000:]
     assert "restart 1" in log and "2 node(s) x 1" in log
+    assert "trainer.deadline_unix=" in log  # the job's end time (--time 30) reached the trainer's budget
     assert steps_of(out / "metrics.jsonl") == list(range(1, steps + 1))
     # rollouts.jsonl: trainer.log_rollouts=1 row per step, none replayed
     assert steps_of(out / "rollouts.jsonl") == list(range(1, steps + 1))

@@ -3,12 +3,15 @@ without a launcher. Under torchrun / srun (RANK and WORLD_SIZE set) nothing is s
 
 The parent forwards SIGTERM / SIGUSR1 / SIGINT to every child (they checkpoint and exit 143, or 130
 after Ctrl-C; a second Ctrl-C stops them at once), and when one child fails it gives the others a
-grace period, then kills them, like torchrun. A Ctrl-C in a terminal reaches the children directly
-too; they take the forwarded copy for the same Ctrl-C (utils/preemption.py), so it is not a second one.
+grace period, then kills them, like torchrun. As torchrun does, each child runs in its own session:
+a terminal's Ctrl-C reaches only the parent, which forwards it once to the ranks and not to their
+helper processes (reward workers), so nothing dies with a KeyboardInterrupt traceback. The children
+die with the parent (PR_SET_PDEATHSIG on Linux), so killing the parent never leaves ranks behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -41,11 +44,29 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     return env
 
 
+try:  # loaded before any fork: the child-side hook below must not import or allocate
+    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    _LIBC = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child between fork and exec: get SIGKILL when the spawner dies."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
 def spawn_local(module_argv: list[str], world_size: int) -> int:
     """Run ``python -m <module_argv...>`` as ``world_size`` ranks; return the job's exit code."""
     port = free_port()
     procs = [
-        subprocess.Popen([sys.executable, "-m", *module_argv], env=rank_env(r, world_size, port))
+        subprocess.Popen(
+            [sys.executable, "-m", *module_argv],
+            env=rank_env(r, world_size, port),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # async-signal-safe: one prctl call
+        )
         for r in range(world_size)
     ]
     logger.info("started %d local ranks (pids %s)", world_size, [p.pid for p in procs])

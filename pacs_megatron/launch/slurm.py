@@ -37,7 +37,7 @@ def apply_srun_env(environ: os._Environ | dict | None = None) -> bool:
     env = os.environ if environ is None else environ
     if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
         return False
-    ntasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+    ntasks = int(env.get("SLURM_STEP_NUM_TASKS") or 1)  # set by srun only (not in the batch script)
     if ntasks < 2:  # one task: the local spawner starts the ranks, as on a workstation
         return False
     env["RANK"] = env["SLURM_PROCID"]

@@ -6,8 +6,9 @@ handler only records the signal: the trainer asks :meth:`PreemptionFlag.should_s
 every rank agrees (an all-reduce: one rank may see the signal first, or alone), checkpoints and
 returns :attr:`PreemptionFlag.exit_code`. A second Ctrl-C stops at once (``os._exit(130)``, no
 checkpoint, no traceback). A SIGINT within :data:`DUPLICATE_S` of the first is the same Ctrl-C seen
-twice (the terminal signals the whole foreground process group, and torchrun or the local spawner
-forward it again), not a second one.
+twice, not a second one: torchrun and the local spawner run the ranks in their own sessions and
+forward one Ctrl-C once, but a launcher that leaves the ranks in the terminal's process group and
+also forwards would deliver it twice.
 
 Time budget (no signal needed): ``trainer.stop_after_s`` (seconds since this process started the
 loop) and ``trainer.deadline_unix`` (an absolute end, e.g. the Slurm job's end time, set by

@@ -1,9 +1,9 @@
 """Graceful stop (utils/preemption.py) and the srun environment mapping (launch/slurm.py).
 
 Unit checks of the time budget and the Ctrl-C rules in plain processes, then one end-to-end run of
-the CPU default through the local spawner: Ctrl-C as a terminal sends it (SIGINT to the whole
-process group: the spawner and both ranks) checkpoints after the step and exits 130 with no
-KeyboardInterrupt traceback.
+the CPU default through the local spawner: Ctrl-C as a terminal sends it (SIGINT to the foreground
+process group; the spawner forwards it to the ranks, which run in their own sessions) checkpoints
+after the step and exits 130 with no KeyboardInterrupt traceback.
 """
 
 from __future__ import annotations

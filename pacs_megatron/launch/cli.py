@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
 from pacs_megatron.launch.local import spawn_local
-from pacs_megatron.launch.slurm import apply_srun_env
+from pacs_megatron.launch.slurm import apply_srun_env, srun_exit_code
 from pacs_megatron.parallel import check_layout
 from pacs_megatron.utils.dist import under_launcher
 from pacs_megatron.utils.logging import get_logger, init_logging
@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
         from pacs_megatron.train import train
 
         try:
-            return train(cfg)
+            return srun_exit_code(train(cfg))  # 75 for "checkpointed, requeue me" under srun
         except KeyboardInterrupt:  # Ctrl-C before the loop's handler (preemption.py) was installed
             logger.warning("interrupted while starting up: nothing to save")
             return EXIT_INTERRUPTED

@@ -10,7 +10,9 @@ Two pieces:
 
 - :func:`apply_srun_env` (called by ``pacs_megatron.launch`` in each task): maps ``SLURM_PROCID`` /
   ``SLURM_STEP_NUM_TASKS`` / ``SLURM_LOCALID`` to the ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` that
-  torch.distributed reads. ``MASTER_ADDR``/``MASTER_PORT`` come from the batch script.
+  torch.distributed reads. ``MASTER_ADDR``/``MASTER_PORT`` come from the batch script. Such a rank
+  exits :data:`EXIT_REQUEUE` (75) after a graceful stop (:func:`srun_exit_code`): the script
+  requeues on it, never on a crash.
 - ``python -m pacs_megatron.launch.slurm plan --nodes N --nproc-per-node P --config FILE [a.b=c ...]``
   (run once by the batch script, before any srun): validates the config for that world size and
   prints the overrides srun adds: ``parallel.dp`` (world size / (tp * pp): the script does no
@@ -27,8 +29,15 @@ import sys
 from datetime import datetime
 
 from pacs_megatron.config import ConfigError, load_config
+from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 USAGE = "python -m pacs_megatron.launch.slurm plan --nodes N --nproc-per-node P --config FILE [a.b=c ...]"
+# What a rank started by srun returns after it stopped and checkpointed (signal or time budget), for
+# the batch script to requeue on. Not 143: srun also reports 143 for a task *killed* by SIGTERM (as
+# --kill-on-bad-exit does to the survivors of a crash), and a crash must not be requeued.
+# 75 is EX_TEMPFAIL: "temporary failure, try again".
+EXIT_REQUEUE = 75
+_MAPPED = "PACS_SRUN_RANKS"
 
 
 def apply_srun_env(environ: os._Environ | dict | None = None) -> bool:
@@ -46,9 +55,18 @@ def apply_srun_env(environ: os._Environ | dict | None = None) -> bool:
     tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
     env.setdefault("LOCAL_WORLD_SIZE", tasks_per_node or "1")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env[_MAPPED] = "1"
     if "MASTER_PORT" not in env:
         raise RuntimeError("srun started the ranks without MASTER_PORT: launch through examples/slurm/multinode.sbatch")
     return True
+
+
+def srun_exit_code(code: int) -> int:
+    """The exit code of a trainer rank: :data:`EXIT_REQUEUE` instead of a graceful stop's 143 (or
+    130) when srun started the rank directly, else ``code`` unchanged."""
+    if os.environ.get(_MAPPED) == "1" and code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+        return EXIT_REQUEUE
+    return code
 
 
 def job_end_unix(job_id: str | None = None) -> float:

@@ -112,6 +112,7 @@ def test_sbatch_dead_rank_fails_fast(slurm, tmp_path):
     assert state == "FAILED", _log(tmp_path, job)[-3000:]
     assert took < 20, f"the job took {took:.0f}s to fail after a rank died"
     assert slurm.job_field(job, "Restarts") == "0"  # a crash is not a pre-emption: no requeue
+    assert "requeueing" not in _log(tmp_path, job)
 
 
 def test_sbatch_bad_input(slurm, tmp_path):

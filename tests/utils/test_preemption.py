@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from pacs_megatron.config import ConfigError
-from pacs_megatron.launch.slurm import apply_srun_env, plan
+from pacs_megatron.launch.slurm import EXIT_REQUEUE, apply_srun_env, plan, srun_exit_code
 from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, PreemptionFlag
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,11 +76,16 @@ def test_ctrl_c_twice_stops_at_once_but_a_duplicate_does_not():
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
-def test_srun_env_and_plan():
+def test_srun_env_and_plan(monkeypatch):
+    monkeypatch.delenv("PACS_SRUN_RANKS", raising=False)
+    assert srun_exit_code(EXIT_PREEMPTED) == EXIT_PREEMPTED  # not under srun: unchanged
+    monkeypatch.setenv("PACS_SRUN_RANKS", "1")  # what apply_srun_env records
+    assert srun_exit_code(EXIT_PREEMPTED) == EXIT_REQUEUE and srun_exit_code(1) == 1
     env = {"SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1"}
     env |= {"SLURM_STEP_TASKS_PER_NODE": "2(x2)", "MASTER_PORT": "1234"}
     assert apply_srun_env(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "1", "2")
+    assert env["PACS_SRUN_RANKS"] == "1"
     assert not apply_srun_env({"RANK": "0", "SLURM_PROCID": "1", "SLURM_STEP_ID": "0"})  # torchrun's ranks
     assert not apply_srun_env({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"})
 

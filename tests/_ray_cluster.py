@@ -32,7 +32,11 @@ def start_two_node_cluster():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from ray.cluster_utils import Cluster
 
-    head = _node_args() | {"gcs_server_port": free_port(), "include_dashboard": False, "ray_client_server_port": free_port()}
+    head = _node_args() | {
+        "gcs_server_port": free_port(),
+        "include_dashboard": False,
+        "ray_client_server_port": free_port(),
+    }
     cluster = Cluster(initialize_head=True, head_node_args=head)
     cluster.add_node(**_node_args())
     cluster.wait_for_nodes()

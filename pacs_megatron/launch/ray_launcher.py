@@ -32,12 +32,14 @@ from pacs_megatron.config import RunConfig, to_yaml
 from pacs_megatron.launch.local import FORWARDED, GRACE_S
 from pacs_megatron.launch.ray_rank import RankActor
 from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.utils.preemption import EXIT_PREEMPTED
 
 logger = get_logger(__name__)
 
 _STRATEGY = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
 _PROBE_TIMEOUT_S = 5.0
 _FORWARDED_ENV_PREFIXES = ("PACS_", "HF_", "WANDB_")
+_STOPPED = (EXIT_PREEMPTED, 128 + signal.SIGINT)  # a rank that checkpointed and stopped on a signal
 
 
 class LaunchError(RuntimeError):
@@ -220,7 +222,7 @@ def _supervise(actors: list, refs: list, where: list[dict]) -> int:
                         stop_at = time.monotonic()  # its peers are stuck in a collective: stop them now
                     continue
                 codes[r] = code
-                if code != 0 and failure is None:
+                if code not in (0, *_STOPPED) and failure is None:
                     why = tail[-1] if tail else "no output"
                     failure = f"rank {r} on {node} exited with code {code}: {why}"
                     stop_at = time.monotonic() + GRACE_S

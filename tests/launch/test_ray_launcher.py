@@ -35,8 +35,6 @@ SMALL = [
 ]
 NONDETERMINISTIC = ("timing/", "perf/", "sync/seconds", "sync/gbytes_per_s")
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-
 
 def _cmd(out: Path, steps: int, *extra: str) -> list[str]:
     return [
@@ -87,6 +85,8 @@ def _checkpoints(out: Path) -> list[int]:
     return sorted(int(d.name.split("_")[1]) for d in (out / "checkpoints").glob("step_*") if (d / "COMPLETE").is_file())
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ray_strict_spread_matches_local_run(ray_cluster, tmp_path):
     local, ray_out = tmp_path / "local", tmp_path / "ray"
     subprocess.run(_cmd(local, 3), env=_env(), check=True, timeout=300)
@@ -114,6 +114,8 @@ def test_ray_strict_spread_matches_local_run(ray_cluster, tmp_path):
         assert _maths(got[step]) == _maths(expected[step]), step
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
     out, log = tmp_path / "run", tmp_path / "driver.log"
     with log.open("w") as f:
@@ -169,6 +171,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.distributed
 def test_bad_ray_address_and_unsatisfiable_placement(ray_cluster, tmp_path):
     address = f"127.0.0.1:{free_port()}"
     proc = subprocess.run(
@@ -193,3 +196,26 @@ def test_bad_ray_address_and_unsatisfiable_placement(ray_cluster, tmp_path):
     assert "asked 2 bundles" in line and "'GPU': 1.0" in line and "2 node(s)" in line, line
     assert time.monotonic() - started < 60
     assert not (tmp_path / "b").exists()  # nothing started
+
+
+def test_rank_order_and_env_pack_tp_groups_on_nodes(monkeypatch):
+    """Pure: bundles granted interleaved over two GPU nodes still give consecutive ranks one node."""
+    from pacs_megatron.launch.ray_launcher import _rank_order, rank_envs
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    places = [
+        {"node_id": n, "ip": ip, "host": n, "gpu_ids": [g], "port": 1000 + i}
+        for i, (n, ip, g) in enumerate(
+            [("a", "10.0.0.1", "3"), ("b", "10.0.0.2", "0"), ("a", "10.0.0.1", "1"), ("b", "10.0.0.2", "2")]
+        )
+    ]
+    order = _rank_order(places)
+    assert order == [0, 2, 1, 3]
+    envs = rank_envs(places, order, cpus_per_rank=4, gcs_address="10.0.0.1:6379")
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and {e["MASTER_PORT"] for e in envs} == {"1000"}
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,1", "3,1", "0,2", "0,2"]  # cuda:LOCAL_RANK is its GPU
+    assert [e["PACS_RAY_NODE_ID"] for e in envs] == ["a", "a", "b", "b"]
+    assert {e["OMP_NUM_THREADS"] for e in envs} == {"4"} and {e["RAY_ADDRESS"] for e in envs} == {"10.0.0.1:6379"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +82,19 @@ def _wait_for(pred, timeout: float, proc: subprocess.Popen, log: Path) -> None:
     raise AssertionError(f"timed out waiting for the run:\n{log.read_text()[-3000:]}")
 
 
+def _gone_within(pid: int, seconds: float) -> bool:
+    """True once ``pid`` no longer runs (exited, or a zombie awaiting its new parent's reaping)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _checkpoints(out: Path) -> list[int]:
     return sorted(int(d.name.split("_")[1]) for d in (out / "checkpoints").glob("step_*") if (d / "COMPLETE").is_file())
 
@@ -113,6 +127,23 @@ def test_ray_strict_spread_matches_local_run(ray_cluster, tmp_path):
         assert "reward/mean" in got[step] and "pacs/loss" in got[step] and "actor/grad_norm" in got[step]
         assert _maths(got[step]) == _maths(expected[step]), step
 
+    # A trainer error inside the ranks (corrupt weights, found only when loading them) fails the job
+    # with the rank and its error named, and the trainer's exit code.
+    bad = tmp_path / "bad_model"
+    shutil.copytree(local / "model", bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    proc = subprocess.run(
+        _cmd(tmp_path / "bad", 1, f"model.path={bad}", "model.init=pretrained", *_ray(ray_cluster)),
+        env=_env(),
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]
+    failed = [line for line in text.splitlines() if "exited with code 1:" in line and "ray_launcher" in line]
+    assert len(failed) == 1 and "rank " in failed[0] and "Safetensor" in failed[0], text[-3000:]
+
 
 @pytest.mark.slow
 @pytest.mark.distributed
@@ -140,7 +171,7 @@ def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
     assert elapsed < 20, f"the job took {elapsed:.1f}s to fail"
     error = [line for line in text.splitlines() if "ray launcher:" in line]
     assert len(error) == 1 and "rank 1" in error[0] and "lost" in error[0], text[-3000:]
-    assert not psutil.pid_exists(rank1["pid"])  # the trainer rank died with its actor
+    assert _gone_within(rank1["pid"], 10.0)  # the trainer rank died with its actor (PDEATHSIG)
 
     last = max(_checkpoints(out))
     log2 = tmp_path / "driver2.log"

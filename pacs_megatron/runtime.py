@@ -21,6 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from pacs_megatron.config import RunConfig, to_yaml
+from pacs_megatron.utils.launch_info import write_launch_json
 from pacs_megatron.utils.logging import get_logger, init_logging
 
 logger = get_logger(__name__)
@@ -66,6 +67,7 @@ def setup(cfg: RunConfig) -> Runtime:
             write_tiny_model_dir(model_dir, cfg.model.tiny)
             logger.info("wrote the tiny model config and task tokenizer to %s", model_dir)
     dist.barrier()
+    write_launch_json(output_dir)  # where every rank runs, for users and tests
     hf_config = json.loads((model_dir / "config.json").read_text())
     groups = initialize_parallel(cfg.parallel, hf_config)
     _seed_everything(cfg.trainer.seed)

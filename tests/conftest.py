@@ -30,3 +30,13 @@ def data_root() -> Path:
     if not (root / "README.md").exists():
         pytest.skip(f"shared data not found at {root} (set PACS_DATA_ROOT)")
     return root
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A two-node Ray cluster (tests/_ray_cluster.py), started on first use, shut down at session end."""
+    from _ray_cluster import start_two_node_cluster
+
+    cluster = start_two_node_cluster()
+    yield cluster
+    cluster.shutdown()

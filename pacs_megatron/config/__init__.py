@@ -10,6 +10,7 @@ the fix. Checks that need the model (TP divides the heads, ...) run at start-up 
 
 from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.data import ArithTaskConfig, DataConfig, RewardConfig
+from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig, TinyModelConfig
 from pacs_megatron.config.rollout import RolloutConfig, SyncConfig, VLLMConfig
 from pacs_megatron.config.run import RunConfig, config_from_dict, load_config, to_yaml
@@ -20,6 +21,7 @@ __all__ = [
     "ArithTaskConfig",
     "ConfigError",
     "DataConfig",
+    "LauncherConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",

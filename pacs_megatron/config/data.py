@@ -85,9 +85,15 @@ class RewardConfig:
     """Scoring processes (math-verify's timeouts only work outside threads)."""
     timeout_s: float = 10.0
     """Per-response scoring timeout; a timeout scores 0 and is counted."""
+    backend: str = "local"
+    """Where the ``num_workers`` scorers run: "local" (processes beside each rank) or "ray" (actors
+    spread over the Ray cluster of $RAY_ADDRESS, or a private one; see reward/ray_backend.py)."""
 
     def __post_init__(self) -> None:
         if self.fn not in ("math", "arith") and ":" not in self.fn:
             raise ConfigError(f"reward.fn={self.fn!r}: use 'math', 'arith' or 'package.module:function'")
         _positive("reward.num_workers", self.num_workers, allow_zero=True)
         _positive("reward.timeout_s", self.timeout_s)
+        _choice("reward.backend", self.backend, ("local", "ray"))
+        if self.backend == "ray" and self.num_workers == 0:
+            raise ConfigError("reward.backend=ray needs reward.num_workers >= 1 (the number of Ray scoring actors)")

@@ -12,6 +12,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.data import DataConfig, RewardConfig
+from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig
 from pacs_megatron.config.rollout import RolloutConfig, SyncConfig
 from pacs_megatron.config.training import AlgorithmConfig, LoggingConfig, OptimizerConfig, TrainerConfig
@@ -31,6 +32,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
         n, algo, dp = self.rollout.n, self.algorithm, self.parallel.dp

@@ -90,6 +90,13 @@ def main(args: argparse.Namespace) -> int:
     if cfg.trainer.dry_run:
         sys.stdout.write(to_yaml(cfg) + "\n# layout\n" + json.dumps(layout, indent=2) + "\n")
         return 0
+    if cfg.launcher.kind == "ray" and not under_launcher():
+        from pacs_megatron.launch.ray_launcher import main as ray_main  # ray is imported only here
+
+        return ray_main(cfg)
+    if cfg.launcher.kind == "torchrun" and not under_launcher():
+        logger.error("launcher.kind=torchrun but RANK/WORLD_SIZE are not set: start with torchrun or srun")
+        return 2
     if under_launcher() or cfg.parallel.world_size == 1:
         from pacs_megatron.train import train
 

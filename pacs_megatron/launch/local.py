@@ -40,6 +40,7 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", str(threads)),
+        PACS_LAUNCHER_KIND="local",  # recorded in launch.json
     )
     return env
 

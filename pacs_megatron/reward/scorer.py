@@ -70,6 +70,7 @@ class RewardScorer:
         self.cfg = cfg
         self.fn = load_reward_fn(cfg.fn)  # fail fast, in the parent, with the loader's message
         self._workers: list[_Worker] = []
+        self._remote = None  # reward.backend=ray: the actor pool, built on first use
 
     # -- public API -------------------------------------------------------------------------
 
@@ -90,6 +91,9 @@ class RewardScorer:
             if len(seq) != n:
                 raise ValueError(f"RewardScorer.score: {name} has {len(seq)} entries for {n} responses")
         items = list(zip(prompts, responses, ground_truths, extras))
+        if self.cfg.backend != "local":
+            self._remote = self._remote or remote_pool(self.cfg)
+            return self._remote.score(items)
         if self.cfg.num_workers == 0:
             return self._score_inline(items)
         return self._score_pool(items)
@@ -104,6 +108,9 @@ class RewardScorer:
         for w in self._workers:
             _stop(w, grace_s=2.0)
         self._workers = []
+        if getattr(self, "_remote", None) is not None:
+            self._remote.close()
+            self._remote = None
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -243,6 +250,13 @@ def _stop(w: _Worker, grace_s: float) -> None:
         w.proc.kill()
     w.proc.wait()
     w.conn.close()
+
+
+def remote_pool(cfg: RewardConfig):
+    """The scorer pool of a non-local ``reward.backend`` (imports ray only when asked for)."""
+    from pacs_megatron.reward.ray_backend import RayRewardPool
+
+    return RayRewardPool(cfg)
 
 
 def _metrics(timeouts: int, errors: int, restarts: int) -> dict[str, float]:

@@ -52,3 +52,15 @@ def two_args(response, ground_truth):
 
 
 NOT_CALLABLE = 3
+
+
+def alarm_raise_or_hang(prompt, response, ground_truth, extra):
+    """Like math-verify, arms a SIGALRM handler (only possible in a process's main thread); raises on
+    "raise", spins on "hang", else exact match."""
+    signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))
+    if response == "raise":
+        raise ZeroDivisionError("user bug")
+    if response == "hang":
+        while True:
+            pass
+    return float(response == ground_truth)

@@ -1,0 +1,246 @@
+"""``launcher.kind=ray``: run the trainer's ranks as Ray actors in a placement group.
+
+    driver (pacs-megatron train, or the entrypoint of ``ray job submit``)
+      connect (launcher.ray_address) -> placement group of world_size bundles, bounded wait
+      -> one RankActor per bundle (launch/ray_rank.py) -> ranks ordered by node, MASTER_ADDR = rank 0's node
+      -> every actor runs ``python -m pacs_megatron.launch`` with RANK, WORLD_SIZE, LOCAL_RANK, ... set
+      -> supervise: stream logs, forward SIGINT/SIGTERM/SIGUSR1, first failure names its rank
+      -> kill the actors, remove the placement group, return the trainer's exit code
+
+Bundles are ``{"CPU": cpus_per_rank}`` plus ``{"GPU": 1}`` on a GPU cluster. ``pack`` keeps
+consecutive ranks (hence each TP group, the innermost dimension) on one node wherever they fit:
+ranks are assigned to bundles in node order, not bundle order. LOCAL_RANK / LOCAL_WORLD_SIZE count
+the job's ranks on a node; on GPUs each rank sees its node's job GPUs in local-rank order
+(CUDA_VISIBLE_DEVICES), as under torchrun, so CUDA IPC between colocated ranks works (GPU path never
+run: unverified on GPU).
+
+A rank exiting non-zero gets the others :data:`~pacs_megatron.launch.local.GRACE_S` to follow (they
+usually fail in the same collective); a lost actor (node or process gone) stops the job at once,
+since its peers would wait in a collective forever. OMP_NUM_THREADS is the launching shell's, else
+``cpus_per_rank``: the thread count, like the maths, matches a local run with the same setting.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections import defaultdict
+
+from pacs_megatron.config import RunConfig, to_yaml
+from pacs_megatron.launch.local import FORWARDED, GRACE_S
+from pacs_megatron.launch.ray_rank import RankActor
+from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.utils.preemption import EXIT_PREEMPTED
+
+logger = get_logger(__name__)
+
+_STRATEGY = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
+_PROBE_TIMEOUT_S = 5.0
+_FORWARDED_ENV_PREFIXES = ("PACS_", "HF_", "WANDB_")
+_STOPPED = (EXIT_PREEMPTED, 128 + signal.SIGINT)  # a rank that checkpointed and stopped on a signal
+
+
+class LaunchError(RuntimeError):
+    """The job could not be started or failed; the message is one line for the user."""
+
+
+def connect(address: str) -> None:
+    """``ray.init`` for ``launcher.ray_address`` ("" starts a private instance); one-line errors."""
+    import ray
+
+    if address and address != "auto":
+        host, _, port = address.rpartition(":")
+        try:  # ray.init retries an unreachable GCS for minutes: probe it first
+            socket.create_connection((host.removeprefix("ray://") or "127.0.0.1", int(port)), _PROBE_TIMEOUT_S).close()
+        except (OSError, ValueError) as e:
+            raise LaunchError(
+                f"launcher.ray_address={address!r}: no Ray head answers there ({e}); start one with "
+                "`ray start --head --port PORT` and pass HOST:PORT, or use launcher.ray_address=auto on a cluster node"
+            ) from None
+    try:
+        ray.init(address=address or None, log_to_driver=True)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise LaunchError(
+            f"launcher.ray_address={address!r}: cannot connect to Ray ({first}); start a cluster with "
+            "`ray start --head` or set launcher.ray_address to its HOST:PORT"
+        ) from None
+
+
+def _bundles(cfg: RunConfig) -> list[dict]:
+    import ray
+
+    gpus = cfg.launcher.gpus_per_rank
+    if gpus < 0:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    bundle = {"CPU": float(cfg.launcher.cpus_per_rank)} | ({"GPU": float(gpus)} if gpus else {})
+    return [dict(bundle) for _ in range(cfg.parallel.world_size)]
+
+
+def reserve(cfg: RunConfig):
+    """Create the placement group and wait ``placement_timeout_s`` for it; say what is missing if not."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = _bundles(cfg)
+    strategy = _STRATEGY[cfg.launcher.placement]
+    pg = placement_group(bundles, strategy=strategy)
+    try:
+        ray.get(pg.ready(), timeout=cfg.launcher.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        per_node = [{k: v for k, v in n["Resources"].items() if k in ("CPU", "GPU")} for n in nodes]
+        raise LaunchError(
+            f"placement group not granted within launcher.placement_timeout_s={cfg.launcher.placement_timeout_s:g}: "
+            f"asked {len(bundles)} bundles of {bundles[0]} ({strategy}, one per rank of parallel.world_size="
+            f"{cfg.parallel.world_size}); the cluster has {len(nodes)} node(s) with {per_node}. Use a smaller layout, "
+            "another launcher.placement, launcher.gpus_per_rank=0, or add nodes"
+        ) from None
+    return pg
+
+
+def _rank_order(places: list[dict]) -> list[int]:
+    """Bundle index of each rank: bundles grouped by node (first-seen order), so consecutive ranks share one."""
+    first_seen: dict[str, int] = {}
+    for i, p in enumerate(places):
+        first_seen.setdefault(p["node_id"], i)
+    return sorted(range(len(places)), key=lambda i: (first_seen[places[i]["node_id"]], i))
+
+
+def rank_envs(places: list[dict], order: list[int], cpus_per_rank: int, gcs_address: str) -> list[dict[str, str]]:
+    """The environment of each rank (index = rank), from the actors' places and the rank order."""
+    world = len(order)
+    master = places[order[0]]
+    on_node: dict[str, list[int]] = defaultdict(list)
+    for rank, b in enumerate(order):
+        on_node[places[b]["node_id"]].append(rank)
+    forwarded = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
+    envs = []
+    for rank, b in enumerate(order):
+        p = places[b]
+        local = on_node[p["node_id"]]
+        env = forwarded | {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local.index(rank)),
+            "LOCAL_WORLD_SIZE": str(len(local)),
+            "MASTER_ADDR": master["ip"],
+            "MASTER_PORT": str(master["port"]),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(cpus_per_rank)),
+            "PACS_LAUNCHER_KIND": "ray",
+            "PACS_RAY_NODE_ID": p["node_id"],
+            "PACS_NODE_IP": p["ip"],
+            "RAY_ADDRESS": gcs_address,  # reward.backend=ray in a rank joins this cluster
+        }
+        gpu_ids = [g for r in local for g in places[order[r]]["gpu_ids"]]
+        if gpu_ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        envs.append(env)
+    return envs
+
+
+def main(cfg: RunConfig) -> int:
+    """The ``launcher.kind=ray`` entry of ``pacs-megatron train``: the job's exit code, errors in one line."""
+    try:
+        return launch_ray(cfg)
+    except LaunchError as e:
+        logger.error("ray launcher: %s", e)
+        return 1
+
+
+def launch_ray(cfg: RunConfig) -> int:
+    """Run the job on the Ray cluster of ``cfg.launcher``; the trainer's exit code (LaunchError if it
+    cannot start or a rank is lost)."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    connect(cfg.launcher.ray_address)
+    pg, actors = None, []
+    try:
+        pg = reserve(cfg)
+        bundles = pg.bundle_specs
+        remote = ray.remote(RankActor)
+        actors = [
+            remote.options(
+                num_cpus=b["CPU"],
+                num_gpus=b.get("GPU", 0),
+                max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote(i)
+            for i, b in enumerate(bundles)
+        ]
+        places = ray.get([a.where.remote() for a in actors])
+        order = _rank_order(places)
+        envs = rank_envs(places, order, cfg.launcher.cpus_per_rank, ray.get_runtime_context().gcs_address)
+        ranked = [actors[b] for b in order]
+        where = [places[b] for b in order]
+        logger.info(
+            "ray: %d ranks (%s) on nodes %s",
+            len(ranked),
+            cfg.launcher.placement,
+            [f"{w['host']}/{w['node_id'][:8]}" for w in where],
+        )
+        yaml = to_yaml(cfg)
+        refs = [a.run.remote(r, yaml, envs[r], os.getcwd()) for r, a in enumerate(ranked)]
+        return _supervise(ranked, refs, where)
+    finally:
+        for a in actors:
+            ray.kill(a)
+        if pg is not None:
+            remove_placement_group(pg)
+        ray.shutdown()
+
+
+def _supervise(actors: list, refs: list, where: list[dict]) -> int:
+    """Wait for every rank; forward signals; on the first failure stop the rest and name that rank."""
+    import ray
+
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in FORWARDED}
+    pending = {ref: r for r, ref in enumerate(refs)}
+    codes: dict[int, int] = {}
+    failure: str | None = None
+    lost = False
+    stop_at: float | None = None
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+            for ref in ready:
+                r = pending.pop(ref)
+                node = f"node {where[r]['node_id'][:8]} ({where[r]['host']}, {where[r]['ip']})"
+                try:
+                    code, tail = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    if failure is None:
+                        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                        failure = f"rank {r} on {node} was lost: its Ray actor died ({first[:200]})"
+                        lost = True
+                        stop_at = time.monotonic()  # its peers are stuck in a collective: stop them now
+                    continue
+                codes[r] = code
+                if code not in (0, *_STOPPED) and failure is None:
+                    why = tail[-1] if tail else "no output"
+                    failure = f"rank {r} on {node} exited with code {code}: {why}"
+                    stop_at = time.monotonic() + GRACE_S
+            while received:
+                signum = received.pop(0)
+                logger.warning("forwarding %s to %d ranks", signal.Signals(signum).name, len(pending))
+                for a in actors:
+                    a.signal.remote(signum)
+            if stop_at is not None and pending and time.monotonic() >= stop_at:
+                logger.error("%s; stopping the other ranks", failure)
+                for r in pending.values():
+                    ray.kill(actors[r])
+                stop_at = float("inf")
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if lost:
+        raise LaunchError(f"{failure}; the job failed, resume it with --resume auto")
+    if failure is not None:
+        logger.error(failure)
+    return next((codes[r] for r in sorted(codes) if codes[r] != 0), 0)

@@ -1,0 +1,109 @@
+"""The Ray actor that hosts one trainer rank (used by :mod:`pacs_megatron.launch.ray_launcher`).
+
+The actor does not run :func:`pacs_megatron.train.train` in its own process: it starts the same
+module entry as a torchrun rank, ``python -m pacs_megatron.launch --config FILE``, as a child with
+the rank's environment, and waits for it. Why a child process:
+
+- signals: the trainer's SIGTERM/SIGINT handlers (checkpoint, then exit) need the main thread of a
+  process that owns its signal dispositions; a Ray worker's main thread belongs to Ray, which also
+  reacts to SIGTERM itself. The driver forwards a signal with :meth:`RankActor.signal`.
+- failures: a crash, ``sys.exit`` or OOM of the trainer is an exit code and a stderr tail, never a
+  broken actor; the actor is only ever lost when its process is (node lost, killed).
+- state: megatron-core keeps process-global state (parallel_state, CUDA context, gloo groups); a
+  fresh interpreter per launch is what torchrun gives a rank, so the results match bit for bit.
+
+The child dies with the actor (``PR_SET_PDEATHSIG``), so a killed actor never leaves a trainer rank
+blocked in a collective. Its stderr is copied line by line to the actor's stderr, which Ray streams
+to the driver (prefixed ``(rank0 pid=..., ip=...)``), and the last lines are kept for the driver's
+error message. The actor is threaded (``max_concurrency``) so ``signal`` runs while ``run`` waits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+
+_PR_SET_PDEATHSIG = 1
+_TAIL_LINES = 30
+
+
+def _die_with_parent_fn():
+    """A pre-exec function asking the kernel to SIGKILL the child when the actor dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: the child only calls it
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class RankActor:
+    """One trainer rank on a Ray node (created with ``ray.remote(...)`` by the launcher)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.rank = index
+        self.proc: subprocess.Popen | None = None
+        self.tail: deque[str] = deque(maxlen=_TAIL_LINES)
+
+    def __repr__(self) -> str:  # Ray prefixes the streamed log lines with it
+        return f"rank{self.rank}"
+
+    def where(self) -> dict:
+        """This actor's node: Ray node id, address, host name, assigned GPU ids, a free port there."""
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "host": socket.gethostname(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "port": port,
+        }
+
+    def run(self, rank: int, config_yaml: str, env: dict[str, str], cwd: str) -> tuple[int, list[str]]:
+        """Run the trainer rank to completion; return its exit code and its last stderr lines."""
+        self.rank = rank
+        workdir = tempfile.mkdtemp(prefix=f"pacs-rank{rank}-")
+        config_path = os.path.join(workdir, "config.yaml")  # the resolved config: no shared filesystem needed
+        with open(config_path, "w") as f:
+            f.write(config_yaml)
+        full_env = dict(os.environ) | env
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pacs_megatron.launch", "--config", config_path],
+            env=full_env,
+            cwd=cwd if os.path.isdir(cwd) else workdir,
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            preexec_fn=_die_with_parent_fn(),  # noqa: PLW1509 - only an async-signal-safe prctl call
+        )
+        copier = threading.Thread(target=self._copy_stderr, daemon=True)
+        copier.start()
+        code = self.proc.wait()
+        copier.join(timeout=5.0)
+        return code, list(self.tail)
+
+    def _copy_stderr(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if line.strip():
+                self.tail.append(line.rstrip("\n"))
+
+    def signal(self, signum: int) -> bool:
+        """Forward ``signum`` to the trainer rank; False when it is not running."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        self.proc.send_signal(signum)
+        return True

@@ -1,0 +1,193 @@
+"""``reward.backend=ray``: score responses in Ray actors spread over the cluster's CPUs.
+
+Same contract, accounting and metric names as the local process pool in :mod:`.scorer`, for steps
+that score tens of thousands of long responses:
+
+    driver (a trainer rank): pending responses -> idle ready actor -> (status, value) | deadline | actor lost
+    actor (one process, 1 CPU, SPREAD over the nodes): load reward.fn once -> score one response per call
+
+- Each actor is a plain (non-threaded, non-async) Ray actor: its calls run in the main thread of its
+  own worker process, which is what math-verify's ``signal.alarm`` timeouts need.
+- A response that raises scores 0 and counts in ``reward/errors``; one still running ``timeout_s``
+  after it was handed over scores 0, counts in ``reward/timeouts``, and its actor is killed
+  (``ray.kill``, no restart) and replaced (``reward/worker_restarts``); an actor lost mid-response
+  (its process or node died) counts as an error and is replaced.
+- An actor only gets work once its reward function loaded (and math-verify warmed up), so start-up
+  and scheduling never count against a response's deadline; one response per call keeps the
+  deadline exact, at a Ray call (~1 ms) per response.
+
+The pool joins the cluster of ``$RAY_ADDRESS`` (the Ray launcher sets it for every rank), else
+starts a private Ray instance on this machine. ``ray`` is imported only here.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pacs_megatron.reward.registry import RewardFunctionError, check_score
+from pacs_megatron.reward.scorer import _MAX_LOGGED_ERRORS, _STARTUP_TIMEOUT_S, _metrics
+from pacs_megatron.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from pacs_megatron.config import RewardConfig
+
+logger = get_logger(__name__)
+
+
+class RewardActor:
+    """Holds one loaded reward function; created with ``ray.remote`` by :class:`RayRewardPool`."""
+
+    def load(self, spec: str, sys_path: list[str]) -> str:
+        """Load ``spec`` (raises to the pool if it cannot); return this actor's Ray node id."""
+        import ray
+
+        sys.path[:] = list(dict.fromkeys(sys_path + sys.path))  # user reward modules resolve as in the trainer
+        from pacs_megatron.reward.registry import load_reward_fn
+
+        self.fn = load_reward_fn(spec)
+        if spec == "math":  # pay math-verify's cold start before taking work
+            self.fn("", "\\boxed{1}", "1", None)
+        return ray.get_runtime_context().get_node_id()
+
+    def score(self, prompt: str, response: str, answer: str, extra: Any) -> tuple[str, Any]:
+        try:
+            value = self.fn(prompt, response, answer, extra)
+        except Exception as e:  # noqa: BLE001 - a failing sample scores 0 and is counted
+            return "error", f"{type(e).__name__}: {e}"
+        if isinstance(value, numbers.Real):
+            return "ok", float(value)
+        return "bad_type", f"{type(value).__name__} {value!r:.80}"
+
+
+@dataclass
+class _Slot:
+    actor: Any
+    loading: Any  # ObjectRef of load(), None once ready
+    started: float
+    task: tuple[int, float, Any] | None = None  # (response index, time handed over, ObjectRef)
+    node_id: str = ""
+
+
+class RayRewardPool:
+    """``cfg.num_workers`` reward actors on the Ray cluster; :meth:`score` mirrors the local pool."""
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        import ray
+
+        self.cfg = cfg
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
+        self._cls = ray.remote(num_cpus=1, max_restarts=0, scheduling_strategy="SPREAD")(RewardActor)
+        self._slots: list[_Slot] = []
+
+    def _start(self) -> _Slot:
+        actor = self._cls.remote()
+        return _Slot(actor, actor.load.remote(self.cfg.fn, list(sys.path)), time.monotonic())
+
+    def _replace(self, k: int) -> None:
+        import ray
+
+        ray.kill(self._slots[k].actor, no_restart=True)
+        self._slots[k] = self._start()
+
+    def score(self, items: list[tuple]) -> tuple[list[float], dict[str, float]]:
+        import ray
+
+        while len(self._slots) < self.cfg.num_workers:
+            self._slots.append(self._start())
+        timeout = self.cfg.timeout_s
+        scores = [0.0] * len(items)
+        pending = deque(range(len(items)))
+        timeouts = errors = restarts = 0
+        while pending or any(s.task is not None for s in self._slots):
+            now = time.monotonic()
+            for s in self._slots:
+                if s.loading is None and s.task is None and pending:
+                    i = pending.popleft()
+                    s.task = (i, now, s.actor.score.remote(*items[i]))
+            refs = [s.task[2] for s in self._slots if s.task is not None]
+            refs += [s.loading for s in self._slots if s.loading is not None]
+            deadlines = [s.task[1] + timeout for s in self._slots if s.task is not None]
+            deadlines += [s.started + _STARTUP_TIMEOUT_S for s in self._slots if s.loading is not None]
+            wait_s = max(0.0, min(deadlines, default=now + 1.0) - time.monotonic())
+            done = set(ray.wait(refs, num_returns=1, timeout=wait_s)[0]) if refs else set()
+            now = time.monotonic()
+            for k, s in enumerate(self._slots):
+                if s.loading is not None:
+                    if s.loading in done:
+                        self._loaded(s)
+                    elif now - s.started > _STARTUP_TIMEOUT_S:
+                        self.close()
+                        raise RuntimeError(f"reward actor for reward.fn={self.cfg.fn!r} did not start in time")
+                    continue
+                if s.task is None:
+                    continue
+                i, t0, ref = s.task
+                if ref in done:
+                    s.task = None
+                    try:
+                        status, value = ray.get(ref)
+                    except ray.exceptions.RayActorError:
+                        errors += 1
+                        logger.warning("reward actor died while scoring response %d (scored 0)", i)
+                        self._replace(k)
+                        restarts += 1
+                        continue
+                    if status == "ok":
+                        scores[i] = check_score(self.cfg.fn, value)
+                    elif status == "bad_type":
+                        self.close()
+                        raise RewardFunctionError(
+                            f"reward.fn={self.cfg.fn!r} returned {value}: it must return a float (e.g. 1.0 or 0.0)"
+                        )
+                    else:
+                        errors += 1
+                        if errors <= _MAX_LOGGED_ERRORS:
+                            logger.warning("reward %s raised on response %d: %s (scored 0)", self.cfg.fn, i, value)
+                elif now - t0 > timeout:
+                    timeouts += 1
+                    logger.warning(
+                        "reward %s took over reward.timeout_s=%gs on response %d: scored 0, actor replaced",
+                        self.cfg.fn,
+                        timeout,
+                        i,
+                    )
+                    self._replace(k)
+                    restarts += 1
+        return scores, _metrics(timeouts, errors, restarts)
+
+    def _loaded(self, s: _Slot) -> None:
+        import ray
+
+        try:
+            s.node_id = ray.get(s.loading)
+        except ray.exceptions.RayTaskError as e:  # the load raised in the actor: a config bug
+            self.close()
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            raise RewardFunctionError(
+                f"reward.fn={self.cfg.fn!r} failed to load in a Ray actor: {type(cause).__name__}: {cause}"
+            ) from None
+        except ray.exceptions.RayActorError:
+            self.close()
+            raise RuntimeError(f"reward actor for reward.fn={self.cfg.fn!r} died while starting") from None
+        s.loading = None
+
+    def close(self) -> None:
+        """Kill the actors; leave Ray running unless this pool started it."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for s in self._slots:
+            ray.kill(s.actor, no_restart=True)
+        self._slots = []
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False

@@ -1,0 +1,252 @@
+"""``launcher.kind=ray`` on a real two-node Ray cluster (``ray.cluster_utils.Cluster``, tests/_ray_cluster.py).
+
+- strict_spread puts the two TP ranks of the CPU default on the two nodes (launch.json), and the
+  metrics equal those of the same seed's local run bit for bit (timings excepted);
+- a rank actor killed mid-run fails the job within seconds with an error naming the rank; a second
+  launch resumes from the last checkpoint, and SIGTERM to its driver makes the ranks checkpoint and exit 143;
+- bad input: an unreachable ``launcher.ray_address`` and an unsatisfiable placement group each end in
+  one error line (no traceback), the latter after ``placement_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pacs_megatron.utils.dist import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
+SMALL = [
+    "trainer.train_batch_size=10",
+    "rollout.n=4",
+    "algorithm.micro_batch_size=20",
+    "trainer.sft_warmup_steps=2",
+    "trainer.test_freq=0",
+    "logging.progress_bar=false",
+]
+NONDETERMINISTIC = ("timing/", "perf/", "sync/seconds", "sync/gbytes_per_s")
+
+
+def _cmd(out: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pacs_megatron",
+        "train",
+        "--config",
+        str(CONFIG),
+        f"trainer.output_dir={out}",
+        f"model.path={out}/model",
+        f"trainer.total_steps={steps}",
+        *SMALL,
+        *extra,
+    ]
+
+
+def _ray(cluster, *extra: str) -> list[str]:
+    return ["launcher.kind=ray", f"launcher.ray_address={cluster.address}", *extra]
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1")  # the same threads per rank under both launchers
+
+
+def _rows(out: Path) -> dict[int, dict]:
+    path = out / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return {r["step"]: r for r in rows}
+
+
+def _maths(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)}
+
+
+def _wait_for(pred, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited early with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for the run:\n{log.read_text()[-3000:]}")
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    """True once ``pid`` no longer runs (exited, or a zombie awaiting its new parent's reaping)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _checkpoints(out: Path) -> list[int]:
+    return sorted(int(d.name.split("_")[1]) for d in (out / "checkpoints").glob("step_*") if (d / "COMPLETE").is_file())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ray_strict_spread_matches_local_run(ray_cluster, tmp_path):
+    local, ray_out = tmp_path / "local", tmp_path / "ray"
+    subprocess.run(_cmd(local, 3), env=_env(), check=True, timeout=300)
+    proc = subprocess.run(
+        _cmd(ray_out, 3, *_ray(ray_cluster, "launcher.placement=strict_spread")),
+        env=_env(),
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 3 |" in proc.stderr + proc.stdout  # rank 0's log reached the driver
+
+    info = json.loads((ray_out / "launch.json").read_text())
+    assert info["kind"] == "ray" and info["world_size"] == 2
+    assert [r["rank"] for r in info["ranks"]] == [0, 1]
+    assert len({r["node_id"] for r in info["ranks"]}) == 2, info  # strict_spread: one TP rank per node
+    assert all(r["local_rank"] == 0 and r["local_world_size"] == 1 for r in info["ranks"])
+    assert json.loads((local / "launch.json").read_text())["kind"] == "local"
+
+    expected, got = _rows(local), _rows(ray_out)
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    for step in expected:
+        assert "reward/mean" in got[step] and "pacs/loss" in got[step] and "actor/grad_norm" in got[step]
+        assert _maths(got[step]) == _maths(expected[step]), step
+
+    # A trainer error inside the ranks (corrupt weights, found only when loading them) fails the job
+    # with the rank and its error named, and the trainer's exit code.
+    bad = tmp_path / "bad_model"
+    shutil.copytree(local / "model", bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    proc = subprocess.run(
+        _cmd(tmp_path / "bad", 1, f"model.path={bad}", "model.init=pretrained", *_ray(ray_cluster)),
+        env=_env(),
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]
+    failed = [line for line in text.splitlines() if "exited with code 1:" in line and "ray_launcher" in line]
+    assert failed and all("rank " in x and "Safetensor" in x for x in failed), text[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "driver.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            _cmd(out, 50, "trainer.save_freq=2", *_ray(ray_cluster)), env=_env(), stdout=f, stderr=subprocess.STDOUT
+        )
+    try:
+        _wait_for(lambda: bool(_checkpoints(out)), 300, proc, log)
+        rank1 = json.loads((out / "launch.json").read_text())["ranks"][1]
+        actor = psutil.Process(rank1["pid"]).parent()  # the Ray worker process that hosts rank 1
+        assert "RankActor" in " ".join(actor.cmdline()), actor.cmdline()
+        killed_at = time.monotonic()
+        actor.kill()
+        code = proc.wait(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert code == 1, text[-3000:]
+    assert elapsed < 20, f"the job took {elapsed:.1f}s to fail"
+    error = [line for line in text.splitlines() if "ray launcher:" in line]
+    assert len(error) == 1 and "rank 1" in error[0] and "lost" in error[0], text[-3000:]
+    assert _gone_within(rank1["pid"], 10.0)  # the trainer rank died with its actor (PDEATHSIG)
+
+    last = max(_checkpoints(out))
+    log2 = tmp_path / "driver2.log"
+    with log2.open("w") as f:
+        proc = subprocess.Popen(
+            _cmd(out, 50, "trainer.save_freq=0", *_ray(ray_cluster)), env=_env(), stdout=f, stderr=subprocess.STDOUT
+        )
+    try:
+        _wait_for(lambda: max(_rows(out), default=0) == last + 1, 300, proc, log2)
+        assert f"(step {last})" in log2.read_text()  # "resumed from ... (step N)"
+        proc.send_signal(signal.SIGTERM)  # forwarded to the ranks: checkpoint, then exit 143
+        assert proc.wait(timeout=120) == 143, log2.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rows = _rows(out)
+    assert sorted(rows) == list(range(1, max(rows) + 1))
+    assert max(_checkpoints(out)) == max(rows) > last
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text
+    assert "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if "ray launcher:" in line]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+@pytest.mark.distributed
+def test_bad_ray_address_and_unsatisfiable_placement(ray_cluster, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.run(
+        _cmd(tmp_path / "a", 1, "launcher.kind=ray", f"launcher.ray_address={address}"),
+        env=_env(),
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    line = _one_error_line(proc)
+    assert address in line and "ray start --head" in line
+
+    started = time.monotonic()
+    proc = subprocess.run(
+        _cmd(tmp_path / "b", 1, *_ray(ray_cluster, "launcher.gpus_per_rank=1", "launcher.placement_timeout_s=2")),
+        env=_env(),
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    line = _one_error_line(proc)
+    assert "asked 2 bundles" in line and "'GPU': 1.0" in line and "2 node(s)" in line, line
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "b").exists()  # nothing started
+
+
+def test_rank_order_and_env_pack_tp_groups_on_nodes(monkeypatch):
+    """Pure: bundles granted interleaved over two GPU nodes still give consecutive ranks one node."""
+    from pacs_megatron.launch.ray_launcher import _rank_order, rank_envs
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    places = [
+        {"node_id": n, "ip": ip, "host": n, "gpu_ids": [g], "port": 1000 + i}
+        for i, (n, ip, g) in enumerate(
+            [("a", "10.0.0.1", "3"), ("b", "10.0.0.2", "0"), ("a", "10.0.0.1", "1"), ("b", "10.0.0.2", "2")]
+        )
+    ]
+    order = _rank_order(places)
+    assert order == [0, 2, 1, 3]
+    envs = rank_envs(places, order, cpus_per_rank=4, gcs_address="10.0.0.1:6379")
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and {e["MASTER_PORT"] for e in envs} == {"1000"}
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,1", "3,1", "0,2", "0,2"]  # cuda:LOCAL_RANK is its GPU
+    assert [e["PACS_RAY_NODE_ID"] for e in envs] == ["a", "a", "b", "b"]
+    assert {e["OMP_NUM_THREADS"] for e in envs} == {"4"} and {e["RAY_ADDRESS"] for e in envs} == {"10.0.0.1:6379"}

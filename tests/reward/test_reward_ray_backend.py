@@ -1,0 +1,31 @@
+"""reward.backend=ray on a real two-node Ray cluster scores exactly like the local process pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from pacs_megatron.config import ConfigError, RewardConfig
+from pacs_megatron.reward import RewardScorer
+
+
+def test_ray_backend_matches_local_pool_with_raising_and_hanging_rewards(ray_cluster, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    responses = ["3", "raise", "hang", "4", "3", "5"]
+    answers = ["3", "3", "3", "3", "3", "5"]
+    results, nodes = {}, set()
+    for backend in ("local", "ray"):
+        cfg = RewardConfig(fn="reward_user_fns:alarm_raise_or_hang", num_workers=2, timeout_s=2.0, backend=backend)
+        with RewardScorer(cfg) as scorer:
+            results[backend] = scorer.score(["p"] * len(responses), responses, answers)
+            if backend == "ray":
+                nodes = {s.node_id for s in scorer._remote._slots}
+    scores, metrics = results["local"]
+    assert scores == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert metrics == {"reward/timeouts": 1.0, "reward/errors": 1.0, "reward/worker_restarts": 1.0}
+    assert results["ray"] == results["local"]
+    assert len(nodes) == 2, f"the reward actors should spread over both nodes, got {nodes}"
+
+
+def test_ray_backend_needs_workers():
+    with pytest.raises(ConfigError, match="reward.num_workers"):
+        RewardConfig(fn="arith", num_workers=0, backend="ray")

@@ -135,3 +135,20 @@ def test_correction_config_errors_name_the_key():
         load_config(None, ["algorithm.rollout_correction=clip"])
     cfg = load_config(None, ["algorithm.loss=grpo", "algorithm.rollout_correction=mis"])
     assert cfg.algorithm.resolved_is_level == "token"
+
+
+def test_engine_logprobs_land_on_the_response_positions_and_doctests_run():
+    import doctest
+
+    import pacs_megatron.pacs.rollout_correction as rc
+    from pacs_megatron.data.batching import build_train_batch, response_values
+
+    b = build_train_batch([[5, 6, 7], [5, 6, 7]], [[1, 2], [3]], [1.0, 0.0], group_size=2, pad_id=0)
+    v = response_values(b, [[-0.1, -0.2], [-0.3]])
+    assert v[b.response_mask].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert v[~b.response_mask].abs().sum().item() == 0.0
+    assert response_values(b, [[-0.1, -0.2], None]) is None  # an engine without log-probs: no metrics
+    with pytest.raises(ValueError, match="row 1"):
+        response_values(b, [[-0.1, -0.2], [-0.3, -0.4]])
+    result = doctest.testmod(rc)
+    assert result.attempted > 0 and result.failed == 0

@@ -4,6 +4,7 @@ receives, and the config-time errors."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -149,3 +150,58 @@ def test_fp8_without_modelopt_names_the_option_and_the_fix(monkeypatch):
     with pytest.raises(ConfigError, match="rollout.quantization=fp8 needs nvidia-modelopt.*pip install"):
         load_config(None, ["rollout.quantization=fp8"])
     load_config(None, ["rollout.quantization=none"])  # the default never asks for modelopt
+
+
+def _quantized_sync_body(rank, world, model_dir):
+    from transformers import AutoTokenizer
+
+    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.parallel import initialize_parallel
+    from pacs_megatron.rollout.hf_engine import HFEngine
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "model.init=random",
+            "model.dtype=float32",
+            "parallel.tp=2",
+            "rollout.quantization=fp8",
+            "rollout.quant_exclude=[]",  # the LM head and embeddings too: every layout kind is swapped
+            "sync.probe_sequences=3",
+        ],
+    )
+    hf_cfg = json.loads((model_dir / "config.json").read_text())
+    groups = initialize_parallel(cfg.parallel, hf_cfg)
+    actor = MegatronActor(cfg, groups, str(model_dir))
+    engine = HFEngine(model_dir, AutoTokenizer.from_pretrained(str(model_dir)), device="cpu", dtype=torch.float32)
+    before = {n: t.clone() for n, t in actor.export_hf_weights()}
+    res = WeightSync(actor, engine, cfg.sync, hf_cfg["vocab_size"], actor.param_dtype, cfg.rollout).sync()
+    after = dict(actor.export_hf_weights())
+    wq = WeightQuantizer("fp8", "auto", ())
+    engine_params = dict(engine.model.named_parameters())
+    return {
+        "probe": res.max_logprob_diff,
+        "gap": res.quant_logprob_diff,
+        "restored": all(torch.equal(before[n], after[n]) for n in before),
+        "engine_is_fp8": all(
+            torch.equal(engine_params[n], wq.fake_quantize(t)) for n, t in before.items() if wq.selects(n, t)
+        ),
+        "quantized": sum(wq.selects(n, t) for n, t in before.items()),
+    }
+
+
+@pytest.mark.distributed
+def test_tp2_quantized_sync_probes_and_restores_the_actor(tmp_path):
+    from _dist import run_distributed
+
+    from pacs_megatron.config import TinyModelConfig
+    from pacs_megatron.data.synthetic import write_tiny_model_dir
+
+    shape = dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    model_dir = write_tiny_model_dir(tmp_path / "m", TinyModelConfig(**shape, tie_word_embeddings=False))
+    for rank, r in enumerate(run_distributed(_quantized_sync_body, 2, model_dir)):
+        where = f"rank {rank}: {r}"
+        assert r["probe"] < 1e-5 and r["gap"] > 1e-4, where  # exact transfer of a real FP8 policy gap
+        assert r["restored"] and r["engine_is_fp8"], where  # the actor trains on its own weights again
+        assert r["quantized"] == 2 * 7 + 2, where  # q k v o gate up down per layer, embeddings, LM head

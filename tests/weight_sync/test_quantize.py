@@ -205,3 +205,13 @@ def test_tp2_quantized_sync_probes_and_restores_the_actor(tmp_path):
         assert r["probe"] < 1e-5 and r["gap"] > 1e-4, where  # exact transfer of a real FP8 policy gap
         assert r["restored"] and r["engine_is_fp8"], where  # the actor trains on its own weights again
         assert r["quantized"] == 2 * 7 + 2, where  # q k v o gate up down per layer, embeddings, LM head
+
+
+@pytest.mark.gpu
+def test_nvfp4_fake_quant_on_cuda():
+    """Never run (no GPU in the session that wrote it): modelopt's NVFP4 quantize-dequantize on CUDA."""
+    load_config(None, ["rollout.quantization=nvfp4", "parallel.backend=nccl"])  # accepted where CUDA exists
+    w = _weight(128, 256).cuda()
+    fake = WeightQuantizer("nvfp4", "auto").fake_quantize(w)
+    assert fake.shape == w.shape and not torch.equal(fake, w)
+    assert (fake - w).abs().max() <= w.abs().max() / 2  # E2M1: 1 mantissa bit, per-16 block scales

@@ -137,5 +137,5 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     val_sets = build_val_datasets(cfg, tokenizer) if cfg.trainer.test_freq else {}
     actor = MegatronActor(cfg, rt.groups, str(rt.model_dir))
     engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device)
-    sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype)
+    sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
     return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync)

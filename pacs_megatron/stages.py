@@ -13,9 +13,10 @@ import random
 import torch
 
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import TrainBatch, build_train_batch, dp_shard, split_mini_batches
+from pacs_megatron.data.batching import TrainBatch, build_train_batch, dp_shard, response_values, split_mini_batches
 from pacs_megatron.eval.runner import evaluate, score_rollouts
 from pacs_megatron.pacs import get_loss, outcome_advantages
+from pacs_megatron.pacs.rollout_correction import importance_weights, mismatch_metrics
 from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.types import Response, SamplingParams
 
@@ -59,6 +60,7 @@ def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, di
     batch = build_train_batch(
         [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8
     )
+    batch = batch.with_(rollout_logp=response_values(batch, [resp.logprobs for _, resp in flat]))
     lengths = torch.tensor([len(resp.token_ids) for _, resp in flat], dtype=torch.float32)
     s = batch.scores.reshape(-1, cfg.rollout.n)
     metrics = {
@@ -93,7 +95,8 @@ def prepare_local_batch(
     if getattr(out, "entropy", None) is not None:
         m = local.response_mask.float()
         metrics["actor/entropy"] = (out.entropy * m).sum() / m.sum().clamp(min=1.0)
-    return local.with_(old_logp=out.token_logp), metrics
+    local, correction = rollout_mismatch(cfg, local.with_(old_logp=out.token_logp))
+    return local, metrics | correction
 
 
 def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict:
@@ -139,3 +142,23 @@ def save_samples(rt, samples: list[dict]) -> None:
     if rt.is_rank0 and samples:
         with (rt.output_dir / "rollouts.jsonl").open("a") as fh:
             fh.writelines(json.dumps(x) + "\n" for x in samples)
+
+
+def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict]:
+    """The engine's sampled-token log-probs vs the actor's old log-probs (this rank's rows): mismatch
+    metrics every step, and the importance weights of ``algorithm.rollout_correction`` (tis / mis)."""
+    if local.rollout_logp is None:
+        return local, {}
+    metrics = mismatch_metrics(local.old_logp, local.rollout_logp, local.response_mask)
+    algo = cfg.algorithm
+    if algo.rollout_correction == "none":
+        return local, metrics
+    w, m = importance_weights(
+        local.old_logp,
+        local.rollout_logp,
+        local.response_mask,
+        algo.rollout_correction,
+        algo.is_cap,
+        algo.resolved_is_level,
+    )
+    return local.with_(is_weights=w), metrics | m

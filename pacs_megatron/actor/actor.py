@@ -25,7 +25,7 @@ from pacs_megatron.actor.forward import forward_logprobs, run_schedule
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
 from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
 from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, train_loss_func
-from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf
+from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.pacs import get_loss
@@ -185,6 +185,10 @@ class MegatronActor:
     def export_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, one at a time, same order on every rank (collective)."""
         return export_hf_weights(self.model, self.spec, self.groups, dtype)
+
+    def swapped_hf_weights(self, tensors: dict[str, torch.Tensor]):
+        """Context manager: hold these full HF-named tensors instead of the trained ones (restored on exit)."""
+        return swapped_hf_weights(self.model, self.spec, self.groups, tensors)
 
     def save_hf(self, path: str) -> None:
         """config.json + safetensors (+ tokenizer files of model_dir), written by rank 0 (collective)."""

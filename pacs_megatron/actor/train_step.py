@@ -70,6 +70,7 @@ def train_loss_func(
             group_size=mb.group_size,
             advantages=None if mb.advantages is None else mb.advantages.to(dev),
             group_ids=mb.group_ids.to(dev),
+            is_weights=None if mb.is_weights is None else mb.is_weights.to(dev),
         )
         value, metrics = loss.fn(inputs, loss_cfg)
         denom = loss.denominator(inputs, loss_cfg)

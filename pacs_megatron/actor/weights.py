@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pacs_megatron.actor.convert import chunk_param_maps, export_order, hf_from_shards, hf_shapes, load_chunk_from_hf
+from pacs_megatron.actor.convert import (
+    chunk_param_maps,
+    export_order,
+    hf_from_shards,
+    hf_shapes,
+    load_chunk_from_hf,
+    shard_from_hf,
+)
 from pacs_megatron.actor.hf_io import SafetensorsReader, copy_tokenizer_files, write_safetensors
 from pacs_megatron.actor.model import ModelSpec
 from pacs_megatron.parallel import ParallelGroups
@@ -127,3 +135,33 @@ def save_hf(
         copy_tokenizer_files(model_dir, out)
     logger.info("saved HF checkpoint to %s (%s)", out, ", ".join(files))
     dist.barrier()
+
+
+@contextmanager
+def swapped_hf_weights(chunks: list, spec: ModelSpec, groups: ParallelGroups, tensors: dict[str, torch.Tensor]):
+    """Temporarily hold other full HF-named tensors (e.g. the FP8 quantize-dequantized weights the engine
+    got): every parameter with an HF tensor in ``tensors`` is overwritten with this rank's shard (all
+    of its HF tensors must be given: q/k/v together), and restored bit for bit on exit. Local, no
+    collective: every rank holds every tensor it needs. Costs one copy of the swapped parameters."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for c in chunks:
+                model = unwrap(c)
+                params = dict(model.named_parameters())
+                for pm in chunk_param_maps(model, spec):
+                    if not any(n in tensors for n in pm.hf_names):
+                        continue
+                    missing = [n for n in pm.hf_names if n not in tensors]
+                    if missing:
+                        raise KeyError(f"swapped_hf_weights: {pm.name} needs {missing} as well")
+                    p = params[pm.name]
+                    hf = [tensors[n].to(p.device, p.dtype) for n in pm.hf_names]
+                    shard = shard_from_hf(pm.kind, hf, spec, groups.tp_rank, groups.tp_size)
+                    saved.append((p, p.detach().clone()))
+                    p.copy_(shard)
+        yield
+    finally:
+        with torch.no_grad():
+            for p, original in saved:
+                p.copy_(original)

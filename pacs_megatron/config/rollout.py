@@ -50,6 +50,17 @@ class RolloutConfig:
     """Base seed of sampling (step and rank are mixed in)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM settings."""
+    quantization: str = "none"
+    """Weights the engine samples with: "none" (the actor's), "fp8" (FP8 E4M3 through nvidia-modelopt at every
+    weight sync; the HF engine gets the quantize-dequantized weights, vLLM FP8 weights + scales), or "nvfp4"
+    (GPU only). See docs/fp8.md."""
+    quant_recipe: str = "auto"
+    """modelopt recipe whose weight quantizer is applied: "auto" (FP8_DEFAULT_CFG for fp8: per-tensor scale;
+    NVFP4_DEFAULT_CFG for nvfp4) or a name of ``modelopt.torch.quantization.config.choices``, e.g.
+    FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG (128x128 blocks) or FP8_PER_CHANNEL_PER_TOKEN_CFG (per output row)."""
+    quant_exclude: list[str] = field(default_factory=lambda: ["*embed_tokens*", "*lm_head*"])
+    """fnmatch patterns of HF tensor names kept in the actor's dtype. Only 2-D ``*.weight`` tensors are ever
+    quantized (norms and biases never are); by default embeddings and the LM head are kept too."""
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
@@ -59,6 +70,7 @@ class RolloutConfig:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         _positive("rollout.max_response_length", self.max_response_length)
         _positive("rollout.batch_size", self.batch_size)
+        _choice("rollout.quantization", self.quantization, ("none", "fp8", "nvfp4"))
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.data import DataConfig, RewardConfig
 from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig
+from pacs_megatron.config.quantization import check_rollout_quantization
 from pacs_megatron.config.rollout import RolloutConfig, SyncConfig
 from pacs_megatron.config.training import AlgorithmConfig, LoggingConfig, OptimizerConfig, TrainerConfig
 
@@ -73,6 +74,7 @@ class RunConfig:
                 raise ConfigError("model.tiny.num_layers must be divisible by parallel.pp * parallel.vpp")
         if self.data.task == "arith" and self.reward.fn == "math":
             raise ConfigError("data.task=arith is scored by reward.fn=arith (exact match), not 'math'")
+        check_rollout_quantization(self.rollout, self.parallel.backend)
 
     @property
     def mini_batch_prompts(self) -> int:

@@ -28,6 +28,15 @@ class AlgorithmConfig:
     logprob_micro_batch_size: int = 0
     """Sequences per forward of the old-log-prob pass; 0 means micro_batch_size. Any value gives
     bit-identical log-probs on CPU (batch invariance)."""
+    rollout_correction: str = "none"
+    """Correct the rollout/actor mismatch (e.g. FP8 rollouts) by importance weights pi_old / pi_rollout:
+    "none", "tis" (truncated: min(ratio, is_cap)) or "mis" (masked: ratio, zeroed outside [1/is_cap,
+    is_cap]). See pacs/rollout_correction.py and docs/fp8.md."""
+    is_cap: float = 2.0
+    """Cap C of the importance ratio (> 1): tis truncates at C, mis drops units outside [1/C, C]."""
+    is_level: str = "auto"
+    """Unit of the importance ratio: "token", "sequence" (product over the response), or "auto":
+    sequence for pacs (its weight multiplies a row's BCE weight), token for grpo/ppo."""
 
     def __post_init__(self) -> None:
         _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo"))
@@ -35,6 +44,15 @@ class AlgorithmConfig:
         _positive("algorithm.mini_batch_size", self.mini_batch_size, allow_zero=True)
         _positive("algorithm.micro_batch_size", self.micro_batch_size)
         _positive("algorithm.logprob_micro_batch_size", self.logprob_micro_batch_size, allow_zero=True)
+        _choice("algorithm.rollout_correction", self.rollout_correction, ("none", "tis", "mis"))
+        _choice("algorithm.is_level", self.is_level, ("auto", "token", "sequence"))
+        if not self.is_cap > 1:
+            raise ConfigError(f"algorithm.is_cap={self.is_cap} must be > 1, e.g. 2.0")
+        if self.loss == "pacs" and self.is_level == "token":
+            raise ConfigError(
+                "algorithm.is_level=token with algorithm.loss=pacs: PACS weights whole rows (its BCE is per "
+                "sequence); use algorithm.is_level=sequence (or auto)"
+            )
 
     def loss_config(self) -> PACSConfig | PolicyLossConfig:
         """The sub-config the selected loss reads, with ``policy.adv_estimator=auto`` resolved."""
@@ -44,6 +62,13 @@ class AlgorithmConfig:
         if estimator == "auto":
             estimator = "rloo" if self.loss == "ppo" else "grpo"
         return replace(self.policy, adv_estimator=estimator)
+
+    @property
+    def resolved_is_level(self) -> str:
+        """``is_level`` with "auto" resolved: sequence for pacs, token for the baselines."""
+        if self.is_level != "auto":
+            return self.is_level
+        return "sequence" if self.loss == "pacs" else "token"
 
 
 @dataclass

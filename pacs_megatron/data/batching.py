@@ -47,6 +47,11 @@ class TrainBatch:
     """``[B, T]`` float32 log-probs of the rollout policy (filled by the old-log-prob pass)."""
     advantages: torch.Tensor | None = None
     """``[B]`` float32 outcome advantages (baselines only)."""
+    rollout_logp: torch.Tensor | None = None
+    """``[B, T]`` float32 the engine's log-prob of each sampled token (0 off the response; None when the
+    engine gave none): compared with ``old_logp`` every step (pacs/rollout_correction.py)."""
+    is_weights: torch.Tensor | None = None
+    """Rollout-correction importance weights, ``[B, T]`` per token or ``[B, 1]`` per sequence (None: off)."""
 
     def __post_init__(self) -> None:
         check_groups(self.input_ids.shape[0], self.group_size, self.group_ids)
@@ -140,3 +145,23 @@ def dp_shard(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
         raise ValueError(f"{batch.num_groups} prompt groups do not split over {dp_size} data-parallel ranks")
     per = len(batch) // dp_size
     return batch.rows(dp_rank * per, (dp_rank + 1) * per)
+
+
+def response_values(batch: TrainBatch, values: Sequence[Sequence[float] | None]) -> torch.Tensor | None:
+    """``[B, T]`` float32 holding row b's per-response-token ``values[b]`` at its response positions (0
+    elsewhere), e.g. the engine's sampled-token log-probs; None when any row has none.
+
+    Example:
+        >>> b = build_train_batch([[5, 6], [5, 6]], [[7], [8, 9]], [1.0, 0.0], group_size=2, pad_id=0)
+        >>> response_values(b, [[-0.5], [-1.0, -2.0]]).tolist()
+        [[0.0, 0.0, -0.5, 0.0], [0.0, 0.0, -1.0, -2.0]]
+    """
+    if any(v is None for v in values):
+        return None
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    counts = batch.response_mask.sum(1).tolist()
+    for b, (v, k) in enumerate(zip(values, counts)):
+        if len(v) != k:
+            raise ValueError(f"row {b}: {len(v)} values for {k} response tokens")
+    out[batch.response_mask] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
+    return out

@@ -68,8 +68,22 @@ def pacs_loss(
     group_size: int,
     config: PACSConfig,
     group_ids: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PACS loss over whole groups.
+
+    Rollout correction (``is_weights``). The loss is an empirical mean over responses y_i that should be
+    drawn from pi_old, the policy whose log-probs define r_i; its gradient
+
+        d loss / d theta = 1/B sum_i w_i (sigmoid(psi_i) - R_i) d psi_i / d theta
+
+    estimates E_{y ~ pi_old}[w (sigmoid(psi) - R) d psi / d theta]. When the engine samples from
+    pi_rollout != pi_old (FP8 weights, other kernels), E_{pi_old}[f(y)] = E_{pi_rollout}[rho(y) f(y)] with
+    rho(y) = pi_old(y|x) / pi_rollout(y|x) = exp(sum_t (old_logp_t - rollout_logp_t)). A row's BCE term
+    is a function of the whole response (not a sum over its tokens), so the ratio is the sequence's:
+    the row's BCE weight becomes rho_i * w_i, with rho_i truncated at C (tis) or the row dropped outside
+    [1/C, C] (mis) to bound the variance (biased, by at most the mass beyond C). The group baseline
+    inside psi_i uses the other rows as drawn; only y_i's own distribution is reweighted.
 
     Args:
         logp: ``[B, T]`` log-probs of the current policy (differentiable).
@@ -79,6 +93,7 @@ def pacs_loss(
         group_size: n; rows ``[k*n, (k+1)*n)`` share a prompt.
         config: beta, reward_method, adv_estimator, norm_adv_by_std, weight_mode.
         group_ids: optional ``[B]`` prompt ids, checked for contiguity.
+        is_weights: optional ``[B]`` or ``[B, 1]`` sequence-level importance weights (no gradient).
 
     Returns:
         ``(loss, metrics)``: the scalar loss (mean over B rows) and detached metrics under ``pacs/``.
@@ -90,6 +105,10 @@ def pacs_loss(
     psi = group_advantage(r, group_size, config.adv_estimator, config.norm_adv_by_std)
     target = scores.to(psi.dtype)
     weights = class_weights(scores, group_size, config.weight_mode).to(psi.dtype)
+    if is_weights is not None:
+        if is_weights.numel() != weights.numel():
+            raise ValueError(f"PACS takes sequence-level is_weights [B]={len(weights)}, got {tuple(is_weights.shape)}")
+        weights = weights * is_weights.reshape(-1).to(psi.dtype).detach()
     loss = F.binary_cross_entropy_with_logits(psi, target, weight=weights, reduction="mean")
 
     with torch.no_grad():

@@ -44,8 +44,14 @@ def clipped_policy_loss(
     response_mask: torch.Tensor,
     advantages: torch.Tensor,
     config: PolicyLossConfig,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip surrogate (GRPO is the same surrogate with group-normalised advantages)."""
+    """PPO-clip surrogate (GRPO is the same surrogate with group-normalised advantages).
+
+    ``is_weights`` (``[B, T]`` or ``[B, 1]``, no gradient): rollout-correction weights pi_old / pi_rollout
+    (truncated or masked, pacs/rollout_correction.py) multiplying each token's surrogate l_t, as verl's
+    rollout correction does: the clipped objective is an expectation under pi_old, the tokens were drawn
+    from pi_rollout."""
     if advantages.shape != (logp.shape[0],):
         raise ValueError(f"advantages must be [B]={logp.shape[0]}, got {tuple(advantages.shape)}")
     adv = advantages.to(logp.dtype).unsqueeze(-1)
@@ -55,6 +61,8 @@ def clipped_policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
     loss_mat = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.to(loss_mat.dtype).detach()
     loss = aggregate(loss_mat, response_mask, config.loss_agg_mode)
     with torch.no_grad():
         m = response_mask.to(logp.dtype)

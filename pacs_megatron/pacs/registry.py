@@ -46,6 +46,9 @@ class LossInputs:
     """``[B]`` outcome advantages (baselines only; computed over whole groups before splitting)."""
     group_ids: torch.Tensor | None = None
     """``[B]`` prompt ids, checked for contiguity when given."""
+    is_weights: torch.Tensor | None = None
+    """Rollout-correction importance weights (pacs/rollout_correction.py): ``[B, T]`` per token or ``[B, 1]``
+    per sequence; None: no correction."""
 
 
 LossFn = Callable[[LossInputs, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
@@ -97,13 +100,13 @@ def get_loss(name: str) -> LossSpec:
 
 @register_loss("pacs")
 def _pacs(x: LossInputs, cfg: Any):
-    return pacs_loss(x.logp, x.old_logp, x.response_mask, x.scores, x.group_size, cfg, x.group_ids)
+    return pacs_loss(x.logp, x.old_logp, x.response_mask, x.scores, x.group_size, cfg, x.group_ids, x.is_weights)
 
 
 def _clipped(x: LossInputs, cfg: Any):
     if x.advantages is None:
         raise ValueError("the clipped policy loss needs LossInputs.advantages (outcome advantages)")
-    return clipped_policy_loss(x.logp, x.old_logp, x.response_mask, x.advantages, cfg)
+    return clipped_policy_loss(x.logp, x.old_logp, x.response_mask, x.advantages, cfg, x.is_weights)
 
 
 # GRPO and PPO-clip share the clipped surrogate; they differ in the advantage (AlgorithmConfig.

@@ -95,6 +95,8 @@ def llm_kwargs(cfg, model_dir: str | Path, weights_on_disk: bool) -> dict[str, A
         >>> kw["distributed_executor_backend"], kw["dtype"], kw["max_model_len"], kw["load_format"]
         ('external_launcher', 'bfloat16', 1536, 'auto')
     """
+    from pacs_megatron.weight_sync.vllm_push import fp8_llm_kwargs
+
     v = cfg.rollout.vllm
     return {
         "model": str(model_dir),
@@ -112,7 +114,7 @@ def llm_kwargs(cfg, model_dir: str | Path, weights_on_disk: bool) -> dict[str, A
         "logprobs_mode": "processed_logprobs",
         "generation_config": "vllm",  # stop only on what we pass, as the HF engine does
         "enable_prefix_caching": True,  # n samples share their prompt's KV; reset after every weight update
-    }
+    } | fp8_llm_kwargs(cfg.rollout)
 
 
 def request_seed(seed: int, prompt_index: int) -> int:
@@ -235,7 +237,7 @@ class VLLMEngine:
 
     def __init__(self, cfg, model_dir: str | Path, tokenizer, device: str | torch.device) -> None:
         from pacs_megatron.utils.dist import rank_and_world
-        from pacs_megatron.weight_sync.vllm_push import VLLMWeightLoader, expected_hf_names
+        from pacs_megatron.weight_sync.vllm_push import VLLMWeightLoader, expected_hf_names, refresh_fp8_layers
 
         device = torch.device(device)
         if device.type != "cuda":
@@ -258,7 +260,11 @@ class VLLMEngine:
         self._vllm = vllm
         self.llm = vllm.LLM(**llm_kwargs(cfg, model_dir, has_weights(model_dir)))
         self._state = "awake"  # "awake" | "asleep" | "weights" (weights resident, KV cache asleep)
-        self._loader = VLLMWeightLoader(self.llm.apply_model, expected_hf_names(model_dir))
+        self.fp8_weights = cfg.rollout.quantization == "fp8"
+        """Weight sync sends FP8 data + scales (weight_sync/quantize.py), loaded by vLLM's FP8 linear method."""
+        self._refresh_fp8 = refresh_fp8_layers
+        scales = ("_scale", "_scale_inv") if self.fp8_weights else ()
+        self._loader = VLLMWeightLoader(self.llm.apply_model, expected_hf_names(model_dir), scales)
         logger.info(
             "vLLM engine: replica %d of %d (tp=%d)", self.dp_rank, self.dp_size, cfg.rollout.vllm.tensor_parallel_size
         )
@@ -306,6 +312,8 @@ class VLLMEngine:
             self.llm.wake_up(tags=["weights"])
             self._state = "weights"
         count = self._loader.load(list(b) for b in buckets)
+        if self.fp8_weights:
+            self.llm.apply_model(self._refresh_fp8)
         if self._state == "awake":  # a sleeping engine's prefix cache was cleared by sleep()
             self.llm.reset_prefix_cache()
         return count

@@ -5,6 +5,11 @@
     engine.update_weights(...) -> the engine loads them (HF: copy by name; vLLM: load_weights)
     probe                      -> engine log-probs on fixed sequences == actor log-probs (within tol)
 
+With ``rollout.quantization`` (fp8/nvfp4) the stream passes through modelopt's quantizers first
+(``quantize.py``) and the probe measures two things: transfer exactness against the actor holding the
+same quantize-dequantized weights for one forward (``sync/max_logprob_diff``, bounded by the tolerance),
+and the quantization gap against the trained weights (``sync/quant_logprob_diff``, logged only).
+
 A probe above the tolerance raises :class:`WeightSyncError`: a corrupted sync looks like "unstable
 training" and must never be trained on silently.
 """
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pacs_megatron.config import SyncConfig
+from pacs_megatron.config import RolloutConfig, SyncConfig
 from pacs_megatron.data.batching import TrainBatch, build_train_batch
 from pacs_megatron.rollout.base import RolloutEngine
 from pacs_megatron.weight_sync.buckets import iter_buckets
@@ -46,6 +51,9 @@ class SyncResult:
     """Max |engine - actor| per-token log-prob on the probe sequences (nan: no probe)."""
     buckets: int
     """Buckets sent."""
+    quant_logprob_diff: float = float("nan")
+    """Max |engine - actor| per-token log-prob against the actor's unquantized weights: the policy gap
+    quantized rollouts introduce (equals max_logprob_diff without quantization)."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -54,6 +62,7 @@ class SyncResult:
             "sync/gbytes_per_s": self.gbytes / self.seconds if self.seconds > 0 else float("nan"),
             "sync/max_logprob_diff": self.max_logprob_diff,
             "sync/buckets": float(self.buckets),
+            "sync/quant_logprob_diff": self.quant_logprob_diff,
         }
 
 
@@ -70,8 +79,22 @@ def probe_batch(vocab_size: int, num_sequences: int, seed: int = 1234, length: i
 class WeightSync:
     """Pushes the actor's weights into the engine and checks the result."""
 
-    def __init__(self, actor, engine: RolloutEngine, cfg: SyncConfig, vocab_size: int, param_dtype: torch.dtype):
+    def __init__(
+        self,
+        actor,
+        engine: RolloutEngine,
+        cfg: SyncConfig,
+        vocab_size: int,
+        param_dtype: torch.dtype,
+        rollout: RolloutConfig | None = None,
+    ):
         self.actor, self.engine, self.cfg = actor, engine, cfg
+        self.quantizer = None
+        if rollout is not None and rollout.quantization != "none":
+            from pacs_megatron.weight_sync.quantize import WeightQuantizer  # imports modelopt (lazy)
+
+            self.quantizer = WeightQuantizer(rollout.quantization, rollout.quant_recipe, rollout.quant_exclude)
+        self._quantized: dict[str, torch.Tensor] = {}  # what the engine got, for the transfer probe
         self.dtype = _DTYPES.get(cfg.dtype)  # None: send in the actor's dtype
         sent = self.dtype or param_dtype
         self.tolerance = cfg.probe_tolerance if cfg.probe_tolerance >= 0 else (1e-4 if sent == torch.float32 else 5e-2)
@@ -81,6 +104,8 @@ class WeightSync:
         in_place = getattr(engine, "loads_in_place", False)
         self.bucket_bytes = 1 if in_place else cfg.bucket_mb << 20
         self.send_dtype = None if in_place else self.dtype
+        if self.quantizer is not None and getattr(engine, "fp8_weights", False):
+            self.send_dtype = None  # FP8 data and float32 scales must arrive as they are (vLLM casts the rest)
 
     def push(self) -> SyncResult:
         """Stream the weights into the engine (no probe)."""
@@ -90,7 +115,7 @@ class WeightSync:
 
         def counted():
             nonlocal nbytes, count
-            for bucket in iter_buckets(self.actor.export_hf_weights(), self.bucket_bytes, self.send_dtype):
+            for bucket in iter_buckets(self._stream(), self.bucket_bytes, self.send_dtype):
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 count += 1
                 yield bucket
@@ -98,16 +123,30 @@ class WeightSync:
         self.engine.update_weights(counted())
         return SyncResult(time.perf_counter() - start, nbytes / 1e9, float("nan"), count)
 
-    def check(self) -> tuple[float, float]:
-        """Probe (collective on the actor): ``(max |engine - actor|, max |engine - actor| / max(1, |actor|))``
-        per token. The second is what the tolerance bounds: float32 rounding grows with the magnitude
-        of a log-prob (a trained model gives random probe tokens log-probs of -30 and below), while a
-        wrong or missing tensor moves log-probs by O(1) whatever their size."""
-        if self.probe is None:
-            return float("nan"), float("nan")
+    def _stream(self):
+        """The actor's export, through the quantizer when rollouts are quantized. An engine with FP8
+        kernels (``fp8_weights = True``: vLLM) gets FP8 data + scales; others the quantize-dequantize.
+        With a probe, the dequantized selected tensors are kept (host memory) for the transfer check."""
+        stream = self.actor.export_hf_weights()
+        if self.quantizer is None:
+            return stream
+        keep = self.probe is not None
+        self._quantized = {}
+        if getattr(self.engine, "fp8_weights", False):  # written for GPU (vLLM), never run
+            return self.quantizer.fp8_stream(self._kept(stream, dequantize=True) if keep else stream)
+        dequantized = self.quantizer.dequantized_stream(stream)
+        return self._kept(dequantized, dequantize=False) if keep else dequantized
+
+    def _kept(self, stream, dequantize: bool):
+        """Pass the stream through, keeping (on the host) the quantize-dequantize of each selected tensor."""
+        for name, tensor in stream:
+            if self.quantizer.selects(name, tensor):
+                dq = self.quantizer.fake_quantize(tensor) if dequantize else tensor
+                self._quantized[name] = dq.detach().to("cpu", copy=True)
+            yield name, tensor
+
+    def _probe_diffs(self, engine_lp: list[torch.Tensor], actor_lp: torch.Tensor) -> tuple[float, float]:
         p = self.probe
-        actor_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
-        engine_lp = self.engine.logprobs([row[: int(n)].tolist() for row, n in zip(p.input_ids, p.seq_lens)])
         abs_diff = rel_diff = 0.0
         for b, lp in enumerate(engine_lp):
             ref = actor_lp[b, 1 : int(p.seq_lens[b])].double()
@@ -116,14 +155,36 @@ class WeightSync:
             rel_diff = max(rel_diff, (d / ref.abs().clamp(min=1.0)).max().item())
         return abs_diff, rel_diff
 
+    def check(self) -> tuple[float, float, float]:
+        """Probe (collective on the actor): ``(max |engine - reference|, the same / max(1, |reference|),
+        max |engine - actor|)`` per token, where the reference is the actor holding what the engine
+        should hold (its trained weights, or their quantize-dequantize). The second is what the
+        tolerance bounds: float32 rounding grows with the magnitude of a log-prob (a trained model gives
+        random probe tokens log-probs of -30 and below), while a wrong or missing tensor moves log-probs
+        by O(1) whatever their size. The third is the quantization gap (the first without quantization)."""
+        if self.probe is None:
+            return float("nan"), float("nan"), float("nan")
+        p = self.probe
+        actor_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
+        engine_lp = self.engine.logprobs([row[: int(n)].tolist() for row, n in zip(p.input_ids, p.seq_lens)])
+        gap, _ = self._probe_diffs(engine_lp, actor_lp)
+        if self.quantizer is None:
+            ref_lp = actor_lp
+        else:
+            with self.actor.swapped_hf_weights(self._quantized):
+                ref_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
+            self._quantized = {}
+        abs_diff, rel_diff = self._probe_diffs(engine_lp, ref_lp)
+        return abs_diff, rel_diff, gap
+
     def sync(self) -> SyncResult:
         """Push, then probe; raise :class:`WeightSyncError` above the tolerance."""
         pushed = self.push()
-        diff, scaled = self.check()
+        diff, scaled, gap = self.check()
         if scaled > self.tolerance:
             raise WeightSyncError(
                 f"after weight sync the engine's log-probs differ from the actor's by {diff:.3g} "
                 f"({scaled:.3g} relative to max(1, |logp|), > sync.probe_tolerance {self.tolerance:.3g}): "
                 "the engine does not hold the actor's weights"
             )
-        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets)
+        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap)

@@ -84,9 +84,22 @@ class VLLMWeightLoader:
         339
     """
 
-    def __init__(self, apply_model: ApplyModel, expected: tuple[frozenset[str], frozenset[str]] | None) -> None:
+    def __init__(
+        self,
+        apply_model: ApplyModel,
+        expected: tuple[frozenset[str], frozenset[str]] | None,
+        scale_suffixes: tuple[str, ...] = (),
+    ) -> None:
+        """``scale_suffixes``: extra names ``<required name><suffix>`` accepted (FP8 scales, see
+        weight_sync/quantize.py: ``("_scale", "_scale_inv")``)."""
         self.apply_model = apply_model
         self.required, self.optional = expected if expected is not None else (None, frozenset())
+        self.scale_suffixes = scale_suffixes
+
+    def _known(self, name: str) -> bool:
+        if name in self.required or name in self.optional:
+            return True
+        return any(name.endswith(s) and name[: -len(s)] in self.required for s in self.scale_suffixes)
 
     def load(self, buckets: Iterable[list[NamedTensor]]) -> int:
         """Load every bucket; return the number of HF tensors loaded.
@@ -99,7 +112,7 @@ class VLLMWeightLoader:
         for bucket in buckets:
             names = [n for n, _ in bucket]
             if self.required is not None:
-                unknown = [n for n in names if n not in self.required and n not in self.optional]
+                unknown = [n for n in names if not self._known(n)]
                 if unknown:
                     raise KeyError(f"vLLM weight sync: {unknown} are not tensors of this model's HF checkpoint")
             dup = received.intersection(names)
@@ -126,3 +139,39 @@ class VLLMWeightLoader:
                     f"vLLM weight sync: worker {worker} left {len(unwritten)} parameters unwritten: {unwritten}"
                 )
         return len(received - self.optional)
+
+
+# ----------------------------------------------------------------------- FP8 rollouts (GPU, never run)
+
+
+def fp8_llm_kwargs(rollout) -> dict[str, Any]:
+    """Extra ``vllm.LLM`` kwargs for ``rollout.quantization=fp8`` (empty otherwise): vLLM's FP8 linear
+    method with the layout of the pushed weights (``quantize.WeightQuantizer.fp8_stream``) declared as a
+    serialized FP8 checkpoint, and dummy initial weights (the bf16 checkpoint on disk is not FP8; the
+    trainer syncs before step 1). Written for GPU, never run."""
+    if rollout.quantization != "fp8":
+        return {}
+    from pacs_megatron.weight_sync.quantize import WeightQuantizer
+
+    wq = WeightQuantizer(rollout.quantization, rollout.quant_recipe, rollout.quant_exclude)
+    return {
+        "quantization": "fp8",
+        "hf_overrides": {"quantization_config": wq.vllm_quantization_config()},
+        "load_format": "dummy",
+    }
+
+
+def refresh_fp8_layers(model) -> int:
+    """Re-run vLLM's FP8 post-load processing on every FP8 linear layer after new weights + scales
+    were loaded (the same step vLLM takes after reading a checkpoint). UNVERIFIED ON GPU: vLLM may
+    replace processed parameters (losing their weight loaders), which verl and prime-rl patch around;
+    the first GPU run must check that a second sync still loads. Returns the layers processed."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, Fp8LinearMethod):
+            method.process_weights_after_loading(module)
+            count += 1
+    return count

@@ -65,13 +65,14 @@ def test_push_counts_buckets_and_bytes_and_casts():
     assert res.gbytes == pytest.approx((256 * 2 + 512 * 2 + 4 * 8) / 1e9)
     dtypes = {n: t.dtype for b in engine.received for n, t in b}
     assert dtypes == {"a": torch.bfloat16, "b": torch.bfloat16, "ids": torch.int64}
-    m = SyncResult(seconds=2.0, gbytes=1.0, max_logprob_diff=0.5, buckets=3).metrics()
+    m = SyncResult(seconds=2.0, gbytes=1.0, max_logprob_diff=0.5, buckets=3, quant_logprob_diff=0.7).metrics()
     assert m == {
         "sync/seconds": 2.0,
         "sync/gbytes": 1.0,
         "sync/gbytes_per_s": 0.5,
         "sync/max_logprob_diff": 0.5,
         "sync/buckets": 3.0,
+        "sync/quant_logprob_diff": 0.7,
     }
 
 

@@ -1,0 +1,60 @@
+"""Config-time checks of quantized rollouts (``rollout.quantization``): one line naming the option and the fix,
+before any model is built.
+
+They need the run's view of the device, which ``RolloutConfig`` alone does not have, so ``RunConfig``
+calls :func:`check_rollout_quantization` with ``parallel.backend``. CPU-ness is decided from that config:
+``gloo`` means CPU; ``auto`` means CPU when ``torch.cuda.is_available()`` is False on the machine that
+checks the config (every rank checks it at start, so a job is judged where it runs; a dry run on a
+GPU-less login node judges that node). modelopt is imported here only for a quantized run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pacs_megatron.config.base import ConfigError
+
+
+def runs_on_cpu(backend: str) -> bool:
+    """Whether a run with ``parallel.backend=backend`` trains on CPU (see the module docstring)."""
+    return backend == "gloo" or (backend == "auto" and not torch.cuda.is_available())
+
+
+def check_rollout_quantization(rollout, backend: str) -> None:
+    """Raise :class:`ConfigError` when ``rollout.quantization`` cannot run with this config."""
+    mode = rollout.quantization
+    if mode == "none":
+        return
+    from pacs_megatron.weight_sync.quantize import check_recipe, modelopt_available, weight_quantizer_cfg
+
+    if not modelopt_available():
+        raise ConfigError(
+            f"rollout.quantization={mode} needs nvidia-modelopt, which is not importable: "
+            "pip install nvidia-modelopt huggingface_hub, or set rollout.quantization=none"
+        )
+    if mode == "nvfp4" and runs_on_cpu(backend):
+        raise ConfigError(
+            f"rollout.quantization=nvfp4 needs CUDA (modelopt's NVFP4 quantizer), but this run is on CPU "
+            f"(parallel.backend={backend}, torch.cuda.is_available()={torch.cuda.is_available()}): "
+            "use rollout.quantization=fp8"
+        )
+    if mode == "nvfp4" and rollout.engine == "vllm":
+        raise ConfigError(
+            "rollout.quantization=nvfp4 with rollout.engine=vllm is not implemented: use rollout.quantization=fp8 "
+            "(or rollout.engine=hf, which samples with modelopt's NVFP4 quantize-dequantize)"
+        )
+    problem = check_recipe(mode, rollout.quant_recipe)
+    if problem:
+        raise ConfigError(problem)
+    if rollout.engine == "vllm":
+        from pacs_megatron.weight_sync.quantize import resolve_recipe
+
+        cfg = weight_quantizer_cfg(resolve_recipe(mode, rollout.quant_recipe))
+        block = cfg.get("block_sizes") or {}
+        per_tensor = cfg.get("axis") is None and not block
+        blocks_2d = set(block) == {-1, -2}
+        if not (per_tensor or blocks_2d):
+            raise ConfigError(
+                f"rollout.quant_recipe={rollout.quant_recipe}: vLLM's FP8 linear method takes per-tensor or 2-D "
+                "block scales only: use FP8_DEFAULT_CFG or FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"
+            )

@@ -14,8 +14,9 @@ import torch
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import TrainBatch, build_train_batch, dp_shard, split_mini_batches
-from pacs_megatron.eval.runner import evaluate, score_rollouts
+from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.pacs import get_loss, outcome_advantages
+from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.types import Response, SamplingParams
 
@@ -55,6 +56,7 @@ def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, di
         [rec.answer for rec, _ in flat],
         [dict(rec.extra) if rec.extra else None for rec, _ in flat],
         sharded=True,
+        step=True,
     )
     batch = build_train_batch(
         [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8

@@ -82,12 +82,18 @@ class RewardConfig:
     """"math" (math-verify), "arith" (exact match of the synthetic task) or "module.path:function"
     with signature (prompt, response, ground_truth, extra) -> float."""
     num_workers: int = 2
-    """Scoring processes (math-verify's timeouts only work outside threads)."""
+    """Scoring processes (math-verify's timeouts only work outside threads); 0 means one: rewards
+    never run unprotected in the trainer's process."""
     timeout_s: float = 10.0
-    """Per-response scoring timeout; a timeout scores 0 and is counted."""
+    """Per-response scoring timeout, in every mode; a timeout scores 0, is counted, and its worker
+    is replaced."""
+    max_failure_steps: int = 3
+    """Stop the run with an error naming reward.fn and its last exception after this many
+    consecutive steps in which every response failed to score (0: never stop)."""
 
     def __post_init__(self) -> None:
         if self.fn not in ("math", "arith") and ":" not in self.fn:
             raise ConfigError(f"reward.fn={self.fn!r}: use 'math', 'arith' or 'package.module:function'")
         _positive("reward.num_workers", self.num_workers, allow_zero=True)
         _positive("reward.timeout_s", self.timeout_s)
+        _positive("reward.max_failure_steps", self.max_failure_steps, allow_zero=True)

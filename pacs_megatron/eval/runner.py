@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pacs_megatron.eval.passk import dataset_metrics
+from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.utils.logging import get_logger
 
@@ -110,26 +111,6 @@ def _generate(prompt_ids, engine, sampling: SamplingParams, sharded: bool, step:
             f"engine returned {[len(g) for g in groups]} responses for {len(prompt_ids)} x n={sampling.n}"
         )
     return groups
-
-
-def score_rollouts(scorer, prompts, responses, answers, extras, sharded: bool) -> tuple[list[float], dict[str, float]]:
-    """Verifiable rewards of all rows; ``sharded``: each rank scores a share, counters summed (collective)."""
-    if not sharded:
-        return scorer.score(prompts, responses, answers, extras)
-    from pacs_megatron.utils.dist import map_sharded
-
-    def part_scores(part):
-        if not part:
-            return []
-        scores, metrics = scorer.score(*map(list, zip(*part)))
-        return [(s, metrics if j == 0 else None) for j, s in enumerate(scores)]
-
-    scored = map_sharded(list(zip(prompts, responses, answers, extras)), part_scores)
-    totals: dict[str, float] = {}
-    for _, m in scored:
-        for k, v in (m or {}).items():
-            totals[k] = totals.get(k, 0.0) + float(v)
-    return [s for s, _ in scored], totals
 
 
 def compute_metrics(rows: Sequence[Mapping[str, Any]], k_list: Sequence[int]) -> dict[str, dict[str, float]]:

@@ -19,6 +19,12 @@ logger = get_logger(__name__)
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: "terminated", what schedulers and requeue scripts expect
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_STOP_REQUESTED = threading.Event()
+
+
+def stop_requested() -> bool:
+    """Whether this process got a stop signal (for loops that must not wait out a hung step, e.g. rewards)."""
+    return _STOP_REQUESTED.is_set()
 
 
 class PreemptionFlag:
@@ -34,6 +40,7 @@ class PreemptionFlag:
         if self.signum is None:
             logger.warning("received %s: will checkpoint after the current step and exit", signal.Signals(signum).name)
         self.signum = signum
+        _STOP_REQUESTED.set()
 
     def should_stop(self) -> bool:
         flag = torch.tensor([1 if self.signum is not None else 0], dtype=torch.int32)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
 from pacs_megatron.launch.local import spawn_local
+from pacs_megatron.launch.preflight import preflight
+from pacs_megatron.launch.rank import run_rank
 from pacs_megatron.parallel import check_layout
 from pacs_megatron.utils.dist import under_launcher
 from pacs_megatron.utils.logging import get_logger, init_logging
@@ -81,6 +83,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, overrides)
         layout = layout_summary(cfg)
+        preflight(cfg)  # reward.fn, --resume, data files: before any rank or model starts
     except ConfigError as e:
         logger.error("config error: %s", e)
         return 2
@@ -90,6 +93,6 @@ def main(args: argparse.Namespace) -> int:
     if under_launcher() or cfg.parallel.world_size == 1:
         from pacs_megatron.train import train
 
-        return train(cfg)
+        return run_rank(train, cfg)  # one error per job, not one traceback per rank
     argv = ["pacs_megatron", "train", "--config", args.config, *overrides]
     return spawn_local(argv, cfg.parallel.world_size)

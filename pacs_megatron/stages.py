@@ -13,6 +13,7 @@ import random
 import torch
 
 from pacs_megatron.config import RunConfig
+from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.data.batching import TrainBatch, build_train_batch, dp_shard, split_mini_batches
 from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.pacs import get_loss, outcome_advantages
@@ -110,6 +111,7 @@ def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict
     # between the old-log-prob pass and the training forward, i.e. noise in PACS's reward.
     metrics["pacs/first_minibatch_max_logratio"] = history[0].get("actor/max_abs_logratio", float("nan"))
     metrics["actor/skipped_steps"] = history[-1].get("actor/skipped_steps", 0.0)
+    metrics |= post_update_metrics(cfg, actor, local)  # pacs/post_*: the classifier after the update
     return metrics
 
 

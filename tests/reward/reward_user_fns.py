@@ -52,3 +52,15 @@ def two_args(response, ground_truth):
 
 
 NOT_CALLABLE = 3
+
+
+def arith_hangs_on_seven(prompt, response, ground_truth, extra):
+    """The synthetic task's exact match, but it never returns on the response "7"."""
+    if response.strip() == "7":
+        time.sleep(600)
+    return float(response.strip() == ground_truth.strip())
+
+
+def always_raises(prompt, response, ground_truth, extra):
+    """A reward broken on every input (a renamed dataset field, say)."""
+    raise KeyError("answer_field")

@@ -13,8 +13,8 @@ import random
 import torch
 
 from pacs_megatron.config import RunConfig
-from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.data.batching import TrainBatch, build_train_batch, dp_shard, split_mini_batches
+from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.pacs import get_loss, outcome_advantages
 from pacs_megatron.reward.rollouts import score_rollouts

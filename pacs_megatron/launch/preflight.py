@@ -1,7 +1,8 @@
 """Checks that need the file system or an import, run by the launcher before any rank or model starts.
 
     pacs-megatron train --config c.yaml reward.fn=my_rewards:scroe
-    [.. E pacs_megatron.launch.cli] config error: reward.fn='my_rewards:scroe': module 'my_rewards' has no attribute 'scroe'
+    [.. E pacs_megatron.launch.cli] config error: reward.fn='my_rewards:scroe': module 'my_rewards'
+    has no attribute 'scroe'                                           (one line in the terminal)
     (exit 2; nothing was spawned, loaded or written)
 
 At 7B scale a bad reward name or data path found inside the ranks costs minutes of model loading and

@@ -109,10 +109,11 @@ class FailureGuard:
         >>> g.update(total=4, failed=4, last_error="KeyError: 'x'")
         >>> g.update(total=4, failed=3, last_error="")  # one response scored: the count restarts
         >>> g.update(total=4, failed=4, last_error="KeyError: 'x'")
-        >>> g.update(total=4, failed=4, last_error="KeyError: 'x'")
-        Traceback (most recent call last):
-        ...
-        pacs_megatron.reward.accounting.RewardFailureError: reward.fn='my:fn' failed on every response for 2 consecutive steps (reward.max_failure_steps=2); last error: KeyError: 'x'
+        >>> try:
+        ...     g.update(total=4, failed=4, last_error="KeyError: 'x'")
+        ... except RewardFailureError as e:
+        ...     print(str(e)[:60], "...", str(e)[-25:])
+        reward.fn='my:fn' failed on every response for 2 consecutive ... last error: KeyError: 'x'
     """
 
     def __init__(self, fn: str, max_steps: int) -> None:

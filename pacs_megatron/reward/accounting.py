@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pacs_megatron.utils.logging import get_logger
-from pacs_megatron.utils.preemption import EXIT_PREEMPTED
 
 logger = get_logger(__name__)
 
@@ -39,6 +38,8 @@ class RewardInterrupted(SystemExit):
     finished, so it is not checkpointed; the run exits as pre-empted."""
 
     def __init__(self, message: str) -> None:
+        from pacs_megatron.utils.preemption import EXIT_PREEMPTED  # torch: not in the workers' imports
+
         super().__init__(EXIT_PREEMPTED)
         self.message = message
 

@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pacs_megatron.reward.accounting import BatchCounts, FailureGuard
 from pacs_megatron.reward.registry import RewardFunctionError, check_score, load_reward_fn
 from pacs_megatron.utils.logging import get_logger
-from pacs_megatron.utils.preemption import stop_requested
 
 if TYPE_CHECKING:
     from pacs_megatron.config import RewardConfig
@@ -176,6 +175,9 @@ class ProcessPool:
         counts.restart()
 
     def score(self, items: list[tuple], counts: BatchCounts) -> list[float]:
+        # Imported here: this package is imported by every worker, which must not pay for torch.
+        from pacs_megatron.utils.preemption import stop_requested
+
         if not self._workers:
             self._workers = [self._start_worker() for _ in range(self.size)]
         timeout = self.cfg.timeout_s

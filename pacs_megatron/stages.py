@@ -14,9 +14,11 @@ import torch
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import TrainBatch, build_train_batch, dp_shard, response_values, split_mini_batches
-from pacs_megatron.eval.runner import evaluate, score_rollouts
+from pacs_megatron.diagnostics import post_update_metrics
+from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.pacs import get_loss, outcome_advantages
 from pacs_megatron.pacs.rollout_correction import importance_weights, mismatch_metrics
+from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.types import Response, SamplingParams
 
@@ -56,6 +58,7 @@ def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, di
         [rec.answer for rec, _ in flat],
         [dict(rec.extra) if rec.extra else None for rec, _ in flat],
         sharded=True,
+        step=True,
     )
     batch = build_train_batch(
         [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8
@@ -111,6 +114,7 @@ def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict
     # between the old-log-prob pass and the training forward, i.e. noise in PACS's reward.
     metrics["pacs/first_minibatch_max_logratio"] = history[0].get("actor/max_abs_logratio", float("nan"))
     metrics["actor/skipped_steps"] = history[-1].get("actor/skipped_steps", 0.0)
+    metrics |= post_update_metrics(cfg, actor, local)  # pacs/post_*: the classifier after the update
     return metrics
 
 

@@ -82,9 +82,14 @@ class RewardConfig:
     """"math" (math-verify), "arith" (exact match of the synthetic task) or "module.path:function"
     with signature (prompt, response, ground_truth, extra) -> float."""
     num_workers: int = 2
-    """Scoring processes (math-verify's timeouts only work outside threads)."""
+    """Scoring processes (math-verify's timeouts only work outside threads); 0 means one: rewards
+    never run unprotected in the trainer's process."""
     timeout_s: float = 10.0
-    """Per-response scoring timeout; a timeout scores 0 and is counted."""
+    """Per-response scoring timeout, in every mode; a timeout scores 0, is counted, and its worker
+    is replaced."""
+    max_failure_steps: int = 3
+    """Stop the run with an error naming reward.fn and its last exception after this many
+    consecutive steps in which every response failed to score (0: never stop)."""
     backend: str = "local"
     """Where the ``num_workers`` scorers run: "local" (processes beside each rank) or "ray" (actors
     spread over the Ray cluster of $RAY_ADDRESS, or a private one; see reward/ray_backend.py)."""
@@ -94,6 +99,7 @@ class RewardConfig:
             raise ConfigError(f"reward.fn={self.fn!r}: use 'math', 'arith' or 'package.module:function'")
         _positive("reward.num_workers", self.num_workers, allow_zero=True)
         _positive("reward.timeout_s", self.timeout_s)
+        _positive("reward.max_failure_steps", self.max_failure_steps, allow_zero=True)
         _choice("reward.backend", self.backend, ("local", "ray"))
         if self.backend == "ray" and self.num_workers == 0:
             raise ConfigError("reward.backend=ray needs reward.num_workers >= 1 (the number of Ray scoring actors)")

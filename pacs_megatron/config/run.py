@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -74,6 +75,13 @@ class RunConfig:
                 raise ConfigError("model.tiny.num_layers must be divisible by parallel.pp * parallel.vpp")
         if self.data.task == "arith" and self.reward.fn == "math":
             raise ConfigError("data.task=arith is scored by reward.fn=arith (exact match), not 'math'")
+        estimator = algo.loss_config().adv_estimator
+        if n < 2 and estimator in ("rloo", "grpo"):
+            key = "algorithm.pacs.adv_estimator" if algo.loss == "pacs" else "algorithm.policy.adv_estimator"
+            raise ConfigError(
+                f"rollout.n={n} with {key}={estimator} (algorithm.loss={algo.loss}): the estimator compares the "
+                "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
+            )
         check_rollout_quantization(self.rollout, self.parallel.backend)
 
     @property
@@ -93,7 +101,13 @@ def _yaml_chain(path: Path, depth: int = 0) -> list:
         raise ConfigError(f"config file {str(path)!r} does not exist")
     if depth > 8:
         raise ConfigError(f"config file {str(path)!r}: 'base:' chain deeper than 8 (a cycle?)")
-    layer = OmegaConf.load(path)
+    try:
+        layer = OmegaConf.load(path)
+    except yaml.YAMLError as e:  # one line naming the place, not the parser's traceback
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {where}: YAML syntax error: {problem}") from None
     base = layer.pop("base", None)
     if base is None:
         return [layer]

@@ -179,6 +179,10 @@ class LoggingConfig:
     """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
     progress_bar: bool = True
     """Rich progress bar with ETA on rank 0."""
+    post_update_metrics: bool = True
+    """PACS: after the step's update, one no-grad log-prob pass over the same batch logs the
+    classifier's new state (pacs/post_loss, post_psi_*, post_classifier_acc); with one update per
+    step the in-update pacs/* values are constant by construction."""
 
     def __post_init__(self) -> None:
         _choice("logging.level", self.level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -87,6 +87,16 @@ def load_problems(path: str | Path, bad_records: str = "error", source: str | No
     return problems
 
 
+def first_problem(path: str | Path) -> Problem:
+    """The first row of ``path``, parsed (a cheap pre-flight check of a data file's format)."""
+    path = Path(path)
+    for where, row in _rows(path):
+        if isinstance(row, DataFormatError):
+            raise row
+        return _parse(row, where, path, path.stem)
+    raise DataFormatError(f"dataset file {path}: no rows")
+
+
 def _rows(path: Path) -> Iterator[tuple[str, Any]]:
     """``(location, row or DataFormatError)`` for every row of the file."""
     if path.suffix == ".parquet":

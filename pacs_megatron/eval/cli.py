@@ -6,8 +6,12 @@
 Writes ``eval_rollout.jsonl`` (one row per problem: id, dataset, problem, prompt, answer, responses,
 scores, finish_reasons, num_tokens) and ``eval_metrics.json`` (per dataset and ``overall``, their
 mean) into ``--out`` or, by default, the model directory, as the PACS reference (``src/inference.py``)
-does. When ``eval_rollout.jsonl`` already exists, nothing is sampled: the metrics are recomputed from
-it (e.g. for another ``--k``), and the log says so; ``--resample`` samples again.
+does. Rollouts are cached under a key (see :mod:`.cache`: model, data, n, temperature, top_p, top_k,
+max tokens, seed, template, tokenizer, reward): a re-run with the same key only recomputes the
+metrics (e.g. for another ``--k``); a different key samples anew and says what changed; ``--reuse``
+recomputes from the existing rollouts anyway and says what differs; ``--resample`` always samples.
+``eval_metrics.json`` records the key of the rollouts its numbers come from under ``"sampling"``.
+Rows also carry the PACS reference's field names (``data_source``, ``output``, ``score``).
 
 Prompts are built as for training: the PACS instruction in one user turn under ``--chat-template``
 (Qwen2.5 ChatML by default), tokenized with ``--tokenizer`` (default: the model directory).
@@ -18,7 +22,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pacs_megatron.eval.cache import cache_key, differences, read_key, write_key
+from pacs_megatron.eval.progress import EvalProgress
 from pacs_megatron.eval.runner import (
+    SAMPLING,
     check_k,
     compute_metrics,
     evaluate,
@@ -62,9 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-root", default="", help="folder of the shared sets (default: $PACS_DATA_ROOT)")
     p.add_argument("--max-prompt-length", type=int, default=8192, help="longer prompts are dropped (logged)")
     p.add_argument("--reward", default="math", help="'math', 'arith' or 'package.module:function'")
-    p.add_argument("--reward-workers", type=int, default=2, help="reward processes (0: in-process)")
+    p.add_argument("--reward-workers", type=int, default=2, help="reward processes (0: one)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="per-response reward timeout (s)")
     p.add_argument("--resample", action="store_true", help="sample again even if eval_rollout.jsonl exists")
+    p.add_argument(
+        "--reuse", action="store_true", help="recompute from eval_rollout.jsonl even if it was sampled differently"
+    )
     p.add_argument("--log-level", default="INFO")
 
 
@@ -101,33 +111,41 @@ def main(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     out_dir = Path(args.out) if args.out else model_dir
     rollout_path, metrics_path = out_dir / ROLLOUT_FILE, out_dir / METRICS_FILE
+    data_cfg = _data_config(args)
+    key = cache_key(args, model_dir, data_cfg.resolved_root())
 
-    if rollout_path.is_file() and not args.resample:
-        logger.info("found %s: recomputing metrics only, no sampling (--resample to sample again)", rollout_path)
-        rows = read_rollouts(rollout_path)
-        wanted = [d.strip() for d in args.data.split(",") if d.strip()]
-        have = list(dict.fromkeys(r["dataset"] for r in rows))
-        missing = [d for d in wanted if d not in have and Path(d).stem not in have]
-        if missing:
-            logger.warning("the existing rollouts hold %s, not %s: reporting what they hold", have, missing)
+    cached = read_key(rollout_path) if rollout_path.is_file() else None
+    changed = differences(cached, key) if rollout_path.is_file() else []
+    if rollout_path.is_file() and not args.resample and (not changed or args.reuse):
+        if changed:
+            logger.warning("--reuse: recomputing from %s although it differs: %s", rollout_path, "; ".join(changed))
+        else:
+            logger.info("found %s sampled with these settings: recomputing metrics only", rollout_path)
+        key = cached or key
         try:
+            rows = read_rollouts(rollout_path)
             metrics = compute_metrics(rows, ks)
         except ValueError as e:
-            logger.error("%s: %s", rollout_path, e)
+            n = (cached or {}).get("n", "?")
+            logger.error("%s: %s (its rollouts hold n=%s samples per problem)", rollout_path, e, n)
             return 2
     else:
+        if changed and not args.resample:
+            logger.info("sampling anew: %s was sampled with other settings (%s)", rollout_path, "; ".join(changed))
         if not (model_dir / "config.json").is_file():
             logger.error("--model %s has no config.json: give a Hugging Face model directory", model_dir)
             return 2
         try:
-            metrics, rows = _sample_and_score(args, ks, model_dir)
+            _check_data_root(args, data_cfg)
+            metrics, rows = _sample_and_score(args, ks, model_dir, data_cfg)
         except (ValueError, FileNotFoundError) as e:  # bad data, names, tokenizer: a message, not a traceback
             logger.error("%s", e)
             return 2
         write_rollouts(rollout_path, rows)
+        write_key(rollout_path, key)
         logger.info("wrote %d rollout rows to %s", len(rows), rollout_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_metrics(metrics_path, metrics)
+    write_metrics(metrics_path, {**metrics, SAMPLING: key})
     for name, m in metrics.items():
         shown = ", ".join(f"{k}={v:.4f}" for k, v in m.items() if k.startswith(("pass@", "mean@")))
         logger.info("%-12s %s (%d problems)", name, shown, int(m["num_problems"]))
@@ -135,23 +153,41 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path):
-    import torch
+def _data_config(args: argparse.Namespace):
+    from pacs_megatron.config import DataConfig
 
-    from pacs_megatron.config import DataConfig, ModelConfig, RewardConfig, RolloutConfig, RunConfig
-    from pacs_megatron.data import load_dataset, load_tokenizer
-    from pacs_megatron.reward import RewardScorer
-    from pacs_megatron.rollout import build_engine
-    from pacs_megatron.rollout.types import SamplingParams
-
-    tokenizer = load_tokenizer(args.tokenizer or model_dir, args.chat_template)
-    data_cfg = DataConfig(
+    return DataConfig(
         data_root=args.data_root,
         chat_template=args.chat_template,
         max_prompt_length=args.max_prompt_length,
         overlong_prompts="drop",
         bad_records="error",
     )
+
+
+def _check_data_root(args: argparse.Namespace, data_cfg) -> None:
+    """Shared set names need the data root: say so in eval's own terms (--data-root, not data.data_root)."""
+    from pacs_megatron.data.sources import DATASETS
+
+    root = data_cfg.resolved_root()
+    for spec in (d.strip() for d in args.data.split(",") if d.strip()):
+        if spec in DATASETS and not (root / DATASETS[spec]).is_file():
+            raise FileNotFoundError(
+                f"--data {spec}: {root / DATASETS[spec]} does not exist; pass --data-root (or set $PACS_DATA_ROOT) "
+                "to the folder holding eval/ and train/"
+            )
+
+
+def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path, data_cfg):
+    import torch
+
+    from pacs_megatron.config import ModelConfig, RewardConfig, RolloutConfig, RunConfig
+    from pacs_megatron.data import load_dataset, load_tokenizer
+    from pacs_megatron.reward import RewardScorer
+    from pacs_megatron.rollout import build_engine
+    from pacs_megatron.rollout.types import SamplingParams
+
+    tokenizer = load_tokenizer(args.tokenizer or model_dir, args.chat_template)
     datasets = {}
     for spec in (d.strip() for d in args.data.split(",") if d.strip()):
         name, records = load_dataset(spec, data_cfg, tokenizer, limit=args.limit)
@@ -180,8 +216,9 @@ def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path):
         "sampling %d x %d responses (%s) with %s on %s", total, args.n, ", ".join(datasets), args.engine, device
     )
     reward_cfg = RewardConfig(fn=args.reward, num_workers=args.reward_workers, timeout_s=args.reward_timeout)
-    with RewardScorer(reward_cfg) as scorer:
-        flat, rows = evaluate(engine, datasets, sampling, ks, scorer, prefix="")
+    chunk = args.batch_size if args.engine == "hf" else max(args.batch_size, -(-total // 20))
+    with RewardScorer(reward_cfg) as scorer, EvalProgress(total, "problems", chunk) as progress:
+        flat, rows = evaluate(engine, datasets, sampling, ks, scorer, prefix="", progress=progress)
     for key in ("reward_timeouts", "reward_errors"):
         if flat.get(key):
             logger.warning("%s: %d", key, int(flat[key]))

@@ -59,7 +59,7 @@ def dataset_metrics(per_problem_scores: Sequence[Sequence[float]], k_list: Seque
     (n,) = ns
     bad = [k for k in k_list if not 1 <= k <= n]
     if bad:
-        raise ValueError(f"k={bad} exceed the n={n} samples per problem: use k <= n (or sample more with --n)")
+        raise ValueError(f"k={bad} exceed the n={n} samples per problem: use k <= n")
     totals: dict[str, float] = {}
     for scores in per_problem_scores:
         for key, v in problem_metrics(scores, k_list).items():

@@ -7,7 +7,8 @@
 The trainer calls :func:`evaluate` with its already-synced engine; ``sharded=True`` (call it on every
 rank) splits generation over the engine replicas and scoring over ranks, exactly like a training
 step, and every rank gets the same metrics. A row is one problem: its prompt, answer, the n
-responses, their scores, finish reasons and token counts (the ``eval_rollout.jsonl`` format).
+responses, their scores, finish reasons and token counts (the ``eval_rollout.jsonl`` format), and the
+same under the PACS reference's names (``data_source``, ``output``, ``score``).
 
 Per dataset: ``pass@k`` for each k, ``mean@n`` (mean score), ``num_problems``, ``response_length``
 (mean tokens) and ``truncation_rate``. ``overall`` is the unweighted mean over datasets of each metric
@@ -19,10 +20,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from pacs_megatron.eval.passk import dataset_metrics
+from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.utils.logging import get_logger
 
@@ -30,6 +33,8 @@ logger = get_logger(__name__)
 
 AVG = "overall"
 """Key of the mean over datasets (a dataset may not use this name)."""
+SAMPLING = "sampling"
+"""Key of the sampling settings in ``eval_metrics.json`` (a dataset may not use this name either)."""
 
 
 def evaluate(
@@ -41,6 +46,7 @@ def evaluate(
     prefix: str = "val",
     sharded: bool = False,
     step: int = 0,
+    progress=None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Sample ``sampling.n`` responses per record, score them, and compute pass@k per dataset.
 
@@ -55,18 +61,31 @@ def evaluate(
         sharded: split generation over engine replicas and scoring over ranks (collective: every rank
             must call it); False runs everything in this process.
         step: mixed into the per-replica seeds when sharded (as training steps do).
+        progress: an :class:`~pacs_megatron.eval.progress.EvalProgress` (unsharded only): generation
+            then runs in chunks of ``progress.chunk`` prompts (seed + chunk index each), reported as
+            they finish; None generates everything in one call.
 
     Returns:
         ``(metrics, rows)``: flat float metrics (plus ``{prefix}/reward_timeouts`` and
         ``{prefix}/reward_errors``), and one row per problem in dataset order.
     """
     check_k(k_list, sampling.n)
-    if AVG in datasets:
-        raise ValueError(f"a dataset may not be named {AVG!r} (reserved for the mean over datasets)")
+    for reserved in (AVG, SAMPLING):
+        if reserved in datasets:
+            raise ValueError(f"a dataset may not be named {reserved!r} (a reserved key of eval_metrics.json)")
     flat = [(name, rec) for name, recs in datasets.items() for rec in recs]
     if not flat:
         raise ValueError("evaluate: no problems to evaluate")
-    groups = _generate([list(rec.prompt_ids) for _, rec in flat], engine, sampling, sharded, step)
+    prompt_ids = [list(rec.prompt_ids) for _, rec in flat]
+    if progress is None or sharded:
+        groups = _generate(prompt_ids, engine, sampling, sharded, step)
+    else:
+        groups = []
+        for j, start in enumerate(range(0, len(prompt_ids), progress.chunk)):
+            part = prompt_ids[start : start + progress.chunk]
+            seed = None if sampling.seed is None else sampling.seed + j
+            groups += _generate(part, engine, replace(sampling, seed=seed), False, step)
+            progress.advance(len(part))
     pairs = [(rec, resp) for (_, rec), group in zip(flat, groups) for resp in group]
     scores, reward_metrics = score_rollouts(
         scorer,
@@ -90,6 +109,10 @@ def evaluate(
                 "scores": [float(s) for s in scores[i * n : (i + 1) * n]],
                 "finish_reasons": [r.finish_reason for r in group],
                 "num_tokens": [len(r.token_ids) for r in group],
+                # the PACS reference's field names (src/inference.py), for existing analysis scripts
+                "data_source": name,
+                "output": [r.text for r in group],
+                "score": [float(s) for s in scores[i * n : (i + 1) * n]],
             }
         )
     metrics = flatten_metrics(compute_metrics(rows, k_list), prefix)
@@ -110,26 +133,6 @@ def _generate(prompt_ids, engine, sampling: SamplingParams, sharded: bool, step:
             f"engine returned {[len(g) for g in groups]} responses for {len(prompt_ids)} x n={sampling.n}"
         )
     return groups
-
-
-def score_rollouts(scorer, prompts, responses, answers, extras, sharded: bool) -> tuple[list[float], dict[str, float]]:
-    """Verifiable rewards of all rows; ``sharded``: each rank scores a share, counters summed (collective)."""
-    if not sharded:
-        return scorer.score(prompts, responses, answers, extras)
-    from pacs_megatron.utils.dist import map_sharded
-
-    def part_scores(part):
-        if not part:
-            return []
-        scores, metrics = scorer.score(*map(list, zip(*part)))
-        return [(s, metrics if j == 0 else None) for j, s in enumerate(scores)]
-
-    scored = map_sharded(list(zip(prompts, responses, answers, extras)), part_scores)
-    totals: dict[str, float] = {}
-    for _, m in scored:
-        for k, v in (m or {}).items():
-            totals[k] = totals.get(k, 0.0) + float(v)
-    return [s for s, _ in scored], totals
 
 
 def compute_metrics(rows: Sequence[Mapping[str, Any]], k_list: Sequence[int]) -> dict[str, dict[str, float]]:

@@ -16,10 +16,11 @@ from pathlib import Path
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
 from pacs_megatron.launch.local import spawn_local
 from pacs_megatron.launch.slurm import apply_srun_env, srun_exit_code
+from pacs_megatron.launch.preflight import preflight
+from pacs_megatron.launch.rank import run_rank
 from pacs_megatron.parallel import check_layout
 from pacs_megatron.utils.dist import under_launcher
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.preemption import EXIT_INTERRUPTED
 
 logger = get_logger(__name__)
 
@@ -84,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, overrides)
         layout = layout_summary(cfg)
+        preflight(cfg)  # reward.fn, --resume, data files: before any rank or model starts
     except ConfigError as e:
         logger.error("config error: %s", e)
         return 2
@@ -100,10 +102,7 @@ def main(args: argparse.Namespace) -> int:
     if under_launcher() or cfg.parallel.world_size == 1:
         from pacs_megatron.train import train
 
-        try:
-            return srun_exit_code(train(cfg))  # 75 for "checkpointed, requeue me" under srun
-        except KeyboardInterrupt:  # Ctrl-C before the loop's handler (preemption.py) was installed
-            logger.warning("interrupted while starting up: nothing to save")
-            return EXIT_INTERRUPTED
+        # srun: 75 means "checkpointed, requeue me"; run_rank: one error per job, not one traceback per rank
+        return srun_exit_code(run_rank(train, cfg))
     argv = ["pacs_megatron", "train", "--config", args.config, *overrides]
     return spawn_local(argv, cfg.parallel.world_size)

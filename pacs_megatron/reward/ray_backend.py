@@ -30,8 +30,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pacs_megatron.reward.accounting import BatchCounts
 from pacs_megatron.reward.registry import RewardFunctionError, check_score
-from pacs_megatron.reward.scorer import _MAX_LOGGED_ERRORS, _STARTUP_TIMEOUT_S, _metrics
+from pacs_megatron.reward.scorer import _STARTUP_TIMEOUT_S
 from pacs_megatron.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -91,23 +92,35 @@ class RayRewardPool:
         actor = self._cls.remote()
         return _Slot(actor, actor.load.remote(self.cfg.fn, list(sys.path)), time.monotonic())
 
-    def _replace(self, k: int) -> None:
+    def _replace(self, k: int, counts: BatchCounts) -> None:
         import ray
 
         ray.kill(self._slots[k].actor, no_restart=True)
         self._slots[k] = self._start()
+        counts.restart()
 
-    def score(self, items: list[tuple]) -> tuple[list[float], dict[str, float]]:
+    def score(self, items: list[tuple], counts: BatchCounts) -> list[float]:
         import ray
+
+        from pacs_megatron.utils.preemption import stop_requested
 
         while len(self._slots) < self.cfg.num_workers:
             self._slots.append(self._start())
         timeout = self.cfg.timeout_s
         scores = [0.0] * len(items)
         pending = deque(range(len(items)))
-        timeouts = errors = restarts = 0
+        stop_by = None
         while pending or any(s.task is not None for s in self._slots):
             now = time.monotonic()
+            if stop_by is None and stop_requested():
+                stop_by = now + timeout  # as the local pool: let a healthy batch finish, abandon a hung one
+            if stop_by is not None and now >= stop_by:
+                busy = [k for k, s in enumerate(self._slots) if s.task is not None]
+                for k in busy:
+                    self._slots[k].task = None
+                    self._replace(k, counts)
+                counts.interrupt(len(pending) + len(busy))
+                return scores
             for s in self._slots:
                 if s.loading is None and s.task is None and pending:
                     i = pending.popleft()
@@ -116,7 +129,8 @@ class RayRewardPool:
             refs += [s.loading for s in self._slots if s.loading is not None]
             deadlines = [s.task[1] + timeout for s in self._slots if s.task is not None]
             deadlines += [s.started + _STARTUP_TIMEOUT_S for s in self._slots if s.loading is not None]
-            wait_s = max(0.0, min(deadlines, default=now + 1.0) - time.monotonic())
+            deadlines += [stop_by if stop_by is not None else now + 1.0]  # poll the stop flag every second
+            wait_s = max(0.0, min(deadlines) - time.monotonic())
             done = set(ray.wait(refs, num_returns=1, timeout=wait_s)[0]) if refs else set()
             now = time.monotonic()
             for k, s in enumerate(self._slots):
@@ -135,10 +149,8 @@ class RayRewardPool:
                     try:
                         status, value = ray.get(ref)
                     except ray.exceptions.RayActorError:
-                        errors += 1
-                        logger.warning("reward actor died while scoring response %d (scored 0)", i)
-                        self._replace(k)
-                        restarts += 1
+                        counts.error(i, "reward actor died")
+                        self._replace(k, counts)
                         continue
                     if status == "ok":
                         scores[i] = check_score(self.cfg.fn, value)
@@ -148,20 +160,12 @@ class RayRewardPool:
                             f"reward.fn={self.cfg.fn!r} returned {value}: it must return a float (e.g. 1.0 or 0.0)"
                         )
                     else:
-                        errors += 1
-                        if errors <= _MAX_LOGGED_ERRORS:
-                            logger.warning("reward %s raised on response %d: %s (scored 0)", self.cfg.fn, i, value)
+                        counts.error(i, value)
                 elif now - t0 > timeout:
-                    timeouts += 1
-                    logger.warning(
-                        "reward %s took over reward.timeout_s=%gs on response %d: scored 0, actor replaced",
-                        self.cfg.fn,
-                        timeout,
-                        i,
-                    )
-                    self._replace(k)
-                    restarts += 1
-        return scores, _metrics(timeouts, errors, restarts)
+                    s.task = None
+                    counts.timeout(i)
+                    self._replace(k, counts)
+        return scores
 
     def _loaded(self, s: _Slot) -> None:
         import ray

@@ -1,63 +1,82 @@
-"""Batch reward scoring that never crashes or hangs the trainer.
+"""Batch reward scoring that never crashes or hangs the trainer, in every mode.
 
 math-verify times its parsers out with ``signal.alarm``, which only works in a process's main thread,
-and a pathological answer can still make sympy run for minutes. So rewards run in worker processes,
-one response at a time, each with a hard deadline:
+a pathological answer can still make sympy run for minutes, and a user's reward can hang or raise on
+anything. So rewards always run in worker processes, each response with a hard deadline:
 
-    parent: pending responses -> idle ready worker (pipe) -> result | deadline passed | worker died
-    worker: load reward.fn once -> "ready" -> loop: (i, prompt, response, answer, extra) -> (i, status, value)
+    RewardScorer.score(prompts, responses, answers, extras)
+        -> backend.score(items, counts)   # how: a local process pool (here) or another backend
+        -> counts: BatchCounts            # what happened: shared accounting (accounting.py)
 
 - A response that raises scores 0 and counts in ``reward/errors`` (the first few are logged).
-- A response still running ``timeout_s`` after it was handed over scores 0 and counts in
-  ``reward/timeouts``; its worker is killed (SIGKILL) and replaced, so a hung worker costs one
-  timeout, never the run. A worker that dies mid-task counts as an error and is replaced.
+- A response still running ``timeout_s`` after it started scores 0 and counts in ``reward/timeouts``;
+  its worker is killed (SIGKILL) and replaced, so a hung worker costs one timeout, never the run. A
+  worker that dies mid-task counts as an error and is replaced.
+- A stop signal (SIGTERM / SIGUSR1) while a batch is still running gives it ``timeout_s`` more, then
+  abandons it (:class:`~pacs_megatron.reward.accounting.RewardInterrupted` once every rank knows).
 - A reward that returns a non-number, or that cannot be loaded in a worker, raises
   :class:`~pacs_megatron.reward.registry.RewardFunctionError`: those are bugs, not noisy samples.
 
+``num_workers=0`` means one worker: there is no unprotected in-process mode, because a hang there
+could only be stopped by SIGKILL. Responses go to a worker in chunks and their answers come back in
+small groups (see worker.py), so a cheap reward (``arith``) pays a few pipe writes per batch, not a
+round trip per response, and the deadline still applies to each response (it restarts at every
+answer the parent receives).
+
 Workers are fresh interpreters (``python -m pacs_megatron.reward.worker``, see that module for the
 protocol): never ``fork`` (the trainer holds torch threads and gloo groups), and not multiprocessing's
-spawn either, which re-imports the parent's ``__main__``. A worker is only handed work once it
-reported ready, so its start-up (imports) never counts against a response's deadline.
-
-``num_workers=0`` scores in the calling process (cheap rewards such as ``arith``); exceptions are still
-counted, but there is no timeout there.
+spawn either, which re-imports the parent's ``__main__``. They start when the scorer is built (so
+their imports overlap the trainer's set-up) and get work only once they reported ready, so start-up
+never counts against a response's deadline.
 """
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from pacs_megatron.reward.accounting import BatchCounts, FailureGuard
 from pacs_megatron.reward.registry import RewardFunctionError, check_score, load_reward_fn
 from pacs_megatron.utils.logging import get_logger
 
-if TYPE_CHECKING:  # the config imports torch, which this module does not need
+if TYPE_CHECKING:
     from pacs_megatron.config import RewardConfig
 
 logger = get_logger(__name__)
 
 _STARTUP_TIMEOUT_S = 120.0
-_MAX_LOGGED_ERRORS = 3
+_MAX_CHUNK = 256
+"""Most responses handed to a worker at once (smaller chunks balance several workers better)."""
 
 
-@dataclass
-class _Worker:
-    proc: subprocess.Popen
-    conn: Connection
-    started: float
-    ready: bool = False
-    task: tuple[int, float] | None = None  # (response index, time it was handed over)
+class ScoringBackend(Protocol):
+    """How responses get scored. ``score`` fills ``counts`` (see accounting.py) and returns one score
+    per item, 0.0 for every item it could not score."""
+
+    def score(self, items: list[tuple], counts: BatchCounts) -> list[float]: ...
+
+    def close(self) -> None: ...
+
+
+def make_backend(cfg: RewardConfig) -> ScoringBackend:
+    """The backend ``cfg`` asks for: the local process pool, or Ray actors (ray imported only then)."""
+    if cfg.backend == "ray":
+        from pacs_megatron.reward.ray_backend import RayRewardPool
+
+        return RayRewardPool(cfg)
+    return ProcessPool(cfg)
 
 
 class RewardScorer:
-    """Scores batches of responses with ``cfg.fn`` in ``cfg.num_workers`` processes.
+    """Scores batches of responses with ``cfg.fn``, each response under ``cfg.timeout_s``.
 
     Example:
         >>> from pacs_megatron.config import RewardConfig
@@ -69,10 +88,11 @@ class RewardScorer:
     def __init__(self, cfg: RewardConfig) -> None:
         self.cfg = cfg
         self.fn = load_reward_fn(cfg.fn)  # fail fast, in the parent, with the loader's message
-        self._workers: list[_Worker] = []
-        self._remote = None  # reward.backend=ray: the actor pool, built on first use
-
-    # -- public API -------------------------------------------------------------------------
+        self.guard = FailureGuard(cfg.fn, cfg.max_failure_steps)
+        """Consecutive all-failed steps (updated by score_rollouts with the counts of all ranks)."""
+        self.last_error = ""
+        """The last batch's last failure message ("" when it had none)."""
+        self._backend = make_backend(cfg)
 
     def score(
         self,
@@ -90,27 +110,14 @@ class RewardScorer:
         for name, seq in (("prompts", prompts), ("ground_truths", ground_truths), ("extras", extras)):
             if len(seq) != n:
                 raise ValueError(f"RewardScorer.score: {name} has {len(seq)} entries for {n} responses")
+        counts = BatchCounts(self.cfg.fn, self.cfg.timeout_s)
         items = list(zip(prompts, responses, ground_truths, extras))
-        if self.cfg.backend != "local":
-            self._remote = self._remote or remote_pool(self.cfg)
-            return self._remote.score(items)
-        if self.cfg.num_workers == 0:
-            return self._score_inline(items)
-        return self._score_pool(items)
+        scores = self._backend.score(items, counts) if items else []
+        self.last_error = counts.last_error
+        return scores, counts.metrics()
 
     def close(self) -> None:
-        """Stop the workers (politely, then by force)."""
-        for w in self._workers:  # ask all first, so they exit in parallel
-            try:
-                w.conn.send(None)
-            except (OSError, ValueError):
-                pass
-        for w in self._workers:
-            _stop(w, grace_s=2.0)
-        self._workers = []
-        if getattr(self, "_remote", None) is not None:
-            self._remote.close()
-            self._remote = None
+        self._backend.close()
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -124,23 +131,37 @@ class RewardScorer:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    # -- in-process ---------------------------------------------------------------------------
 
-    def _score_inline(self, items: list[tuple]) -> tuple[list[float], dict[str, float]]:
-        scores, errors = [], 0
-        for prompt, response, answer, extra in items:
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    conn: Connection
+    started: float
+    ready: bool = False
+    queue: deque = field(default_factory=deque)
+    """Indices handed over and not answered yet, in the order the worker scores them."""
+    since: float = 0.0
+    """When the head of ``queue`` started: its hand-over, or the answer before it."""
+
+
+class ProcessPool:
+    """``max(1, num_workers)`` local worker processes; chunks of responses out, their answers back."""
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        self.cfg = cfg
+        self.size = max(1, cfg.num_workers)
+        self._workers: list[_Worker] = [self._start_worker() for _ in range(self.size)]
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force)."""
+        for w in self._workers:  # ask all first, so they exit in parallel
             try:
-                value = self.fn(prompt, response, answer, extra)
-            except Exception as e:  # noqa: BLE001 - a failing sample scores 0 and is counted
-                errors += 1
-                if errors <= _MAX_LOGGED_ERRORS:
-                    logger.warning("reward %s raised %s: %s (scored 0)", self.cfg.fn, type(e).__name__, e)
-                scores.append(0.0)
-                continue
-            scores.append(check_score(self.cfg.fn, value))
-        return scores, _metrics(0, errors, 0)
-
-    # -- process pool -------------------------------------------------------------------------
+                w.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for w in self._workers:
+            _stop(w, grace_s=2.0)
+        self._workers = []
 
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = Pipe(duplex=True)  # a socketpair; the child inherits its end's fd
@@ -152,91 +173,105 @@ class RewardScorer:
         parent_conn.send(("init", self.cfg.fn, list(sys.path)))
         return _Worker(proc=proc, conn=parent_conn, started=time.monotonic())
 
-    def _replace(self, k: int) -> None:
+    def _replace(self, k: int, counts: BatchCounts) -> None:
         _stop(self._workers[k], grace_s=0.0)
         self._workers[k] = self._start_worker()
+        counts.restart()
 
-    def _score_pool(self, items: list[tuple]) -> tuple[list[float], dict[str, float]]:
-        while len(self._workers) < self.cfg.num_workers:
-            self._workers.append(self._start_worker())
+    def score(self, items: list[tuple], counts: BatchCounts) -> list[float]:
+        # Imported here: this package is imported by every worker, which must not pay for torch.
+        from pacs_megatron.utils.preemption import stop_requested
+
+        if not self._workers:
+            self._workers = [self._start_worker() for _ in range(self.size)]
         timeout = self.cfg.timeout_s
         scores = [0.0] * len(items)
         pending = deque(range(len(items)))
-        timeouts = errors = restarts = 0
-        while pending or any(w.task is not None for w in self._workers):
+        chunk = max(1, min(_MAX_CHUNK, math.ceil(len(items) / (4 * self.size))))
+        stop_by = None
+        while pending or any(w.queue for w in self._workers):
             now = time.monotonic()
+            if stop_by is None and stop_requested():
+                stop_by = now + timeout  # let a healthy batch finish; abandon a hung one
+            if stop_by is not None and now >= stop_by:
+                self._abandon(pending, counts)
+                return scores
             for k, w in enumerate(self._workers):
-                if w.ready and w.task is None and pending:
-                    i = pending.popleft()
+                if w.ready and not w.queue and pending:
+                    part = [pending.popleft() for _ in range(min(chunk, len(pending)))]
                     try:
-                        w.conn.send((i, *items[i]))
-                    except (OSError, ValueError):  # died while idle: retry the item elsewhere
-                        pending.appendleft(i)
-                        self._replace(k)
-                        restarts += 1
+                        w.conn.send(("score", [(i, *items[i]) for i in part]))
+                    except (OSError, ValueError):  # died while idle: retry the items elsewhere
+                        pending.extendleft(reversed(part))
+                        self._replace(k, counts)
                         continue
-                    w.task = (i, now)
-            deadlines = [w.task[1] + timeout for w in self._workers if w.task is not None]
+                    w.queue.extend(part)
+                    w.since = now
+            deadlines = [w.since + timeout for w in self._workers if w.queue]
             deadlines += [w.started + _STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
-            until = min(deadlines, default=now + 1.0)
-            wait([w.conn for w in self._workers], timeout=max(0.0, until - time.monotonic()))
+            deadlines += [stop_by if stop_by is not None else now + 1.0]  # poll the stop flag every second
+            wait([w.conn for w in self._workers], timeout=max(0.0, min(deadlines) - time.monotonic()))
             now = time.monotonic()
             for k, w in enumerate(self._workers):
-                status = self._poll(w, scores, log=errors < _MAX_LOGGED_ERRORS)
-                if status == "error":
-                    errors += 1
-                elif status == "dead":
-                    if w.task is not None:
-                        errors += 1
-                        logger.warning("reward worker died while scoring response %d (scored 0)", w.task[0])
+                alive = self._drain(w, scores, counts, now)
+                if not alive:
+                    if w.queue:
+                        counts.error(w.queue.popleft(), f"reward worker died (exit code {w.proc.poll()})")
                     elif not w.ready:
                         self.close()
                         raise RuntimeError(f"reward worker for reward.fn={self.cfg.fn!r} died while starting")
-                    self._replace(k)
-                    restarts += 1
-                elif w.task is not None and now - w.task[1] > timeout:
-                    timeouts += 1
-                    logger.warning(
-                        "reward %s took over reward.timeout_s=%gs on response %d: scored 0, worker replaced",
-                        self.cfg.fn,
-                        timeout,
-                        w.task[0],
-                    )
-                    self._replace(k)
-                    restarts += 1
+                    pending.extendleft(reversed(w.queue))
+                    self._replace(k, counts)
+                elif w.queue and now - w.since > timeout:
+                    counts.timeout(w.queue.popleft())
+                    pending.extendleft(reversed(w.queue))
+                    self._replace(k, counts)
                 elif not w.ready and now - w.started > _STARTUP_TIMEOUT_S:
                     self.close()
                     raise RuntimeError(f"reward worker for reward.fn={self.cfg.fn!r} did not start in time")
-        return scores, _metrics(timeouts, errors, restarts)
+        return scores
 
-    def _poll(self, w: _Worker, scores: list[float], log: bool) -> str | None:
-        """Take one message from ``w`` if any: None (nothing / ready / a score), "error" or "dead"."""
+    def _abandon(self, pending: deque, counts: BatchCounts) -> None:
+        """A stop signal outlasted the batch: kill the busy workers; everything unscored is counted."""
+        unscored = len(pending) + sum(len(w.queue) for w in self._workers)
+        for w in self._workers:
+            w.queue.clear()
+            _stop(w, grace_s=0.0)
+        self._workers = []  # restarted by the next score(), if there is one
+        counts.interrupt(unscored)
+        logger.warning("stop signal: abandoned %d unscored responses of reward %s", unscored, self.cfg.fn)
+
+    def _drain(self, w: _Worker, scores: list[float], counts: BatchCounts, now: float) -> bool:
+        """Take every message ``w`` has sent; False when it is dead."""
         try:
-            if not w.conn.poll():
-                return "dead" if w.proc.poll() is not None and not w.conn.poll() else None
-            msg = w.conn.recv()
+            while w.conn.poll():
+                self._handle(w, w.conn.recv(), scores, counts, now)
         except (EOFError, OSError):
-            return "dead"
+            return False
+        return w.proc.poll() is None
+
+    def _handle(self, w: _Worker, msg: tuple, scores: list[float], counts: BatchCounts, now: float) -> None:
         tag = msg[0]
         if tag == "ready":
             w.ready = True
-            return None
+            return
         if tag == "fatal":
             self.close()
             raise RewardFunctionError(f"reward.fn={self.cfg.fn!r} failed to load in a worker: {msg[1]}")
-        i, status, value = msg
-        w.task = None
-        if status == "ok":
-            scores[i] = check_score(self.cfg.fn, value)
-            return None
-        if status == "bad_type":
-            self.close()
-            raise RewardFunctionError(
-                f"reward.fn={self.cfg.fn!r} returned {value}: it must return a float (e.g. 1.0 or 0.0)"
-            )
-        if log:
-            logger.warning("reward %s raised on response %d: %s (scored 0)", self.cfg.fn, i, value)
-        return "error"
+        for i, status, value in msg[1]:
+            if not w.queue or w.queue[0] != i:  # an answer for a response already given up on
+                continue
+            w.queue.popleft()
+            w.since = now
+            if status == "ok":
+                scores[i] = check_score(self.cfg.fn, value)
+            elif status == "bad_type":
+                self.close()
+                raise RewardFunctionError(
+                    f"reward.fn={self.cfg.fn!r} returned {value}: it must return a float (e.g. 1.0 or 0.0)"
+                )
+            else:
+                counts.error(i, value)
 
 
 def _stop(w: _Worker, grace_s: float) -> None:
@@ -250,18 +285,3 @@ def _stop(w: _Worker, grace_s: float) -> None:
         w.proc.kill()
     w.proc.wait()
     w.conn.close()
-
-
-def remote_pool(cfg: RewardConfig):
-    """The scorer pool of a non-local ``reward.backend`` (imports ray only when asked for)."""
-    from pacs_megatron.reward.ray_backend import RayRewardPool
-
-    return RayRewardPool(cfg)
-
-
-def _metrics(timeouts: int, errors: int, restarts: int) -> dict[str, float]:
-    return {
-        "reward/timeouts": float(timeouts),
-        "reward/errors": float(errors),
-        "reward/worker_restarts": float(restarts),
-    }

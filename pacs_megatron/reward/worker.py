@@ -6,8 +6,16 @@ holds torch threads and gloo groups (so no fork), and multiprocessing's spawn re
 inherited socket ``FD`` (a ``multiprocessing`` Connection: pickled messages)::
 
     parent -> ("init", spec, sys_path)           child -> ("ready", None) | ("fatal", message)
-    parent -> (i, prompt, response, answer, extra) child -> (i, "ok", float) | (i, "error", msg) | (i, "bad_type", msg)
+    parent -> ("score", [(i, prompt, response, answer, extra), ...])
+                                                 child -> ("results", [result, ...]) as they come, where
+                                                 result = (i, "ok", float) | (i, "error", msg) | (i, "bad_type", msg)
     parent -> None (or closes)                   child exits
+
+A chunk saves a round trip per response. Results are flushed when the chunk is done and, by a small
+thread, every ``FLUSH_S`` while it runs: a cheap reward costs one message per chunk, and when one
+response hangs the parent already holds the answers before it, so it times the right response
+(the thread runs while the scoring thread is in Python code; a C call that holds the GIL delays
+the flush, which can only make the parent blame the response before the hung one).
 
 The worker imports nothing heavy (no torch) and asks the kernel to kill it when the parent dies, so
 a response stuck in C code cannot outlive the trainer.
@@ -19,9 +27,11 @@ import ctypes
 import numbers
 import signal
 import sys
+import threading
 from multiprocessing.connection import Connection
 
 _PR_SET_PDEATHSIG = 1
+FLUSH_S = 0.01
 
 
 def _die_with_parent() -> None:
@@ -48,6 +58,7 @@ def serve(conn: Connection) -> None:
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
+    out = _Outbox(conn)
     while True:
         try:
             msg = conn.recv()
@@ -55,16 +66,47 @@ def serve(conn: Connection) -> None:
             return
         if msg is None:
             return
-        i, prompt, response, answer, extra = msg
-        try:
-            value = fn(prompt, response, answer, extra)
-        except Exception as e:  # noqa: BLE001 - a failing sample scores 0 and is counted
-            conn.send((i, "error", f"{type(e).__name__}: {e}"))
-            continue
-        if isinstance(value, numbers.Real):
-            conn.send((i, "ok", float(value)))
-        else:
-            conn.send((i, "bad_type", f"{type(value).__name__} {value!r:.80}"))
+        for i, prompt, response, answer, extra in msg[1]:
+            out.put(_score_one(fn, i, prompt, response, answer, extra))
+        out.flush()
+
+
+class _Outbox:
+    """Results waiting to be sent; flushed by the scoring loop and every FLUSH_S by a daemon thread."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.items: list[tuple] = []
+        threading.Thread(target=self._flush_periodically, daemon=True).start()
+
+    def put(self, result: tuple) -> None:
+        with self.lock:
+            self.items.append(result)
+
+    def flush(self) -> None:
+        with self.lock:
+            if self.items:
+                try:
+                    self.conn.send(("results", self.items))
+                except (OSError, ValueError):  # parent gone: the main loop sees EOF next
+                    pass
+                self.items = []
+
+    def _flush_periodically(self) -> None:
+        while True:
+            threading.Event().wait(FLUSH_S)
+            self.flush()
+
+
+def _score_one(fn, i: int, prompt, response, answer, extra) -> tuple:
+    try:
+        value = fn(prompt, response, answer, extra)
+    except Exception as e:  # noqa: BLE001 - a failing sample scores 0 and is counted
+        return (i, "error", f"{type(e).__name__}: {e}")
+    if isinstance(value, numbers.Real):
+        return (i, "ok", float(value))
+    return (i, "bad_type", f"{type(value).__name__} {value!r:.80}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,12 @@ EXIT_PREEMPTED = 143  # 128 + SIGTERM: "terminated", what schedulers and requeue
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's code for Ctrl-C
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 DUPLICATE_S = 1.0
+_STOP_REQUESTED = threading.Event()
+
+
+def stop_requested() -> bool:
+    """Whether this process got a stop signal (for loops that must not wait out a hung step, e.g. rewards)."""
+    return _STOP_REQUESTED.is_set()
 
 
 class PreemptionFlag:
@@ -76,6 +82,7 @@ class PreemptionFlag:
                 " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "",
             )
             self.signum = signum
+        _STOP_REQUESTED.set()
 
     def _local_code(self) -> int:
         """This rank's wish: 0 (go on), 130 (Ctrl-C) or 143 (signal or budget)."""

@@ -90,22 +90,40 @@ def test_eval_cli_end_to_end_and_recompute(qwen_tiny_dir, data_root, tmp_path, c
         assert r["problem"] in r["prompt"] and "\\boxed{}" in r["prompt"]
         assert all(n <= 4 for n in r["num_tokens"])
         assert r["responses"][0] == r["responses"][1]  # --temperature 0 is greedy
+        assert r["data_source"] == r["dataset"] and r["output"] == r["responses"] and r["score"] == r["scores"]
     metrics = json.loads((out / "eval_metrics.json").read_text())
-    assert set(metrics) == {"math500", "amc23", "overall"}
+    assert set(metrics) == {"math500", "amc23", "overall", "sampling"}
     assert metrics["math500"]["pass@1"] == 0.0 and metrics["amc23"]["num_problems"] == 2
     assert {"pass@1", "pass@2", "mean@n"} <= set(metrics["overall"])
+    sampled = metrics["sampling"]
+    assert (sampled["n"], sampled["temperature"], sampled["max_tokens"], sampled["seed"]) == (2, 0.0, 4, 1)
+    assert sampled["data"] == ["math500", "amc23"] and sampled["model"] == str(qwen_tiny_dir.resolve())
 
-    # Re-run with the rollouts present: metrics only (a model dir without config.json proves no sampling).
+    # Same settings again: the cached rollouts are reused, only the metrics are recomputed.
     for r, scores in zip(rows, ([1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0])):
         r["scores"] = scores
     (out / "eval_rollout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     capsys.readouterr()
-    assert cli.main(_args(model=tmp_path / "no_model", **common)) == 0
-    assert "recomputing metrics only" in capsys.readouterr().err
+    same = dict(model=qwen_tiny_dir, tokenizer=tokenizer, max_tokens=4, temperature=0, seed=1, **common)
+    assert cli.main(_args(**same)) == 0
+    assert "sampled with these settings: recomputing metrics only" in capsys.readouterr().err
     metrics = json.loads((out / "eval_metrics.json").read_text())
     assert metrics["math500"]["pass@1"] == pytest.approx(0.25) and metrics["math500"]["pass@2"] == pytest.approx(0.5)
     assert metrics["amc23"]["pass@1"] == pytest.approx(0.75) and metrics["amc23"]["pass@2"] == pytest.approx(1.0)
     assert metrics["overall"]["pass@2"] == pytest.approx(0.75)
+
+    # Another n: sampled anew, saying why (a model dir without config.json stops it right after).
+    other = dict(same, model=tmp_path / "no_model", n=4)
+    assert cli.main(_args(**other)) == 2
+    err = capsys.readouterr().err
+    assert "sampling anew" in err and "n: 2 -> 4" in err and "config.json" in err
+    # --reuse recomputes from the old rollouts anyway, says what differs, and records their settings.
+    assert cli.main(_args(**dict(other, n=2, max_tokens=8, reuse=True))) == 0
+    assert "max_tokens: 4 -> 8" in capsys.readouterr().err
+    assert json.loads((out / "eval_metrics.json").read_text())["sampling"]["max_tokens"] == 4
+    assert cli.main(_args(**dict(other, k="1,4", reuse=True))) == 2  # k=4 > the cached n=2
+    err = capsys.readouterr().err
+    assert "n=2 samples per problem" in err and "--n" not in err
 
 
 def test_eval_cli_argument_errors(qwen_tiny_dir, data_root, tmp_path, capsys):
@@ -118,3 +136,7 @@ def test_eval_cli_argument_errors(qwen_tiny_dir, data_root, tmp_path, capsys):
     tokenizer = data_root / "tokenizers" / "qwen2.5"
     assert cli.main(_args(model=qwen_tiny_dir, tokenizer=tokenizer, n=1, k="1", data="no_such_set", out=tmp_path)) == 2
     assert "'no_such_set'" in capsys.readouterr().err
+    nowhere = dict(model=qwen_tiny_dir, n=1, k="1", data="math500", out=tmp_path, data_root=tmp_path / "nowhere")
+    assert cli.main(_args(**nowhere)) == 2
+    err = capsys.readouterr().err
+    assert "--data-root" in err and "data.data_root" not in err

@@ -64,3 +64,15 @@ def alarm_raise_or_hang(prompt, response, ground_truth, extra):
         while True:
             pass
     return float(response == ground_truth)
+
+
+def arith_hangs_on_seven(prompt, response, ground_truth, extra):
+    """The synthetic task's exact match, but it never returns on the response "7"."""
+    if response.strip() == "7":
+        time.sleep(600)
+    return float(response.strip() == ground_truth.strip())
+
+
+def always_raises(prompt, response, ground_truth, extra):
+    """A reward broken on every input (a renamed dataset field, say)."""
+    raise KeyError("answer_field")

@@ -4,13 +4,20 @@ import doctest
 
 import pytest
 
+import pacs_megatron.reward.accounting
 import pacs_megatron.reward.registry
 import pacs_megatron.reward.scorer
 import pacs_megatron.reward.verifiers
 
 
 @pytest.mark.parametrize(
-    "module", [pacs_megatron.reward.registry, pacs_megatron.reward.scorer, pacs_megatron.reward.verifiers]
+    "module",
+    [
+        pacs_megatron.reward.accounting,
+        pacs_megatron.reward.registry,
+        pacs_megatron.reward.scorer,
+        pacs_megatron.reward.verifiers,
+    ],
 )
 def test_doctests(module):
     result = doctest.testmod(module)

@@ -18,7 +18,7 @@ def test_ray_backend_matches_local_pool_with_raising_and_hanging_rewards(ray_clu
         with RewardScorer(cfg) as scorer:
             results[backend] = scorer.score(["p"] * len(responses), responses, answers)
             if backend == "ray":
-                nodes = {s.node_id for s in scorer._remote._slots}
+                nodes = {s.node_id for s in scorer._backend._slots}
     scores, metrics = results["local"]
     assert scores == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
     assert metrics == {"reward/timeouts": 1.0, "reward/errors": 1.0, "reward/worker_restarts": 1.0}

@@ -1,0 +1,50 @@
+"""PACS diagnostics after the update: the classifier's state on the batch it was just trained on.
+
+PACS's implicit reward is ``r_i = beta * sum_t(logp - logp_old)``. Measured *during* the only update
+of a step (the default recipe: one mini-batch, one epoch), ``logp == logp_old``, so ``pacs/loss``,
+``pacs/psi_*`` and ``pacs/implicit_reward_*`` are the constants ln 2, 0 and 0 by construction, and
+``pacs/classifier_acc`` is just 1 - reward. What a user wants to see is whether the update moved the
+classifier the right way: so after the step's updates this stage runs one no-grad log-prob pass of
+the actor over the same local batch and evaluates the same loss against the rollout log-probs:
+
+    pacs/post_loss, pacs/post_psi_mean, pacs/post_psi_abs_mean, pacs/post_implicit_reward_abs_mean,
+    pacs/post_prob_correct_mean, pacs/post_classifier_acc
+
+(means over data-parallel ranks). With several mini-batches or epochs the in-update ``pacs/*`` mean
+something too; ``post_*`` is then the state after all of them. Switch: ``logging.post_update_metrics``;
+cost: one forward of the batch without grad (the old-log-prob pass's price).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pacs_megatron.pacs.loss import pacs_loss
+
+POST_PREFIX = "pacs/post_"
+_SKIP = ("pacs/mixed_group_frac",)  # a property of the rewards, not of the classifier
+
+
+def post_update_metrics(cfg, actor, local) -> dict[str, float]:
+    """``pacs/post_*`` for this step (empty unless the loss is PACS and the switch is on); collective."""
+    if cfg.algorithm.loss != "pacs" or not cfg.logging.post_update_metrics:
+        return {}
+    mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
+    with torch.no_grad():
+        out = actor.compute_logprobs(local, micro_batch_size=mbs, temperature=cfg.rollout.temperature)
+        _, m = pacs_loss(
+            out.token_logp.float(),
+            local.old_logp.float(),
+            local.response_mask,
+            local.scores,
+            local.group_size,
+            cfg.algorithm.pacs,
+        )
+    keys = [k for k in m if k not in _SKIP]
+    groups = actor.groups
+    values = torch.stack([m[k].detach().float() for k in keys]).to(groups.device)  # nccl reduces device tensors
+    if groups.dp_size > 1:  # every DP rank holds as many rows: the plain mean is the batch mean
+        dist.all_reduce(values, group=groups.dp_group)
+        values /= groups.dp_size
+    return {POST_PREFIX + k.removeprefix("pacs/"): float(v) for k, v in zip(keys, values.tolist())}

@@ -1,0 +1,77 @@
+"""Progress of a long evaluation: a rich bar on a terminal, plain log lines with ETA otherwise.
+
+    with EvalProgress(total=500, what="problems", chunk=64) as progress:
+        ...; progress.advance(64)      # evaluate(..., progress=progress) generates chunk by chunk
+
+A log file or a batch job's stdout gets one line per tenth of the work (and at the end) instead of
+bar redraws; rank 0 only, like every log line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def _fmt(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class EvalProgress:
+    """Counts ``advance(k)`` calls up to ``total``; draws a bar when stderr is a terminal."""
+
+    def __init__(self, total: int, what: str = "problems", chunk: int = 64, tty: bool | None = None) -> None:
+        self.total, self.what, self.done = max(1, total), what, 0
+        self.chunk = max(1, chunk)
+        """Prompts per generate call when the caller reports progress by chunks."""
+        self.start = time.monotonic()
+        self._next_line = 0.1
+        self._bar = None
+        if sys.stderr.isatty() if tty is None else tty:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn(f"[bold]eval {what}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            self._task = self._bar.add_task("eval", total=self.total)
+
+    def __enter__(self) -> EvalProgress:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def advance(self, k: int) -> None:
+        self.done = min(self.total, self.done + k)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done)
+            return
+        frac = self.done / self.total
+        if frac >= self._next_line or self.done == self.total:
+            elapsed = time.monotonic() - self.start
+            eta = elapsed / frac - elapsed if frac > 0 else 0.0
+            logger.info(
+                "sampled %d/%d %s (%d%%), %s elapsed, ETA %s",
+                self.done,
+                self.total,
+                self.what,
+                round(100 * frac),
+                _fmt(elapsed),
+                _fmt(eta),
+            )
+            while self._next_line <= frac:
+                self._next_line += 0.1

@@ -1,0 +1,75 @@
+"""The entry every training rank runs through: one readable error per job, not one traceback per rank.
+
+When something fails inside the ranks, every rank usually fails the same way (they run the same
+code on the same config), or the others fail *because* one did (a collective whose peer is gone).
+So:
+
+- rank 0 logs the error once: one line for a user error (config, data, reward), with the traceback
+  for anything else (a bug);
+- every other rank logs one line (its own exception, which names the cause when rank 0 only saw
+  the fallout) and exits with the same code, 1;
+- ``SystemExit`` (pre-emption, an abandoned reward batch) passes through;
+- a Ctrl-C that lands before the loop installs its handler (``utils/preemption.py``) exits 130
+  with one line: nothing was trained, so there is nothing to save.
+
+Megatron-core warns on import that Apex and Transformer Engine are absent (always true on CPU,
+harmless on GPU builds without them): those warnings are filtered here, once per rank, before
+megatron is imported, so they do not bury the run's own log.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+from pacs_megatron.utils.logging import get_logger, init_logging
+from pacs_megatron.utils.preemption import EXIT_INTERRUPTED
+
+logger = get_logger(__name__)
+
+EXIT_FAILED = 1
+
+MEGATRON_NOISE = (
+    r".*(Apex|Transformer Engine) (is|are) not installed.*",
+    r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+    r".*cuda_graph_scope.*",
+)
+"""Messages of megatron-core's import-time warnings that say nothing about the user's run."""
+
+
+def quiet_megatron_warnings() -> None:
+    for pattern in MEGATRON_NOISE:
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message is the whole story (they name the key or file and the fix)."""
+    from pacs_megatron.config import ConfigError
+    from pacs_megatron.data.records import DataFormatError
+    from pacs_megatron.reward import RewardFailureError, RewardFunctionError
+
+    return ConfigError, DataFormatError, RewardFunctionError, RewardFailureError, FileNotFoundError
+
+
+def run_rank(fn: Callable[..., int], *args) -> int:
+    """``fn(*args)`` with the error policy above; its exit code, or 1 when it raised."""
+    quiet_megatron_warnings()
+    try:
+        return fn(*args)
+    except KeyboardInterrupt:
+        init_logging()
+        logger.warning("interrupted while starting up: nothing to save")
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - reported once below
+        rank = int(os.environ.get("RANK", "0"))
+        init_logging()  # idempotent; the failure may predate the trainer's own logging set-up
+        summary = f"{type(e).__name__}: {e}".splitlines()[0]
+        if rank != 0:
+            logger.error("rank %d failed: %s", rank, summary)
+        elif isinstance(e, _user_errors()):
+            logger.error("%s", summary)
+            logger.debug("traceback", exc_info=True)
+        else:
+            logger.error("run failed: %s", summary, exc_info=True)
+        return EXIT_FAILED

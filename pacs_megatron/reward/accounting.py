@@ -1,0 +1,142 @@
+"""What happened to a batch of rewards, and when failures stop the run: shared by every scoring backend.
+
+A backend (the local process pool in :mod:`.scorer`, or any other behind its factory) only decides
+*how* responses are scored; it reports *what* happened through one :class:`BatchCounts` per batch:
+
+    counts = BatchCounts(fn="math", timeout_s=10)
+    counts.error(i, "ZeroDivisionError: ...")     # a response raised or its worker died: scored 0
+    counts.timeout(i)                             # a response ran past reward.timeout_s: scored 0
+    counts.restart()                              # a worker was replaced
+    counts.interrupt(k)                           # a stop signal cut the batch short: k responses unscored
+    counts.metrics() -> {"reward/timeouts": ..., "reward/errors": ..., "reward/worker_restarts": ...}
+
+so the counters, the log lines (the first few per batch, never one per response) and the last error
+message mean the same thing for every backend. :class:`FailureGuard` then looks at whole steps (summed
+over ranks by :func:`pacs_megatron.reward.rollouts.score_rollouts`): ``reward.max_failure_steps``
+consecutive steps in which every response failed stop the run with :class:`RewardFailureError`,
+naming the function and its last error, instead of training on all-zero rewards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAX_LOGGED = 3
+"""Failures logged per batch; the rest are only counted."""
+
+
+class RewardFailureError(RuntimeError):
+    """Every response failed to score for ``reward.max_failure_steps`` consecutive steps."""
+
+
+class RewardInterrupted(SystemExit):
+    """A stop signal arrived while rewards were still (timing out) being scored: the step is not
+    finished, so it is not checkpointed; the run exits as pre-empted."""
+
+    def __init__(self, message: str) -> None:
+        from pacs_megatron.utils.preemption import EXIT_PREEMPTED  # torch: not in the workers' imports
+
+        super().__init__(EXIT_PREEMPTED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
+class BatchCounts:
+    """Counters of one scored batch, and the last failure's message."""
+
+    fn: str
+    """reward.fn, for log lines."""
+    timeout_s: float = 0.0
+    """reward.timeout_s, for log lines."""
+    timeouts: int = 0
+    errors: int = 0
+    restarts: int = 0
+    interrupted: int = 0
+    last_error: str = ""
+    """The last failure's ``"Type: message"`` (or the timeout), named when failures stop the run."""
+
+    @property
+    def failed(self) -> int:
+        """Responses that scored 0 because they could not be scored."""
+        return self.timeouts + self.errors + self.interrupted
+
+    def error(self, i: int, message: str) -> None:
+        self.errors += 1
+        self.last_error = message
+        if self.timeouts + self.errors <= MAX_LOGGED:
+            logger.warning("reward %s failed on response %d: %s (scored 0)", self.fn, i, message)
+
+    def timeout(self, i: int) -> None:
+        self.timeouts += 1
+        self.last_error = f"timed out after reward.timeout_s={self.timeout_s:g}s"
+        if self.timeouts + self.errors <= MAX_LOGGED:
+            logger.warning(
+                "reward %s took over reward.timeout_s=%gs on response %d: scored 0, worker replaced",
+                self.fn,
+                self.timeout_s,
+                i,
+            )
+
+    def restart(self) -> None:
+        self.restarts += 1
+
+    def interrupt(self, unscored: int) -> None:
+        self.interrupted += unscored
+        self.last_error = self.last_error or "interrupted by a stop signal"
+
+    def metrics(self) -> dict[str, float]:
+        out = {
+            "reward/timeouts": float(self.timeouts),
+            "reward/errors": float(self.errors),
+            "reward/worker_restarts": float(self.restarts),
+        }
+        if self.interrupted:
+            out["reward/interrupted"] = float(self.interrupted)
+        return out
+
+
+class FailureGuard:
+    """Counts consecutive steps in which every response failed; raises at ``max_steps`` (0: never).
+
+    Example:
+        >>> g = FailureGuard("my:fn", max_steps=2)
+        >>> g.update(total=4, failed=4, last_error="KeyError: 'x'")
+        >>> g.update(total=4, failed=3, last_error="")  # one response scored: the count restarts
+        >>> g.update(total=4, failed=4, last_error="KeyError: 'x'")
+        >>> try:
+        ...     g.update(total=4, failed=4, last_error="KeyError: 'x'")
+        ... except RewardFailureError as e:
+        ...     print(str(e)[:60], "...", str(e)[-25:])
+        reward.fn='my:fn' failed on every response for 2 consecutive ... last error: KeyError: 'x'
+    """
+
+    def __init__(self, fn: str, max_steps: int) -> None:
+        self.fn = fn
+        self.max_steps = max_steps
+        self.consecutive = 0
+
+    def update(self, total: int, failed: int, last_error: str) -> None:
+        if total == 0:
+            return
+        self.consecutive = self.consecutive + 1 if failed >= total else 0
+        if self.consecutive:
+            logger.warning(
+                "reward %s failed on all %d responses of this step (%d/%s in a row): %s",
+                self.fn,
+                total,
+                self.consecutive,
+                self.max_steps or "inf",
+                last_error,
+            )
+        if self.max_steps and self.consecutive >= self.max_steps:
+            raise RewardFailureError(
+                f"reward.fn={self.fn!r} failed on every response for {self.consecutive} consecutive steps "
+                f"(reward.max_failure_steps={self.max_steps}); last error: {last_error}"
+            )

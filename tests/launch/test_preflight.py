@@ -1,0 +1,60 @@
+"""Early errors: the launcher checks what the config allows before any rank or model starts, and
+answers with one line and exit code 2 (``pacs-megatron train --config ... bad.override``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pacs_megatron.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
+USER_FNS = REPO / "tests" / "reward"
+
+
+def test_rloo_and_grpo_need_two_responses_per_prompt():
+    small = ["algorithm.micro_batch_size=10"]
+    with pytest.raises(ConfigError, match="rollout.n=1 with algorithm.pacs.adv_estimator=rloo"):
+        load_config(CONFIG, [*small, "rollout.n=1"])
+    with pytest.raises(ConfigError, match="algorithm.policy.adv_estimator=grpo"):
+        load_config(CONFIG, [*small, "rollout.n=1", "algorithm.loss=grpo"])
+    with pytest.raises(ConfigError, match="algorithm.policy.adv_estimator=rloo"):
+        load_config(CONFIG, [*small, "rollout.n=1", "algorithm.loss=ppo"])
+    cfg = load_config(CONFIG, [*small, "rollout.n=1", "algorithm.pacs.adv_estimator=naive"])
+    assert cfg.rollout.n == 1  # the naive estimator does not compare within a group
+
+
+def test_launcher_refuses_early_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    bad_first_row = tmp_path / "bad.jsonl"
+    bad_first_row.write_text('{"problem": "1+1?"}\n')
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text(f"base: {CONFIG}\nrollout: {{n: 4\n")
+    math = ["data.task=math", "reward.fn=math"]
+    cases = {
+        "rollout.n=1": (["rollout.n=1", "algorithm.micro_batch_size=10"], "rollout.n=1"),
+        "signature": (["reward.fn=reward_user_fns:two_args"], "cannot take (prompt, response, ground_truth, extra)"),
+        "import": (["reward.fn=no_such_module:score"], "module 'no_such_module' not found"),
+        "resume": (["--resume", str(tmp_path / "nope")], "no such checkpoint directory"),
+        "data file": ([*math, f"data.train_files=[{tmp_path / 'missing.jsonl'}]"], "data.train_files has"),
+        "first row": ([*math, f"data.train_files=[{bad_first_row}]"], "missing field 'answer'"),
+        "yaml": (None, f"{bad_yaml}:3:1: YAML syntax error"),
+    }
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(USER_FNS), os.environ.get("PYTHONPATH", "")]))
+    procs = {}
+    for name, (overrides, _) in cases.items():  # all at once: each is a short CPU-bound start-up
+        args = ["--config", str(bad_yaml)] if overrides is None else ["--config", str(CONFIG), *overrides]
+        cmd = [sys.executable, "-m", "pacs_megatron", "train", *args, f"trainer.output_dir={out}"]
+        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        lines = [ln for ln in (stdout + stderr).splitlines() if ln.strip()]
+        assert proc.returncode == 2, (name, stderr[-2000:])
+        assert len(lines) == 1 and "config error" in lines[0], (name, lines)
+        assert cases[name][1] in lines[0], (name, lines[0])
+    assert not out.exists()  # no rank started: nothing was written

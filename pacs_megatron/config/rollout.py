@@ -50,6 +50,9 @@ class RolloutConfig:
     """Base seed of sampling (step and rank are mixed in)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM settings."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response in BOTH engines; empty: the tokenizer's EOS plus the eos_token_id(s)
+    of MODEL/generation_config.json (rollout/stop_tokens.py)."""
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))

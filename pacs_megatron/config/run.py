@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pacs_megatron.config.actor import ActorConfig
 from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.data import DataConfig, RewardConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig
@@ -31,6 +32,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
 
     def __post_init__(self) -> None:
         n, algo, dp = self.rollout.n, self.algorithm, self.parallel.dp

@@ -1,0 +1,1 @@
+"""User tools: ``pacs-megatron selftest`` (and the cluster doctor)."""

@@ -179,8 +179,8 @@ def kernel_cuda(ctx: Context) -> Outcome:
     ok = f["fwd_pct_hbm_floor"] >= FLOOR_PCT and fip["fwd_bwd_pct_hbm_floor"] >= FLOOR_PCT and no_fp32_nv
     figure = (
         f"fwd {f['fwd_ms']:.2f} ms {f['fwd_gbps']:.0f} GB/s ({f['fwd_pct_hbm_floor']:.0f}%), fwd+bwd in-place "
-        f"{fip['fwd_bwd_ms']:.2f} ms ({fip['fwd_bwd_pct_hbm_floor']:.0f}%), peak extra {fip['fwd_bwd_peak_extra_mb']:.0f}"
-        f" MB (fp32 N x V = {fp32_nv_mb:.0f} MB)"
+        f"{fip['fwd_bwd_ms']:.2f} ms ({fip['fwd_bwd_pct_hbm_floor']:.0f}%), peak extra "
+        f"{fip['fwd_bwd_peak_extra_mb']:.0f} MB (fp32 N x V = {fp32_nv_mb:.0f} MB)"
     )
     return Outcome(ok, figure, row)
 
@@ -280,7 +280,8 @@ def sync_bench(ctx: Context) -> Outcome:
     cmd = [sys.executable, "-m", "pacs_megatron.bench.sync", *shape, "--repeat", "1" if ctx.quick else "3"]
     _run(cmd + ["--json", str(out)], ctx.out / "sync.log", timeout=600)
     rank = json.loads(out.read_text())["ranks"][0]
-    figure = f"{rank['params'] / 1e6:.1f}M params: {rank['gbps']['sync']:.2f} GB/s, sync/memcpy {rank['ratio_sync_vs_memcpy']:.0%}"
+    ratio = rank["ratio_sync_vs_memcpy"]
+    figure = f"{rank['params'] / 1e6:.1f}M params: {rank['gbps']['sync']:.2f} GB/s, sync/memcpy {ratio:.0%}"
     return Outcome(True, figure, rank)
 
 

@@ -86,7 +86,8 @@ def _markdown(report: dict) -> str:
     ]
     for r in report["checks"]:
         text = r["figure"] if r["status"] == "pass" else (r["reason"] + (f"; {r['figure']}" if r["figure"] else ""))
-        lines.append(f"| {r['name']} | {r['status']} | {text.replace('|', '/')} | {r['seconds']:.1f} |")
+        cell = text.replace("|", "\\|")  # a literal | inside a markdown table cell
+        lines.append(f"| {r['name']} | {r['status']} | {cell} | {r['seconds']:.1f} |")
     c = report["counts"]
     lines += [
         "",

@@ -35,6 +35,8 @@ constexpr int64_t kOut = 3;
 
 // Merge the W shards' partial stats of one row (max rescaling) into (logp, lse, entropy).
 // Shards with s == 0 (every logit -inf) carry no mass and are skipped, so -inf * 0 never appears.
+// A shard with s == NaN (a NaN logit in the row, see the partial ops) is NOT skipped: NaN then reaches
+// sum, lse, logp and entropy of this row (and only this row), so a broken forward is visible downstream.
 // With m_r <= M and d_r = m_r - M:   S = sum_r e^{d_r} s_r,
 //   A = sum_j e^{z_j - M} (z_j - M) = sum_r e^{d_r} (a_r + d_r s_r)   (all terms <= 0, no cancellation)
 //   lse = M + log S,   entropy = -sum_j p_j log p_j = log S - A / S.
@@ -50,7 +52,7 @@ PACS_HD inline void combine_row(const acc_t* stats, int64_t world, int64_t rows,
   for (int64_t r = 0; r < world; ++r) {
     const acc_t* st = stats + (r * rows + n) * kStats;
     tz += st[2];  // exactly one shard holds the target; the others add an exact 0
-    if (st[1] > acc_t(0)) {
+    if (st[1] != acc_t(0)) {  // s > 0, or NaN: keep it (NaN must propagate; see above)
       const acc_t d = st[0] - big;
       const acc_t f = std::exp(d);
       sum += f * st[1];

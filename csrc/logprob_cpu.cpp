@@ -125,7 +125,12 @@ PACS_INLINE void partial_row(const scalar_t* row, int64_t vocab, int64_t target_
       }
       m = bm;
     }
-    if (m == kNegInf) continue;  // all -inf so far: no mass, and -inf - -inf would be NaN
+    if (m == kNegInf) {  // all -inf (or NaN) so far: no mass, and -inf - -inf would be NaN
+      // The max skips NaN, so a block of only NaN/-inf lands here: mark the row NaN (rare path, scalar).
+      for (int64_t i = 0; i < len; ++i)
+        if (buf[i] != buf[i]) s = a = std::numeric_limits<acc_t>::quiet_NaN();
+      continue;
+    }
     acc_t bs = 0, ba = 0;
     if constexpr (kEntropy) {
 #pragma omp simd reduction(+ : bs, ba)
@@ -154,6 +159,12 @@ PACS_INLINE void backward_row(const scalar_t* row, scalar_t* grow, int64_t vocab
                               acc_t inv_temp, const acc_t* rp) {
   alignas(64) acc_t buf[kBlock];
   const acc_t lse = rp[0], g_lp = rp[1], g_h = rp[2], ent = rp[3];
+  if (g_lp == acc_t(0) && g_h == acc_t(0)) {
+    // No upstream gradient (an ignored target, a masked row): exact zeros, also for a NaN row where the
+    // formula would give 0 * NaN = NaN and poison the model's gradient through a row nobody uses.
+    std::fill(grow, grow + vocab, to_scalar<scalar_t, acc_t>(acc_t(0)));
+    return;
+  }
   for (int64_t start = 0; start < vocab; start += kBlock) {
     const int64_t len = std::min(kBlock, vocab - start);
     load_block(row + start, buf, len, inv_temp);

@@ -6,7 +6,14 @@
 // - Forward: each thread streams its share of the row with 16-byte vector loads (8 bf16/fp16, 4 fp32),
 //   keeps an online (max, sum-exp, entropy) triple in fp32 registers, rescaling once per vector when
 //   the max grows; the block merges the triples with warp shuffles and one shared-memory round. Thread
-//   0 reads the target logit. Output: [N, 4] partial stats, so the row is read from HBM exactly once.
+//   0 loads the target logit at block start (its latency hides behind the row stream, not after the
+//   reduction). Output: [N, 4] partial stats, so the row is read from HBM exactly once.
+// - Base 2 inside the kernels: the logits are scaled once by log2(e) / T (folded into one multiply) and
+//   exponentiated with exp2f, which with -ftz=true (setup.py) is a single ex2.approx.ftz.f32 per element;
+//   m and the entropy term are converted back to natural units (times ln 2) when the stats are written,
+//   so the [N, 4] layout and combine_row are the CPU op's.
+// - NaN: a NaN logit makes the row's s NaN (exp2 propagates it; an all-NaN prefix is caught where the
+//   max is still -inf) and merge keeps NaN shards, so logp / lse / entropy of that row are NaN.
 // - Backward: recompute p = exp(z - lse) from the logits and the saved per-row lse (no saved N x V),
 //   grad = (g_lp * (onehot - p) - g_h * p * (logp + H)) / T, written in the logits dtype with 16-byte
 //   stores; grad may be the logits buffer itself (in-place backward): each element is read before it
@@ -36,8 +43,14 @@ namespace {
 constexpr int kVecBytes = 16;
 constexpr int kMaxWarps = 32;
 
-__device__ __forceinline__ float dexp(float x) { return __expf(x); }  // ex2.approx; __expf(-inf) == 0
-__device__ __forceinline__ double dexp(double x) { return exp(x); }
+// 2^x: ex2.approx.ftz.f32 under -ftz=true; exp2f(-inf) == 0 and NaN propagates.
+__device__ __forceinline__ float dexp(float x) { return exp2f(x); }
+__device__ __forceinline__ double dexp(double x) { return exp2(x); }
+template <typename acc_t>
+struct Log2 {
+  static constexpr acc_t kE = acc_t(1.4426950408889634074);   // log2(e): z * kE is z in base-2 units
+  static constexpr acc_t kLn2 = acc_t(0.6931471805599453094);  // back to natural units
+};
 
 template <typename acc_t>
 __device__ __forceinline__ acc_t clamp_low(acc_t x) {
@@ -55,17 +68,18 @@ struct Online {
   acc_t m, s, a;
 };
 
-// Merge b into a (max rescaling); empty triples (s == 0) carry no mass and are skipped.
+// Merge y into x (max rescaling); empty triples (s == 0) carry no mass and are skipped, NaN ones
+// (s NaN) are kept so that the NaN reaches the row's result.
 template <typename acc_t>
 __device__ __forceinline__ Online<acc_t> merge(const Online<acc_t>& x, const Online<acc_t>& y) {
   const acc_t big = x.m > y.m ? x.m : y.m;
   Online<acc_t> r{big, acc_t(0), acc_t(0)};
-  if (x.s > acc_t(0)) {
+  if (x.s != acc_t(0)) {
     const acc_t d = x.m - big, f = dexp(d);
     r.s += f * x.s;
     r.a += f * (x.a + d * x.s);
   }
-  if (y.s > acc_t(0)) {
+  if (y.s != acc_t(0)) {
     const acc_t d = y.m - big, f = dexp(d);
     r.s += f * y.s;
     r.a += f * (y.a + d * y.s);
@@ -73,7 +87,7 @@ __device__ __forceinline__ Online<acc_t> merge(const Online<acc_t>& x, const Onl
   return r;
 }
 
-// Add k values z[0..k) (already divided by T) to the running triple.
+// Add k values z[0..k) (already times log2(e) / T: base-2 units) to the running triple.
 template <typename acc_t, bool kEntropy, int K>
 __device__ __forceinline__ void online_add(Online<acc_t>& o, const acc_t (&z)[K], int k) {
   acc_t bm = z[0];
@@ -88,7 +102,12 @@ __device__ __forceinline__ void online_add(Online<acc_t>& o, const acc_t (&z)[K]
     }
     o.m = bm;
   }
-  if (o.m == -std::numeric_limits<acc_t>::infinity()) return;
+  if (o.m == -std::numeric_limits<acc_t>::infinity()) {  // no finite value yet: the max skipped any NaN
+#pragma unroll
+    for (int i = 0; i < K; ++i)
+      if (i < k && z[i] != z[i]) o.s = o.a = z[i];
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < K; ++i) {
     if (i < k) {
@@ -146,15 +165,21 @@ __device__ __forceinline__ int64_t aligned_head(const scalar_t* p, int64_t vocab
 
 template <typename scalar_t, typename acc_t, bool kEntropy>
 __global__ void partial_kernel(const scalar_t* __restrict__ logits, int64_t T, int64_t sB, int64_t sT, int64_t V,
-                               const int64_t* __restrict__ targets, int64_t vocab_start, acc_t inv_temp,
+                               const int64_t* __restrict__ targets, int64_t vocab_start, acc_t inv_temp_nat,
                                acc_t* __restrict__ stats) {
   using P = Pack<scalar_t>;
+  const acc_t inv_temp = inv_temp_nat * Log2<acc_t>::kE;  // one multiply per element: x * log2(e) / T
   constexpr int kN = P::kN;
   const int64_t n = blockIdx.x;
   const scalar_t* row = logits + (n / T) * sB + (n % T) * sT;
   const int64_t head = aligned_head(row, V);
   const int64_t nvec = (V - head) / kN;
   const int64_t tail = head + nvec * kN;
+  // Prefetch the target logit (thread 0) before streaming the row, so its load overlaps the stream.
+  const int64_t tl = targets[n] - vocab_start;
+  const bool has_target = tl >= 0 && tl < V;
+  scalar_t target_logit = scalar_t(0);
+  if (threadIdx.x == 0 && has_target) target_logit = row[tl];
   Online<acc_t> o{-std::numeric_limits<acc_t>::infinity(), acc_t(0), acc_t(0)};
   for (int64_t i = threadIdx.x; i < head; i += blockDim.x) {
     const acc_t z[1] = {static_cast<acc_t>(row[i]) * inv_temp};
@@ -175,32 +200,35 @@ __global__ void partial_kernel(const scalar_t* __restrict__ logits, int64_t T, i
   }
   o = block_reduce(o);
   if (threadIdx.x == 0) {
-    const int64_t tl = targets[n] - vocab_start;
     acc_t* st = stats + n * kStats;
-    st[0] = o.m;
+    st[0] = o.m * Log2<acc_t>::kLn2;  // -inf stays -inf
     st[1] = o.s;
-    st[2] = (tl >= 0 && tl < V) ? static_cast<acc_t>(row[tl]) * inv_temp : acc_t(0);
-    st[3] = kEntropy ? o.a : acc_t(0);
+    st[2] = has_target ? static_cast<acc_t>(target_logit) * inv_temp_nat : acc_t(0);
+    st[3] = kEntropy ? o.a * Log2<acc_t>::kLn2 : acc_t(0);
   }
 }
 
 template <typename scalar_t, typename acc_t, bool kEntropy>
-__device__ __forceinline__ scalar_t grad_elem(scalar_t x, int64_t col, int64_t tl, acc_t inv_temp, acc_t lse,
-                                              acc_t g_lp, acc_t g_h, acc_t ent) {
-  const acc_t lp = static_cast<acc_t>(x) * inv_temp - lse;
-  const acc_t p = dexp(lp);
-  acc_t g = kEntropy ? -p * (g_lp + g_h * (clamp_low(lp) + ent)) : -p * g_lp;
+__device__ __forceinline__ scalar_t grad_elem(scalar_t x, int64_t col, int64_t tl, acc_t inv_temp, acc_t inv_temp2,
+                                              acc_t lse2, acc_t g_lp, acc_t g_h, acc_t ent, bool zero) {
+  // Base 2: inv_temp2 = log2(e) / T and lse2 = lse * log2(e), so lp2 = log2 p (one FMA + one ex2).
+  if (zero) return scalar_t(0);
+  const acc_t lp2 = static_cast<acc_t>(x) * inv_temp2 - lse2;
+  const acc_t p = dexp(lp2);
+  acc_t g = kEntropy ? -p * (g_lp + g_h * (clamp_low(lp2 * Log2<acc_t>::kLn2) + ent)) : -p * g_lp;
   if (col == tl) g += g_lp;
   return static_cast<scalar_t>(g * inv_temp);
 }
 
 template <typename scalar_t, typename acc_t, bool kEntropy>
 __device__ __forceinline__ Pack<scalar_t> grad_pack(const Pack<scalar_t>& pin, int64_t col0, int64_t tl, acc_t inv_temp,
-                                                    acc_t lse, acc_t g_lp, acc_t g_h, acc_t ent) {
+                                                    acc_t inv_temp2, acc_t lse2, acc_t g_lp, acc_t g_h, acc_t ent,
+                                                    bool zero) {
   Pack<scalar_t> pout;
 #pragma unroll
   for (int k = 0; k < Pack<scalar_t>::kN; ++k)
-    pout.v[k] = grad_elem<scalar_t, acc_t, kEntropy>(pin.v[k], col0 + k, tl, inv_temp, lse, g_lp, g_h, ent);
+    pout.v[k] =
+        grad_elem<scalar_t, acc_t, kEntropy>(pin.v[k], col0 + k, tl, inv_temp, inv_temp2, lse2, g_lp, g_h, ent, zero);
   return pout;
 }
 
@@ -216,7 +244,10 @@ __global__ void backward_kernel(const scalar_t* logits, int64_t T, int64_t sB, i
   const scalar_t* row = logits + b * sB + t * sT;
   scalar_t* grow = grad + b * gB + t * gT;
   const acc_t* rp = rowp + n * kStats;
-  const acc_t lse = rp[0], g_lp = rp[1], g_h = rp[2], ent = rp[3];
+  const acc_t lse2 = rp[0] * Log2<acc_t>::kE, g_lp = rp[1], g_h = rp[2], ent = rp[3];
+  const acc_t inv_temp2 = inv_temp * Log2<acc_t>::kE;
+  // No upstream gradient (ignored target / masked row): exact zeros, also for a NaN row (0 * NaN = NaN).
+  const bool zero = g_lp == acc_t(0) && g_h == acc_t(0);
   const int64_t tl = targets[n] - vocab_start;
   const bool same_alignment =
       reinterpret_cast<uintptr_t>(row) % kVecBytes == reinterpret_cast<uintptr_t>(grow) % kVecBytes;
@@ -224,21 +255,21 @@ __global__ void backward_kernel(const scalar_t* logits, int64_t T, int64_t sB, i
   const int64_t nvec = (V - head) / kN;
   const int64_t tail = head + nvec * kN;
   for (int64_t i = threadIdx.x; i < head; i += blockDim.x)
-    grow[i] = grad_elem<scalar_t, acc_t, kEntropy>(row[i], i, tl, inv_temp, lse, g_lp, g_h, ent);
+    grow[i] = grad_elem<scalar_t, acc_t, kEntropy>(row[i], i, tl, inv_temp, inv_temp2, lse2, g_lp, g_h, ent, zero);
   const P* vin = reinterpret_cast<const P*>(row + head);
   P* vout = reinterpret_cast<P*>(grow + head);
   const int64_t stride = blockDim.x;
   int64_t j = threadIdx.x;
   for (; j + stride < nvec; j += 2 * stride) {  // two 16-byte loads in flight per thread
     const P p0 = vin[j], p1 = vin[j + stride];
-    vout[j] = grad_pack<scalar_t, acc_t, kEntropy>(p0, head + j * kN, tl, inv_temp, lse, g_lp, g_h, ent);
+    vout[j] = grad_pack<scalar_t, acc_t, kEntropy>(p0, head + j * kN, tl, inv_temp, inv_temp2, lse2, g_lp, g_h, ent, zero);
     vout[j + stride] =
-        grad_pack<scalar_t, acc_t, kEntropy>(p1, head + (j + stride) * kN, tl, inv_temp, lse, g_lp, g_h, ent);
+        grad_pack<scalar_t, acc_t, kEntropy>(p1, head + (j + stride) * kN, tl, inv_temp, inv_temp2, lse2, g_lp, g_h, ent, zero);
   }
   if (j < nvec)
-    vout[j] = grad_pack<scalar_t, acc_t, kEntropy>(vin[j], head + j * kN, tl, inv_temp, lse, g_lp, g_h, ent);
+    vout[j] = grad_pack<scalar_t, acc_t, kEntropy>(vin[j], head + j * kN, tl, inv_temp, inv_temp2, lse2, g_lp, g_h, ent, zero);
   for (int64_t i = tail + threadIdx.x; i < V; i += blockDim.x)
-    grow[i] = grad_elem<scalar_t, acc_t, kEntropy>(row[i], i, tl, inv_temp, lse, g_lp, g_h, ent);
+    grow[i] = grad_elem<scalar_t, acc_t, kEntropy>(row[i], i, tl, inv_temp, inv_temp2, lse2, g_lp, g_h, ent, zero);
 }
 
 template <typename acc_t>

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "parity": ("pacs_megatron.actor.parity", "compare Megatron log-probs with Hugging Face transformers"),
     "plot": ("pacs_megatron.utils.plot", "render PNG curves from OUTPUT_DIR/metrics.jsonl"),
     "doctor": ("pacs_megatron.tools.doctor", "report the environment a run would use; --config: layout and GPU memory"),
+    "selftest": ("pacs_megatron.tools.selftest", "check this machine: extension, kernel, parity, training, sync"),
 }
 
 

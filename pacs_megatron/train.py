@@ -59,6 +59,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
             metrics |= m
         with timer("update"):
             metrics |= stages.update_actor(cfg, c.actor, local, rt.groups.dp_size)
+            metrics |= c.actor.offload()  # actor.offload_during_rollout: optimizer state to host until next use
         with timer("sync"):
             try:
                 metrics |= c.sync.sync().metrics()
@@ -67,8 +68,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
                 raise
         if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
             with timer("eval"):
-                metrics |= stages.validate(cfg, c, step)
-                c.engine.sleep()
+                metrics |= stages.validate(cfg, c, step)  # the engine stays awake: the next rollout uses it
         metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0}
         metrics["perf/tokens_per_s"] = metrics["data/tokens"] / metrics["timing/step_s"]
         writer.log(step, metrics)

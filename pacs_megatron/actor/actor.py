@@ -23,7 +23,14 @@ import torch
 from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, run_schedule
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
-from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
+from pacs_megatron.actor.offload import ActorOffload
+from pacs_megatron.actor.optimizer import (
+    build_optimizer,
+    build_scheduler,
+    clip_and_step,
+    use_distributed_optimizer,
+    wrap_ddp,
+)
 from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, train_loss_func
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights
 from pacs_megatron.config import RunConfig
@@ -99,7 +106,12 @@ class MegatronActor:
         self.iteration = 0
         """Optimizer steps attempted (successful + skipped)."""
         self.skipped_steps = 0
-        """Steps skipped for a non-finite gradient norm."""
+        """Steps skipped for a non-finite gradient norm (the NaN skips below included)."""
+        self.nan_skipped_steps = 0
+        """Steps skipped because the loss or a metric (log-probs, old log-probs) was NaN/inf."""
+        self.offloader = ActorOffload(self.model, self.optimizer, groups.device)
+        if cfg.actor.offload_during_rollout:  # free the (empty) grad buffer before the engine sizes its memory
+            self.offload()
         n_params = sum(p.numel() for c in self.model for p in c.parameters())
         logger.info(
             "actor: %s, %d layers, %s, %d parameters on rank %d, %s optimizer",
@@ -153,32 +165,46 @@ class MegatronActor:
             loss_cfg=self._loss_config(name),
             temperature=self.cfg.rollout.temperature,
         )
+        self.offloader.restore()
         for c in self.model:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = run_schedule(self.model, micro, make, self.groups, forward_only=False)
         metrics = reduce_metrics(store, self.groups)
-        metrics.update(self._optimizer_step())
+        metrics.update(self._optimizer_step(metrics))
         return metrics
 
-    def _optimizer_step(self) -> dict[str, float]:
-        """Clip and step, or skip the step when the gradient norm is not finite (same on all ranks:
-        the norm is reduced over the whole model and the grads are already DP-reduced)."""
+    def _optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Clip and step, or skip the step when the loss / log-prob metrics or the gradient norm are
+        not finite (same on all ranks: metrics are reduced over DP and PP, the norm over the model)."""
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
-        ok = math.isfinite(grad_norm)
-        if ok:
-            ok, _, _ = self.optimizer.step()
+        bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+        if bad:  # NaN log-probs (kernel NaN semantics) or old log-probs: never train on them
+            ok, grad_norm = False, float("nan")
+            self.nan_skipped_steps += 1
+            logger.warning("step %d skipped: non-finite %s", self.iteration + 1, ", ".join(bad))
+        else:
+            ok, grad_norm = clip_and_step(self.optimizer)
         if ok:
             self.scheduler.step(increment=1)
         else:
             self.skipped_steps += 1
             self.optimizer.zero_grad()
-            logger.warning("optimizer step skipped: gradient norm %s", grad_norm)
+            if not bad:
+                logger.warning("step %d skipped: gradient norm %s", self.iteration + 1, grad_norm)
         self.iteration += 1
-        return {"actor/grad_norm": grad_norm, "actor/lr": lr, "actor/skipped_steps": float(self.skipped_steps)}
+        return {
+            "actor/grad_norm": grad_norm,
+            "actor/lr": lr,
+            "actor/skipped_steps": float(self.skipped_steps),
+            "actor/nan_skipped_steps": float(self.nan_skipped_steps),
+        }
+
+    def offload(self) -> dict[str, float]:
+        """Optimizer state to host, grad buffer freed until the next train step or checkpoint
+        (``actor.offload_during_rollout``; the trainer calls it after the update, collective-free)."""
+        return self.offloader.offload() if self.cfg.actor.offload_during_rollout else {}
 
     # ------------------------------------------------------------------ weights and checkpoints
 
@@ -196,8 +222,13 @@ class MegatronActor:
 
     def save_checkpoint(self, path: str, extra_state: dict) -> None:
         """Model, optimizer, LR scheduler, RNG and counters via dist_checkpointing (collective)."""
+        was_offloaded = self.offloader.offloaded
+        self.offloader.restore()
         ckpt.save_actor_checkpoint(self, path, extra_state)
+        if was_offloaded:  # a save between update and rollout: keep the rollout's memory free
+            self.offloader.offload()
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore a checkpoint written at any TP/PP layout; returns the saved extra_state (collective)."""
+        self.offloader.restore()
         return ckpt.load_actor_checkpoint(self, path)

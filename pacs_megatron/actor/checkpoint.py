@@ -9,7 +9,7 @@ Layout of a checkpoint directory (given by the trainer's CheckpointManager)::
 Model tensors are saved as megatron ShardedTensors with global (layout-free) keys, so a checkpoint
 written at one TP/PP/VPP loads at another. The plain (non-distributed) optimizer's Adam moments are
 sharded the same way as their parameters and reshard too. The distributed optimizer (GPU default)
-is saved in megatron's "fully_reshardable" format (written for GPU, never run here). The RNG
+is saved in megatron's "fully_reshardable" format, memory-efficient variant (written for GPU, never run here). The RNG
 states are restored only when the layout is unchanged (a different layout has different ranks;
 with dropout 0 nothing random runs in the actor anyway).
 """
@@ -32,6 +32,15 @@ from pacs_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 MEGATRON_DIR = "megatron"
+# Distributed optimizer: "fully_reshardable" (loads at any TP/PP/DP) in its memory-efficient variant.
+# Without the flag megatron all-gathers every rank's fp32 param + exp_avg + exp_avg_sq of its whole TP x PP
+# shard into host memory on EVERY rank (~46 GB per rank for 7B at TP=2); with it the shards are gathered
+# over the gloo DP group onto DP rank 0 only (megatron-core 0.16.1 distrib_optimizer.py,
+# sharded_param_state_fully_reshardable). Same checkpoint semantics; save is no longer parallel over DP.
+DISTRIB_OPTIM_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
 EXTRA_STATE = "extra_state.json"
 
 
@@ -66,7 +75,7 @@ def _sharded_state(actor, is_loading: bool, with_rng: bool) -> dict:
     else:
         for i, model in enumerate(models):
             sd[f"model{i}"] = model.sharded_state_dict()
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if actor.distributed_optimizer else None
+    metadata = DISTRIB_OPTIM_METADATA if actor.distributed_optimizer else None
     sd["optimizer"] = actor.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
     if with_rng:
         sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (g.world_size,), (g.rank,), replica_id=0)
@@ -87,7 +96,11 @@ def save_actor_checkpoint(actor, path: str | os.PathLike, extra_state: dict) -> 
     sd = _sharded_state(actor, is_loading=False, with_rng=True)
     sd.update(
         scheduler=actor.scheduler.state_dict(),
-        counters={"iteration": actor.iteration, "skipped_steps": actor.skipped_steps},
+        counters={
+            "iteration": actor.iteration,
+            "skipped_steps": actor.skipped_steps,
+            "nan_skipped_steps": actor.nan_skipped_steps,
+        },
         layout=_layout(g),
     )
     dist_checkpointing.save(sd, str(target))
@@ -119,6 +132,7 @@ def load_actor_checkpoint(actor, path: str | os.PathLike) -> dict:
     actor.scheduler.load_state_dict(common["scheduler"])
     actor.iteration = int(common["counters"]["iteration"])
     actor.skipped_steps = int(common["counters"]["skipped_steps"])
+    actor.nan_skipped_steps = int(common["counters"].get("nan_skipped_steps", 0))  # absent before 2026-11
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     else:

@@ -25,6 +25,9 @@ from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.ops import fused_logprobs
 from pacs_megatron.parallel import ParallelGroups
 
+IGNORE_ID = -100
+"""Target id of the last position in the log-prob call: outside [0, V), so logp 0 and no gradient."""
+
 
 def token_logprobs(
     logits: torch.Tensor,
@@ -33,24 +36,33 @@ def token_logprobs(
     groups: ParallelGroups,
     temperature: float,
     with_entropy: bool = False,
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``token_logp [b, T]`` float32 (and ``entropy [b, T]``) from this rank's logits ``[b, T, V/tp]``.
 
     The op is called with ``mask=None`` in every pass: token_logp must cover prompt tokens too (the
     weight-sync probe compares them) and the old-log-prob pass and the training forward must run the
     identical computation (batch invariance). Masked sums are taken by the callers.
+
+    The op gets the FULL logits with the targets shifted by one and the last target set to
+    :data:`IGNORE_ID` (not ``logits[:, :-1]``): autograd would otherwise build a zeros + copy gradient
+    of the whole logits buffer for the slice. With ``inplace_backward`` (the training pass) the op
+    writes d loss / d logits into the logits buffer itself, so no N x V gradient is allocated; the
+    logits must then have no other reader in backward (here: none, they are the loss' only input).
     """
-    logits = mask_padded_vocab(logits, spec, groups)
+    logits = mask_padded_vocab(logits, spec, groups, inplace=inplace_backward)
+    targets = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_ID)
     rec = fused_logprobs(
-        logits[:, :-1],
-        input_ids[:, 1:],
+        logits,
+        targets,
         mask=None,
         temperature=temperature,
         tp_group=groups.tp_group,
         return_entropy=with_entropy,
+        inplace_backward=inplace_backward,
     )
-    token_logp = F.pad(rec.token_logp.float(), (1, 0))
-    entropy = F.pad(rec.entropy.float(), (1, 0)) if with_entropy else None
+    token_logp = F.pad(rec.token_logp[:, :-1].float(), (1, 0))
+    entropy = F.pad(rec.entropy[:, :-1].float(), (1, 0)) if with_entropy else None
     return token_logp, entropy
 
 

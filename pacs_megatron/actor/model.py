@@ -233,11 +233,15 @@ def global_layer_numbers(chunk) -> list[int]:
     return [layer.layer_number - 1 for layer in chunk.decoder.layers]
 
 
-def mask_padded_vocab(logits: torch.Tensor, spec: ModelSpec, groups: ParallelGroups) -> torch.Tensor:
+def mask_padded_vocab(
+    logits: torch.Tensor, spec: ModelSpec, groups: ParallelGroups, inplace: bool = False
+) -> torch.Tensor:
     """Push the padded vocabulary columns (rows >= spec.vocab_size) far below any real logit.
 
     ``logits`` ``[..., V_local]`` is this TP rank's contiguous shard. A large finite value (not -inf)
     keeps p * logit finite in the entropy. No-op (same tensor) when the vocabulary needs no padding.
+    ``inplace`` (the training pass, whose logits have no other reader) fills the buffer itself instead
+    of allocating an N x V copy; autograd's version counter would flag a producer that saved it.
     """
     v_local = logits.shape[-1]
     start = groups.tp_rank * v_local
@@ -245,4 +249,4 @@ def mask_padded_vocab(logits: torch.Tensor, spec: ModelSpec, groups: ParallelGro
     if n_real == v_local:
         return logits
     pad = torch.arange(v_local, device=logits.device) >= n_real
-    return logits.masked_fill(pad, -1e30)
+    return logits.masked_fill_(pad, -1e30) if inplace else logits.masked_fill(pad, -1e30)

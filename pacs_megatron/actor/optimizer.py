@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pacs_megatron.config import ConfigError, RunConfig
@@ -112,3 +114,35 @@ def build_scheduler(optimizer, cfg: RunConfig):
         use_checkpoint_opt_param_scheduler=True,
         override_opt_param_scheduler=False,
     )
+
+
+def clip_and_step(optimizer) -> tuple[bool, float]:
+    """megatron's ``optimizer.step()`` taken apart so each part runs ONCE per step, with a skip on a
+    non-finite gradient norm: ``(stepped, grad_norm)``.
+
+    megatron-core 0.16.1's ``ChainedOptimizer.step`` itself runs ``prepare_grads()`` (copy model grads to
+    main grads, unscale) and the grad-norm all-reduce, and steps even when that norm is NaN (bf16 has no
+    grad scaler to catch it); calling ``prepare_grads`` + ``get_grad_norm`` before ``step()`` to check
+    the norm ran both twice. Here: prepare_grads -> found_inf? -> norm -> finite? -> clip with that norm
+    (``clip_grad_by_total_norm_fp32``, as megatron does) -> ``step_with_ready_grads``.
+    """
+    # looked up on megatron's optimizer module, where parallel/cpu_patches.py installs its CPU stand-in
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    if optimizer.prepare_grads():  # fp16 loss scaling found inf/nan (the scaler already backed off)
+        return False, float("nan")
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
+            continue
+        params = opt.get_parameters()
+        if params:
+            megatron_optimizer.clip_grad_by_total_norm_fp32(
+                params,
+                max_norm=opt.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    return bool(optimizer.step_with_ready_grads()), grad_norm

@@ -36,11 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="JSONL with prompt_ids and response_ids per row (default: built-in)")
     p.add_argument("--out", default=None, help="write one JSONL row per input with both models' log-probs")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max allowed |megatron - hf| (per token and sequence)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="Megatron's dtype (bf16: GPU)")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
     argv = ["pacs_megatron", "parity", "--hf-model", args.hf_model, "--tp", str(args.tp), "--pp", str(args.pp)]
-    argv += ["--tolerance", repr(args.tolerance)]
+    argv += ["--tolerance", repr(args.tolerance), "--dtype", args.dtype]
     for flag, value in (("--data", args.data), ("--out", args.out)):
         if value:
             argv += [flag, value]
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     init_distributed(ParallelConfig(tp=args.tp, pp=args.pp))
     # Extra ranks (world > tp * pp) become data-parallel replicas that compute the same rows.
     par = ParallelConfig(tp=args.tp, pp=args.pp, dp=max(1, dist.get_world_size() // (args.tp * args.pp)))
-    cfg = RunConfig(model=ModelConfig(path=args.hf_model, dtype="float32"), parallel=par)
+    cfg = RunConfig(model=ModelConfig(path=args.hf_model, dtype=args.dtype), parallel=par)
     groups = initialize_parallel(cfg.parallel, hf)
     try:
         actor = MegatronActor(cfg, groups, args.hf_model)

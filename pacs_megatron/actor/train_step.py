@@ -58,7 +58,7 @@ def train_loss_func(
     (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight."""
 
     def loss_func(logits):
-        token_logp, _ = token_logprobs(logits, ids, spec, groups, temperature)
+        token_logp, _ = token_logprobs(logits, ids, spec, groups, temperature, inplace_backward=True)
         dev = token_logp.device
         mask = mb.response_mask.to(dev)
         old = mb.old_logp.to(dev)

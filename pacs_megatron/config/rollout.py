@@ -61,6 +61,9 @@ class RolloutConfig:
     quant_exclude: list[str] = field(default_factory=lambda: ["*embed_tokens*", "*lm_head*"])
     """fnmatch patterns of HF tensor names kept in the actor's dtype. Only 2-D ``*.weight`` tensors are ever
     quantized (norms and biases never are); by default embeddings and the LM head are kept too."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response in BOTH engines; empty: the tokenizer's EOS plus the eos_token_id(s)
+    of MODEL/generation_config.json (rollout/stop_tokens.py)."""
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))

@@ -11,6 +11,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pacs_megatron.config.actor import ActorConfig
 from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.data import DataConfig, RewardConfig
 from pacs_megatron.config.launcher import LauncherConfig
@@ -35,6 +36,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
 
     def __post_init__(self) -> None:
         n, algo, dp = self.rollout.n, self.algorithm, self.parallel.dp

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
 from pacs_megatron.launch.local import spawn_local
-from pacs_megatron.launch.slurm import apply_srun_env, srun_exit_code
 from pacs_megatron.launch.preflight import preflight
 from pacs_megatron.launch.rank import run_rank
+from pacs_megatron.launch.slurm import apply_srun_env, srun_exit_code
 from pacs_megatron.parallel import check_layout
 from pacs_megatron.utils.dist import under_launcher
 from pacs_megatron.utils.logging import get_logger, init_logging

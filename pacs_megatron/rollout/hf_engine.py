@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pacs_megatron.rollout.base import NamedTensors
+from pacs_megatron.rollout.stop_tokens import resolve_stop_token_ids
 from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.utils.logging import get_logger
 
@@ -90,10 +91,12 @@ class HFEngine:
         dtype: torch.dtype | None = None,
         batch_size: int = 64,
         seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         """Load ``model_dir`` (config.json, weights optional: without them random init, to be replaced
         by :meth:`update_weights`). ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA;
-        ``batch_size`` is the number of prompts generated together."""
+        ``batch_size`` is the number of prompts generated together; ``stop_token_ids`` is
+        ``rollout.stop_token_ids`` (empty: tokenizer EOS + generation_config.json EOS, as vLLM's engine)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         model_dir = Path(model_dir)
@@ -114,6 +117,7 @@ class HFEngine:
         if self.eos_token_id is None:
             raise ValueError("HF engine: the tokenizer has no eos_token; generation could never stop")
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
+        self.stop_token_ids = resolve_stop_token_ids(tokenizer, model_dir, stop_token_ids)
         self._seed = seed
         self._asleep = False
         self._calls = 0
@@ -174,7 +178,7 @@ class HFEngine:
             mask = mask.repeat_interleave(n, dim=0)
             positions = positions.repeat_interleave(n, dim=0)
         rows = logits.shape[0]
-        stop_ids = torch.tensor(sorted({self.eos_token_id, *sampling.stop_token_ids}), device=dev)
+        stop_ids = torch.tensor(sorted({*self.stop_token_ids, *sampling.stop_token_ids}), device=dev)
         next_pos = positions[:, -1] + 1
         done = torch.zeros(rows, dtype=torch.bool, device=dev)
         tokens, logps = [], []

@@ -14,10 +14,14 @@ group as ExternalDP x TP, ranks ``[k*tp, (k+1)*tp)`` forming replica ``k``; ``dp
 replica this rank is in (rollout/collect.py shards prompts by them). Every rank of a replica must submit
 the same requests with the same seeds (vLLM's external launcher relies on identical scheduling).
 
-Memory. With ``enable_sleep_mode`` the trainer calls :meth:`sleep` (``LLM.sleep(level=1)``: weights to
-host memory, KV cache dropped) before its own GPU work; :meth:`update_weights` wakes only the weights
+Memory. With ``enable_sleep_mode`` the trainer calls :meth:`sleep` (``LLM.sleep(level=2)``: weights and
+KV cache dropped, nothing copied to host) before its own GPU work; every sleep is followed by a weight sync,
+which is when vLLM's docs advise level 2 (level 1 moved ~14 GB of weights per rank to host and back at every
+phase change, for weights the sync then overwrites). :meth:`update_weights` wakes only the weights
 (``wake_up(tags=["weights"])``), and the next :meth:`generate`/:meth:`logprobs` wakes the KV cache, so the
-actor's export buffers and the KV cache are never resident together.
+actor's export buffers and the KV cache are never resident together. Waking after a level-2 sleep without a
+sync raises (the weights would be garbage). With ``actor.offload_during_rollout`` the engine is sized from
+the GPU memory actually free once the actor has offloaded (:func:`colocated_memory_utilization`).
 
 Numerics (vLLM 0.32):
 - ``Response.logprobs``: ``logprobs_mode="processed_logprobs"``, the log-prob of each sampled token after
@@ -29,7 +33,8 @@ Numerics (vLLM 0.32):
 - Weights: ``model.load_weights`` of full HF tensors (vLLM narrows them to its TP rank and fuses q/k/v and
   gate/up); tensors stay on the GPU they arrive on. See weight_sync/vllm_push.py for the checks.
 - Text: vLLM runs without a tokenizer (``skip_tokenizer_init``); responses are decoded with the trainer's
-  tokenizer exactly as the HF engine does, and EOS is passed as a stop token id.
+  tokenizer exactly as the HF engine does. Stop tokens: rollout/stop_tokens.py's set, passed as
+  ``stop_token_ids`` with ``ignore_eos=True`` so vLLM adds none of its own (the HF engine uses the same set).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from typing import Any
 import torch
 
 from pacs_megatron.rollout.base import NamedTensors
+from pacs_megatron.rollout.stop_tokens import resolve_stop_token_ids
 from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.utils.logging import get_logger
 
@@ -50,9 +56,9 @@ logger = get_logger(__name__)
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release whose API this module follows."""
-SLEEP_LEVEL = 1
-"""``LLM.sleep`` level between phases: 1 keeps a host copy of the weights, so an engine woken without a
-sync still holds valid weights (level 2 would skip that copy, since every sync rewrites all weights)."""
+SLEEP_LEVEL = 2
+"""``LLM.sleep`` level between phases: 2 drops the weights without a host copy, since every sleep is
+followed by a weight sync that rewrites all of them (level 1 copied them to host and back each phase)."""
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _VLLM_DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "float32": "float32"}
@@ -83,7 +89,23 @@ def has_weights(model_dir: str | Path) -> bool:
     return any((Path(model_dir) / f).exists() for f in _WEIGHT_FILES)
 
 
-def llm_kwargs(cfg, model_dir: str | Path, weights_on_disk: bool) -> dict[str, Any]:
+def colocated_memory_utilization(free_bytes: int, total_bytes: int, fraction: float) -> float:
+    """vLLM's ``gpu_memory_utilization`` (a fraction of the WHOLE GPU) that gives vLLM ``fraction`` of the
+    memory free right now, i.e. after the actor offloaded its optimizer state and grad buffer. vLLM then
+    subtracts its own weights and activation peak and makes the rest KV cache.
+
+    Example:
+        >>> round(colocated_memory_utilization(60 * 2**30, 80 * 2**30, 0.9), 4)
+        0.675
+    """
+    if total_bytes <= 0 or not 0 < free_bytes <= total_bytes:
+        raise ValueError(f"GPU memory: {free_bytes} free of {total_bytes} bytes makes no sense")
+    return fraction * free_bytes / total_bytes
+
+
+def llm_kwargs(
+    cfg, model_dir: str | Path, weights_on_disk: bool, gpu_free_total: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """``vllm.LLM(**kwargs)`` for this run: colocated (external launcher), sleepable, seeded.
 
     A model directory without weights (``model.init=random|tiny``) loads vLLM's dummy weights; the first
@@ -98,6 +120,9 @@ def llm_kwargs(cfg, model_dir: str | Path, weights_on_disk: bool) -> dict[str, A
     from pacs_megatron.weight_sync.vllm_push import fp8_llm_kwargs
 
     v = cfg.rollout.vllm
+    util = v.gpu_memory_utilization
+    if gpu_free_total is not None and cfg.actor.offload_during_rollout:
+        util = colocated_memory_utilization(*gpu_free_total, cfg.actor.rollout_memory_fraction)
     return {
         "model": str(model_dir),
         "skip_tokenizer_init": True,
@@ -105,7 +130,7 @@ def llm_kwargs(cfg, model_dir: str | Path, weights_on_disk: bool) -> dict[str, A
         "distributed_executor_backend": "external_launcher",
         "dtype": _VLLM_DTYPES[cfg.model.dtype],
         "seed": cfg.rollout.seed,
-        "gpu_memory_utilization": v.gpu_memory_utilization,
+        "gpu_memory_utilization": util,
         "enforce_eager": v.enforce_eager,
         "enable_sleep_mode": v.enable_sleep_mode,
         "max_num_seqs": v.max_num_seqs,
@@ -135,8 +160,8 @@ def sampling_kwargs(sampling: SamplingParams, stop_token_ids: Sequence[int], see
 
     Example:
         >>> kw = sampling_kwargs(SamplingParams(n=4, top_k=-1, stop_token_ids=(5,)), [2], seed=9)
-        >>> kw["n"], kw["top_k"], kw["stop_token_ids"], kw["logprobs"], kw["detokenize"]
-        (4, 0, [2, 5], 0, False)
+        >>> kw["n"], kw["top_k"], kw["stop_token_ids"], kw["ignore_eos"], kw["logprobs"], kw["detokenize"]
+        (4, 0, [2, 5], True, 0, False)
     """
     if sampling.temperature <= 0:
         raise ValueError(f"SamplingParams.temperature={sampling.temperature} must be > 0 (greedy: top_k=1)")
@@ -150,6 +175,7 @@ def sampling_kwargs(sampling: SamplingParams, stop_token_ids: Sequence[int], see
         "max_tokens": sampling.max_tokens,
         "seed": seed,
         "stop_token_ids": sorted({*stop_token_ids, *sampling.stop_token_ids}),
+        "ignore_eos": True,  # the stop set above is the whole rule (no model / generation-config EOS added)
         "logprobs": 0,  # the sampled token's log-prob only
         "detokenize": False,
     }
@@ -251,19 +277,26 @@ class VLLMEngine:
         rank, world = rank_and_world()
         self.dp_rank, self.dp_size = vllm_replica(rank, world, cfg.rollout.vllm.tensor_parallel_size)
         self.tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_token_id
-        if self.eos_token_id is None:
-            raise ValueError("vLLM engine: the tokenizer has no eos_token; generation could never stop")
+        self.stop_token_ids = resolve_stop_token_ids(tokenizer, model_dir, cfg.rollout.stop_token_ids)
         self._seed = cfg.rollout.seed
         self._calls = 0
         self._sleep_mode = cfg.rollout.vllm.enable_sleep_mode
         self._vllm = vllm
-        self.llm = vllm.LLM(**llm_kwargs(cfg, model_dir, has_weights(model_dir)))
+        free_total = torch.cuda.mem_get_info(device) if cfg.actor.offload_during_rollout else None
+        kwargs = llm_kwargs(cfg, model_dir, has_weights(model_dir), free_total)
+        if free_total is not None:
+            logger.info(
+                "vLLM sized from %.1f GiB free after the actor's offload: gpu_memory_utilization=%.3f",
+                free_total[0] / 2**30,
+                kwargs["gpu_memory_utilization"],
+            )
+        self.llm = vllm.LLM(**kwargs)
         self._state = "awake"  # "awake" | "asleep" | "weights" (weights resident, KV cache asleep)
         self.fp8_weights = cfg.rollout.quantization == "fp8"
         """Weight sync sends FP8 data + scales (weight_sync/quantize.py), loaded by vLLM's FP8 linear method."""
         self._refresh_fp8 = refresh_fp8_layers
         scales = ("_scale", "_scale_inv") if self.fp8_weights else ()
+        self._weights_valid = True  # False after a level-2 sleep until update_weights rewrites them
         self._loader = VLLMWeightLoader(self.llm.apply_model, expected_hf_names(model_dir), scales)
         logger.info(
             "vLLM engine: replica %d of %d (tp=%d)", self.dp_rank, self.dp_size, cfg.rollout.vllm.tensor_parallel_size
@@ -280,7 +313,7 @@ class VLLMEngine:
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Response]]:
         """``sampling.n`` responses per prompt, in prompt order (deterministic for a given ``seed``)."""
-        base = sampling_kwargs(sampling, [self.eos_token_id], seed=0)  # validates before anything runs
+        base = sampling_kwargs(sampling, self.stop_token_ids, seed=0)  # validates before anything runs
         seed = sampling.seed if sampling.seed is not None else self._seed + self._calls
         self._calls += 1
         if not prompt_token_ids:
@@ -314,6 +347,7 @@ class VLLMEngine:
         count = self._loader.load(list(b) for b in buckets)
         if self.fp8_weights:
             self.llm.apply_model(self._refresh_fp8)
+        self._weights_valid = True
         if self._state == "awake":  # a sleeping engine's prefix cache was cleared by sleep()
             self.llm.reset_prefix_cache()
         return count
@@ -325,9 +359,15 @@ class VLLMEngine:
                 self.llm.wake_up(tags=["kv_cache"])
             self.llm.sleep(level=SLEEP_LEVEL)
             self._state = "asleep"
+            self._weights_valid = SLEEP_LEVEL == 1
 
     def wake(self) -> None:
         """Make weights and KV cache resident again (generate / logprobs call it themselves)."""
+        if not self._weights_valid:
+            raise RuntimeError(
+                f"vLLM engine woken after a level-{SLEEP_LEVEL} sleep without a weight sync: its weights are "
+                "garbage (the trainer syncs after every sleep; call update_weights first)"
+            )
         if self._state == "asleep":
             self.llm.wake_up()
         elif self._state == "weights":

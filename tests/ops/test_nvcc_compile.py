@@ -23,13 +23,14 @@ NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/lo
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 
-def _nvcc(src: Path, out: Path) -> subprocess.CompletedProcess:
+def _nvcc(src: Path, out: Path, mode: str = "-c") -> subprocess.CompletedProcess:
     cmd = [
         NVCC,
-        "-c",
+        mode,
         "-arch=sm_90",
         "-std=c++20",
         "--expt-relaxed-constexpr",
+        "-ftz=true",  # as setup.py builds it
         "-DPACS_WITH_CUDA",
         # outside a torch build tree c10/cuda/impl/cuda_cmake_macros.h does not exist
         "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
@@ -56,6 +57,19 @@ def test_cuda_op_compiles(tmp_path):
         "backward_kernel<c10::BFloat16",
     ):
         assert name in symbols, f"{name} missing from the object file"
+
+
+def test_ptx_has_one_ftz_ex2_per_exp(tmp_path):
+    """Defect 6 (docs/kernel.md): exp is exp2f on logits pre-scaled by log2(e)/T, so the PTX has only
+    ex2.approx.ftz.f32 (no non-ftz ex2) and the log2(e) constant is no longer multiplied per element."""
+    ptx = tmp_path / "logprob_cuda.ptx"
+    res = _nvcc(REPO / "csrc" / "logprob_cuda.cu", ptx, mode="-ptx")
+    assert res.returncode == 0, f"nvcc -ptx failed:\n{res.stderr[-6000:]}"
+    text = ptx.read_text()
+    n_ftz, n_plain = text.count("ex2.approx.ftz.f32"), text.count("ex2.approx.f32")
+    n_log2e = text.count("0f3FB8AA3B")  # log2(e) as a PTX float immediate
+    assert n_ftz > 100 and n_plain == 0, (n_ftz, n_plain)
+    assert n_log2e < n_ftz / 4, f"log2(e) appears {n_log2e} times for {n_ftz} exps: a multiply per element is back"
 
 
 def test_nvcc_rejects_broken_cuda(tmp_path):

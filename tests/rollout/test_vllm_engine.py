@@ -24,6 +24,7 @@ from pacs_megatron.rollout import build_engine
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.rollout.vllm_engine import (
     VLLMEngine,
+    colocated_memory_utilization,
     llm_kwargs,
     prompt_logprob_kwargs,
     prompt_logprobs_tensor,
@@ -100,6 +101,7 @@ def test_sampling_kwargs():
         "max_tokens": 17,
         "seed": 123,
         "stop_token_ids": [2, 4, 9],
+        "ignore_eos": True,
         "logprobs": 0,
         "detokenize": False,
     }
@@ -334,7 +336,7 @@ def test_engine_wiring_on_fake_vllm(fake_vllm, model_dir, tok):
     _, prompts, params = llm.calls[-1]
     assert prompts == [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}]
     assert [p["seed"] for p in params] == [request_seed(10, 0), request_seed(10, 1)]
-    assert all(p["stop_token_ids"] == [tok.eos_token_id] for p in params)
+    assert all(p["stop_token_ids"] == [tok.eos_token_id] and p["ignore_eos"] for p in params)
     assert [[r.token_ids for r in g] for g in groups] == [[(3, 2), (4, 2)]] * 2
     assert groups[0][0].text == tok.decode([3, 2], skip_special_tokens=True)
     lps = engine.logprobs([[1, 2, 3]])
@@ -346,7 +348,7 @@ def test_engine_wiring_on_fake_vllm(fake_vllm, model_dir, tok):
     llm.model = FakeVLLMQwen2(required)
     engine.sleep()
     assert engine.update_weights([_hf_stream(required, optional)]) == len(required)
-    assert llm.calls[-2:] == [("sleep", 1), ("wake_up", ["weights"])]
+    assert llm.calls[-2:] == [("sleep", 2), ("wake_up", ["weights"])]
     engine.generate([[5]], SamplingParams(n=1, max_tokens=2, seed=1))
     assert llm.calls[-2][:2] == ("wake_up", ["kv_cache"])
     engine.update_weights([_hf_stream(required, optional)])  # awake: stale prefix KV must go
@@ -428,3 +430,28 @@ def test_real_engine_matches_transformers(tmp_path, monkeypatch):
     assert worst(engine.logprobs(seqs), ref.logprobs(seqs)) < 5e-2
     with pytest.raises(RuntimeError, match="never arrived"):
         engine.update_weights([state[1:]])
+
+
+def test_level2_sleep_needs_a_sync_before_waking(fake_vllm, model_dir, tok):
+    """Defect 5: level-2 sleep drops the weights, so waking without update_weights must fail loudly."""
+    engine = VLLMEngine(cfg=cfg_for(model_dir), model_dir=model_dir, tokenizer=tok, device="cuda")
+    llm = FakeLLM.instances[-1]
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="without a weight sync"):
+        engine.generate([[5]], SamplingParams(n=1, max_tokens=2, seed=1))
+    required, optional = expected_hf_names(model_dir)
+    llm.model = FakeVLLMQwen2(required)
+    engine.update_weights([_hf_stream(required, optional)])
+    engine.generate([[5]], SamplingParams(n=1, max_tokens=2, seed=1))
+    assert [c[0] for c in llm.calls].count("sleep") == 1
+
+
+def test_kv_cache_sized_from_memory_free_after_offload(model_dir):
+    """Defect 3: with actor.offload_during_rollout vLLM gets a fraction of the memory free after the
+    actor's offload, not a fixed fraction of the GPU."""
+    free_total = (30 * 2**30, 80 * 2**30)
+    cfg = cfg_for(model_dir, "actor.offload_during_rollout=true", "actor.rollout_memory_fraction=0.8")
+    assert llm_kwargs(cfg, model_dir, True, free_total)["gpu_memory_utilization"] == pytest.approx(0.3)
+    assert llm_kwargs(cfg_for(model_dir), model_dir, True, free_total)["gpu_memory_utilization"] == 0.5
+    with pytest.raises(ValueError, match="makes no sense"):
+        colocated_memory_utilization(0, 80, 0.9)

@@ -1,0 +1,162 @@
+"""Benchmark: the actor's train-step peak memory with the old and the new logits -> log-prob path, side by side.
+
+    python -m pacs_megatron.bench.memory                         # vocab 32768, hidden 64, 8 x 256 tokens, fp32
+    python -m pacs_megatron.bench.memory --vocab 65536 --json mem.json
+
+Variants (each in a FRESH process, so one cannot hide the other's peak):
+- ``sliced``   the path before the fix: ``fused_logprobs(logits[:, :-1], ids[:, 1:])`` without in-place
+               backward; autograd then builds a zeros + copy gradient of the whole logits for the slice
+               and the op writes its gradient into a fresh N x V buffer
+- ``inplace``  actor/forward.py now: full logits, last target = ignore id, ``inplace_backward=True`` (the
+               gradient is written into the logits buffer) and the padded-vocab mask applied in place
+
+The model is a vocab-heavy tiny Qwen2 (random init, TP=1, one gloo rank), so the N x V buffers dominate.
+One warm-up step allocates Adam's state; the second step is measured: peak RSS (VmHWM, reset through
+/proc/self/clear_refs; psutil polling where that is unavailable) minus RSS before the step. RSS sees every
+page torch touches (tracemalloc does not see torch's allocations); large tensors are mmap-ed and returned to
+the OS on free, so the high-water mark is the step's own. On CUDA the same code reports
+``torch.cuda.max_memory_allocated`` (never run here). The report puts the N x V size beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+VARIANTS = ("sliced", "inplace")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--rows", type=int, default=8, help="sequences per micro-batch (one micro-batch)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sequence (prompt 32 + response)")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--variant", choices=VARIANTS, default=None, help=argparse.SUPPRESS)  # child process
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+
+
+def _sliced_token_logprobs(logits, input_ids, spec, groups, temperature, with_entropy=False, inplace_backward=False):
+    """The training pass's log-prob call before the fix (kept here only to measure it)."""
+    import torch.nn.functional as F
+
+    from pacs_megatron.actor.model import mask_padded_vocab
+    from pacs_megatron.ops import fused_logprobs
+
+    logits = mask_padded_vocab(logits, spec, groups)
+    rec = fused_logprobs(logits[:, :-1], input_ids[:, 1:], temperature=temperature, tp_group=groups.tp_group)
+    return F.pad(rec.token_logp.float(), (1, 0)), None
+
+
+def _child(args) -> dict:
+    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.actor import train_step as train_step_mod
+    from pacs_megatron.bench.logprob import _PeakMemory
+    from pacs_megatron.bench.sync import _write_model_dir
+    from pacs_megatron.config import load_config
+    from pacs_megatron.data.batching import build_train_batch
+    from pacs_megatron.parallel import destroy_parallel, initialize_parallel
+
+    if args.variant == "sliced":
+        train_step_mod.token_logprobs = _sliced_token_logprobs
+    workdir = Path(args.workdir)
+    shape = dict(hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2, ffn=2 * args.hidden, vocab=args.vocab)
+    _write_model_dir(workdir, SimpleNamespace(**shape, untied=False, dtype="float32"))
+    group = 4
+    cfg = load_config(
+        None,
+        [
+            f"model.path={workdir}",
+            "model.init=random",
+            "model.dtype=float32",
+            "parallel.backend=gloo",
+            f"rollout.n={group}",
+            f"algorithm.micro_batch_size={args.rows}",
+            f"algorithm.logprob_micro_batch_size={args.rows}",
+            f"trainer.train_batch_size={args.rows // group}",
+        ],
+    )
+    groups = initialize_parallel(cfg.parallel, json.loads((workdir / "config.json").read_text()))
+    try:
+        actor = MegatronActor(cfg, groups, str(workdir))
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, args.vocab, (32,), generator=gen).tolist() for _ in range(args.rows)]
+        responses = [torch.randint(1, args.vocab, (args.seq - 32,), generator=gen).tolist() for _ in range(args.rows)]
+        scores = [float(i % 2) for i in range(args.rows)]
+        batch = build_train_batch(prompts, responses, scores, group, pad_id=0)
+        old = actor.compute_logprobs(batch, micro_batch_size=args.rows, temperature=1.0).token_logp
+        batch = batch.with_(old_logp=old)
+        actor.train_step(batch)  # warm-up: Adam state allocated
+        with _PeakMemory(groups.device) as mem:
+            metrics = actor.train_step(batch)
+        n, t = batch.input_ids.shape
+        return {
+            "variant": args.variant,
+            "peak_extra_mb": mem.peak / 2**20,
+            "method": mem.method,
+            "nv_fp32_mb": n * t * args.vocab * 4 / 2**20,
+            "grad_norm": metrics["actor/grad_norm"],
+        }
+    finally:
+        destroy_parallel()
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.variant:  # one variant, in this fresh process
+        result = _child(args)
+        Path(args.workdir, f"{args.variant}.json").write_text(json.dumps(result))
+        return 0
+    flags = ["--vocab", str(args.vocab), "--hidden", str(args.hidden), "--layers", str(args.layers)]
+    flags += ["--rows", str(args.rows), "--seq", str(args.seq)]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="pacs_mem_bench_") as tmp:
+        for variant in VARIANTS:
+            wd = Path(tmp) / variant
+            wd.mkdir()
+            cmd = [
+                sys.executable,
+                "-m",
+                "pacs_megatron.bench.memory",
+                *flags,
+                "--variant",
+                variant,
+                "--workdir",
+                str(wd),
+            ]
+            subprocess.run(cmd, check=True)
+            results[variant] = json.loads((wd / f"{variant}.json").read_text())
+    s, i = results["sliced"], results["inplace"]
+    report = {
+        "args": {k: v for k, v in vars(args).items() if k not in ("variant", "workdir", "json")},
+        "results": results,
+        "saved_mb": s["peak_extra_mb"] - i["peak_extra_mb"],
+        "saved_in_nv_buffers": (s["peak_extra_mb"] - i["peak_extra_mb"]) / s["nv_fp32_mb"],
+        "ratio_inplace_vs_sliced": i["peak_extra_mb"] / s["peak_extra_mb"],
+    }
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"actor train-step peak memory, vocab {args.vocab}, {args.rows} x {args.seq} tokens, fp32")
+    for col in ("variant", "peak extra MB", "N x V fp32 MB", "method"):
+        table.add_column(col, justify="right")
+    for r in results.values():
+        table.add_row(r["variant"], f"{r['peak_extra_mb']:.0f}", f"{r['nv_fp32_mb']:.0f}", r["method"])
+    Console().print(table)
+    Console().print(f"saved {report['saved_mb']:.0f} MB = {report['saved_in_nv_buffers']:.2f} N x V buffers")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="pacs_megatron.bench.memory", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

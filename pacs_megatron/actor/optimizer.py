@@ -10,6 +10,7 @@
 * Schedule: ``OptimizerParamScheduler`` with linear warm-up, then constant / linear / cosine decay to
   ``min_lr`` over :func:`total_optimizer_steps`. Megatron's convention: the scheduler advances after
   each successful update, so update k (0-based) uses lr(k) (with warm-up the first update has lr 0).
+  A resumed run keeps the checkpoint's position in the schedule and this config's lr and shape.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def build_scheduler(optimizer, cfg: RunConfig):
         end_wd=o.weight_decay,
         wd_incr_steps=total,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        # On resume the checkpoint restores only the schedule's position (num_steps): lr, min_lr,
+        # warm-up, decay length and style come from this run's config, so a changed lr applies.
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )

@@ -119,8 +119,11 @@ class TrainerConfig:
     """Rollout samples saved per step to rollouts.jsonl."""
     dry_run: bool = False
     """Validate the config and layout, print them, and exit before any heavy work."""
+    keep_checkpoints: int = 2
+    """Valid checkpoints kept (older ones are deleted; damaged ones are moved aside, never counted); 0 keeps all."""
 
     def __post_init__(self) -> None:
+        _positive("trainer.keep_checkpoints", self.keep_checkpoints, allow_zero=True)
         _positive("trainer.total_steps", self.total_steps, allow_zero=True)
         _positive("trainer.train_batch_size", self.train_batch_size)
         _positive("trainer.save_freq", self.save_freq, allow_zero=True)

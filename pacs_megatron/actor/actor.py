@@ -23,7 +23,13 @@ import torch
 from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, run_schedule
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
-from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
+from pacs_megatron.actor.optimizer import (
+    apply_lr_config,
+    build_optimizer,
+    build_scheduler,
+    use_distributed_optimizer,
+    wrap_ddp,
+)
 from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, train_loss_func
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf
 from pacs_megatron.config import RunConfig
@@ -196,4 +202,6 @@ class MegatronActor:
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore a checkpoint written at any TP/PP layout; returns the saved extra_state (collective)."""
-        return ckpt.load_actor_checkpoint(self, path)
+        extra = ckpt.load_actor_checkpoint(self, path)
+        apply_lr_config(self.optimizer, self.scheduler, self.cfg)  # a changed lr applies on resume
+        return extra

@@ -115,3 +115,15 @@ def build_scheduler(optimizer, cfg: RunConfig):
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
     )
+
+
+def apply_lr_config(optimizer, scheduler, cfg: RunConfig) -> None:
+    """After a checkpoint load: this config's peak and floor lr replace the checkpoint's. Megatron
+    keeps them per param group (``max_lr`` / ``min_lr``, restored with the optimizer state), where
+    they win over the scheduler's own; the schedule's position is kept."""
+    for group in optimizer.param_groups:
+        if "max_lr" in group:
+            group["max_lr"] = cfg.optimizer.lr
+        if "min_lr" in group:
+            group["min_lr"] = cfg.optimizer.min_lr
+    scheduler.step(increment=0)  # recompute every group's lr at the current step

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("pacs_megatron.eval.cli", "sample n answers per problem and report unbiased pass@k"),
     "parity": ("pacs_megatron.actor.parity", "compare Megatron log-probs with Hugging Face transformers"),
     "plot": ("pacs_megatron.utils.plot", "render PNG curves from OUTPUT_DIR/metrics.jsonl"),
+    "export": ("pacs_megatron.actor.export", "write a checkpoint as a Hugging Face model (safetensors + tokenizer)"),
 }
 
 

@@ -17,6 +17,8 @@ import re
 import time
 from pathlib import Path
 
+import psutil
+
 from pacs_megatron.config import RunConfig, to_yaml
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.metrics import format_duration
@@ -32,7 +34,7 @@ class RunRecord:
 
     def __init__(self, cfg: RunConfig, output_dir: Path, is_rank0: bool, resume: ResumePlan | None) -> None:
         self.cfg, self.output_dir, self.is_rank0, self.resume = cfg, Path(output_dir), is_rank0, resume
-        self._t0 = time.time()
+        self._t0 = psutil.Process().create_time()  # this launch's wall time includes start-up and loading
 
     def write_launch(self) -> Path | None:
         """``configs/launch_NNN.yaml`` (NNN = launches so far) and ``config.yaml`` (the latest)."""

@@ -77,7 +77,9 @@ def test_resume_trims_rollouts_and_purges_tensorboard(tmp_path):
     for s in (1, 2, 3):
         w.log(s, {"reward/mean": 0.1 * s})
     w.close()
-    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps({"step": s, "response": "1"}) + "\n" for s in (1, 2, 3)))
+    (tmp_path / "rollouts.jsonl").write_text(
+        "".join(json.dumps({"step": s, "response": "1"}) + "\n" for s in (1, 2, 3))
+    )
     resumed = MetricsWriter(tmp_path, enabled=True, tensorboard=True)
     resumed.truncate_after(2)
     resumed.log(3, {"reward/mean": 0.33})

@@ -179,7 +179,8 @@ class Progress:
         elapsed = time.perf_counter() - self._t0
         done = max(1, step - self.start)
         eta = elapsed / done * (self.total - step)
-        return f"step {step}/{self.total} ({100 * step / max(1, self.total):.0f}%), {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}"
+        pct = 100 * step / max(1, self.total)
+        return f"step {step}/{self.total} ({pct:.0f}%), {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}"
 
     def update(self, step: int, metrics: dict[str, Any]) -> None:
         if self._plain and ((step - self.start) % self._every == 0 or step == self.total):

@@ -83,7 +83,7 @@ def config_changes(old: dict, new: dict) -> list[str]:
     """``"key: old -> new"`` for every leaf that differs (launch-only keys left out).
 
     Example:
-        >>> config_changes({"optimizer": {"lr": 0.001}, "rollout": {"n": 4}}, {"optimizer": {"lr": 0.5}, "rollout": {"n": 4}})
+        >>> config_changes({"optimizer": {"lr": 0.001}, "seed": 1}, {"optimizer": {"lr": 0.5}, "seed": 1})
         ['optimizer.lr: 0.001 -> 0.5']
     """
     a, b = _flatten(old), _flatten(new)

@@ -103,3 +103,12 @@ def test_plain_progress_line_with_eta(caplog):
     caplog.clear()
     Progress(total=40, start=0, enabled=False).update(2, {})
     assert "progress:" not in caplog.text
+
+
+def test_doctests():
+    import doctest
+
+    from pacs_megatron.utils import checkpoint_check, metrics, resume
+
+    for module in (checkpoint_check, metrics, resume):
+        assert doctest.testmod(module).failed == 0, module.__name__

@@ -94,10 +94,10 @@ class RunRecord:
         return f"pacs-megatron eval --model {hf_dir} --data {sets} --n {t.val_n} --k {ks}"
 
     def finish(self, last_step: int, last_checkpoint: Path | None, status: str = "complete") -> dict:
-        """Log the summary and write ``final.json`` (rank 0); returns the summary."""
-        s = self.summary(last_step, last_checkpoint, status)
+        """Log the summary and write ``final.json`` (rank 0; other ranks get an empty dict)."""
         if not self.is_rank0:
-            return s
+            return {}
+        s = self.summary(last_step, last_checkpoint, status)
         (self.output_dir / "final.json").write_text(json.dumps(s, indent=2) + "\n")
         logger.info("%s", format_summary(s))
         return s

@@ -14,6 +14,7 @@ from pacs_megatron.utils.resume import (
     check_tiny_model_dir,
     config_changes,
     model_shape,
+    preflight_resume,
 )
 from pacs_megatron.utils.run_record import RunRecord, format_summary
 
@@ -40,6 +41,21 @@ def test_tiny_overrides_must_match_existing_model_dir(tmp_path):
     bad = load_config(None, [f"model.path={tmp_path}/m", "model.init=tiny", "model.tiny.hidden_size=64"])
     with pytest.raises(ConfigError, match="model.tiny.hidden_size=64 but config.json has hidden_size=128"):
         check_tiny_model_dir(bad)
+
+
+def test_preflight_refuses_another_model_before_any_rank(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(HF | {"hidden_size": 64}))
+    ckpt = tmp_path / "out" / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMPLETE").write_text("{}")
+    (ckpt / "extra_state.json").write_text(json.dumps({"step": 2, "dataset": {}, "model": model_shape(HF)}))
+    cfg = load_config(None, [f"model.path={tmp_path}/m", f"trainer.output_dir={tmp_path}/out"])
+    with pytest.raises(ConfigError, match="hidden_size 128 -> 64"):
+        preflight_resume(cfg)
+    preflight_resume(
+        load_config(None, [f"model.path={tmp_path}/m", f"trainer.output_dir={tmp_path}/out", "trainer.resume=never"])
+    )
 
 
 def test_launch_configs_and_summary(tmp_path, caplog):

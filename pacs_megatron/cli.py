@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("pacs_megatron.utils.plot", "render PNG curves from OUTPUT_DIR/metrics.jsonl"),
     "doctor": ("pacs_megatron.tools.doctor", "report the environment a run would use; --config: layout and GPU memory"),
     "selftest": ("pacs_megatron.tools.selftest", "check this machine: extension, kernel, parity, training, sync"),
+    "export": ("pacs_megatron.actor.export", "write a checkpoint as a Hugging Face model (safetensors + tokenizer)"),
 }
 
 

@@ -2,9 +2,10 @@
 the config (dataset, actor, engine, reward scorer, weight sync), with their save and restore.
 
 ``setup`` runs first on every rank: process groups, output dir, the model directory (written for
-the tiny synthetic model), seeds. ``build_components`` then builds the heavy pieces in data-flow
+the tiny synthetic model), seeds, and the checkpoint to resume from (validated, model unchanged;
+see utils/resume.py), before any heavy piece is built. ``build_components`` then builds the heavy pieces in data-flow
 order. Checkpoints hold the actor (model, optimizer, scheduler, RNG; megatron dist_checkpointing)
-and the trainer's own state (step, data position) as ``extra_state``.
+and the trainer's own state (step, data position, resolved config, model shape) as ``extra_state``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from pacs_megatron.config import RunConfig, to_yaml
+from pacs_megatron.config import RunConfig
 from pacs_megatron.utils.launch_info import write_launch_json
 from pacs_megatron.utils.logging import get_logger, init_logging
+from pacs_megatron.utils.resume import ResumePlan, check_tiny_model_dir, model_shape, plan_resume
 
 logger = get_logger(__name__)
 
@@ -39,6 +41,8 @@ class Runtime:
     """Hugging Face model directory (config.json, tokenizer, maybe weights)."""
     config_dict: dict
     """The resolved config as plain data (saved with the run and sent to wandb)."""
+    resume: ResumePlan | None = None
+    """The checkpoint this launch continues (None: a fresh run)."""
 
     @property
     def is_rank0(self) -> bool:
@@ -52,7 +56,8 @@ def _seed_everything(seed: int) -> None:
 
 
 def setup(cfg: RunConfig) -> Runtime:
-    """Process groups, output dir (config.yaml saved), model dir, seeds. Collective."""
+    """Process groups, output dir, model dir, seeds, resume plan. Collective. The run's config files
+    are written later, once the run has really started (utils/run_record.py)."""
     from pacs_megatron.parallel import init_distributed, initialize_parallel
 
     init_logging(cfg.logging.level)
@@ -60,18 +65,23 @@ def setup(cfg: RunConfig) -> Runtime:
     output_dir, model_dir = Path(cfg.trainer.output_dir), Path(cfg.model.path)
     if dist.get_rank() == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(to_yaml(cfg))
         if cfg.model.init == "tiny" and not (model_dir / "config.json").is_file():
             from pacs_megatron.data.synthetic import write_tiny_model_dir
 
             write_tiny_model_dir(model_dir, cfg.model.tiny)
             logger.info("wrote the tiny model config and task tokenizer to %s", model_dir)
     dist.barrier()
+    check_tiny_model_dir(cfg)
     write_launch_json(output_dir)  # where every rank runs, for users and tests
     hf_config = json.loads((model_dir / "config.json").read_text())
     groups = initialize_parallel(cfg.parallel, hf_config)
     _seed_everything(cfg.trainer.seed)
-    return Runtime(groups, output_dir, model_dir, OmegaConf.to_container(OmegaConf.structured(cfg)))
+    rt = Runtime(groups, output_dir, model_dir, OmegaConf.to_container(OmegaConf.structured(cfg)))
+    rt.resume = plan_resume(cfg, rt.config_dict, hf_config)
+    if rt.resume is not None and rt.is_rank0:
+        changes = rt.resume.changes or ["(none)"]
+        logger.info("resuming from %s; settings changed since it:\n  %s", rt.resume.path, "\n  ".join(changes))
+    return rt
 
 
 def teardown(rt: Runtime | None) -> None:
@@ -107,17 +117,27 @@ class Components:
 
     def save(self, directory: Path, step: int) -> None:
         """Collective: actor checkpoint with the trainer state; optional HF export."""
-        self.actor.save_checkpoint(str(directory), {"step": step, "dataset": self.dataset.state_dict()})
+        extra = {
+            "step": step,
+            "dataset": self.dataset.state_dict(),
+            "config": self.rt.config_dict,
+            "model": model_shape(self.actor.hf_config.to_dict()),
+        }
+        self.actor.save_checkpoint(str(directory), extra)
         if self.cfg.trainer.export_hf:
-            self.actor.save_hf(str(directory / "hf"))
+            self.export_hf(directory)
 
-    def restore(self, directory: Path | None) -> int:
-        """Load ``directory`` (None: fresh run) and return the last completed step."""
-        if directory is None:
+    def export_hf(self, directory: Path) -> None:
+        """Collective: HF safetensors + config + tokenizer of the current weights into ``directory/hf``."""
+        self.actor.save_hf(str(Path(directory) / "hf"))
+
+    def restore(self, plan: ResumePlan | None) -> int:
+        """Load the checkpoint of ``plan`` (None: fresh run) and return the last completed step."""
+        if plan is None:
             return 0
-        extra = self.actor.load_checkpoint(str(directory))
+        extra = self.actor.load_checkpoint(str(plan.path))
         self.dataset.load_state_dict(extra["dataset"])
-        logger.info("resumed from %s (step %d)", directory, extra["step"])
+        logger.info("resumed from %s (step %d)", plan.path, extra["step"])
         return int(extra["step"])
 
     def close(self) -> None:

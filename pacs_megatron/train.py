@@ -3,11 +3,11 @@
 for step:  prompts -> rollouts (engine) -> rewards -> old log-probs (actor, no grad)
            -> ppo_epochs x mini-batches of the loss (PACS / GRPO / PPO-clip) -> weight sync + probe
            -> metrics -> validation every test_freq -> checkpoint every save_freq / on SIGTERM
+then the end-of-run summary (final.json). A run resumed when already complete says so and exits 0.
 """
 
 from __future__ import annotations
 
-import json
 import time
 
 from pacs_megatron import stages
@@ -17,6 +17,7 @@ from pacs_megatron.utils.checkpoint import CheckpointManager
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress
 from pacs_megatron.utils.preemption import PreemptionFlag
+from pacs_megatron.utils.run_record import RunRecord
 from pacs_megatron.weight_sync import WeightSyncError
 
 logger = get_logger(__name__)
@@ -35,13 +36,20 @@ def train(cfg: RunConfig) -> int:
 
 
 def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
-    ckpt = CheckpointManager(rt.output_dir)
+    ckpt = CheckpointManager(rt.output_dir, cfg.trainer.keep_checkpoints)
+    record = RunRecord(cfg, rt.output_dir, rt.is_rank0, rt.resume)
+    start = c.restore(rt.resume)  # step to start from; 0 for a fresh run
+    if start and start >= cfg.trainer.total_steps:  # nothing left to train
+        if cfg.trainer.export_hf and not (rt.resume.path / "hf" / "config.json").is_file():
+            c.export_hf(rt.resume.path)
+        record.finish(start, rt.resume.path, status="already_complete")
+        return 0
+    record.write_launch()  # configs/launch_NNN.yaml + config.yaml, once the run has really started
     writer = MetricsWriter(
         rt.output_dir, rt.is_rank0, cfg.logging.tensorboard, cfg.logging.wandb_project, config=rt.config_dict
     )
     flag = PreemptionFlag(cfg.trainer)  # signals and the time budget (trainer.stop_after_s, deadline_unix)
-    start = c.restore(ckpt.resolve(cfg.trainer.resume))  # step to start from; 0 for a fresh run
-    writer.truncate_after(start)
+    writer.truncate_after(start)  # metrics, rollouts and TensorBoard end at the resumed step
     if start == 0 and cfg.trainer.sft_warmup_steps:
         logger.info("format warm-up: %s", stages.format_warmup(cfg, rt, c))
     c.sync.sync()  # the engine starts from the actor's weights, verified
@@ -84,6 +92,5 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
             return flag.exit_code
     progress.close()
     writer.close()
-    if rt.is_rank0:
-        (rt.output_dir / "final.json").write_text(json.dumps({"last_step": step}))
+    record.finish(step, ckpt.latest())  # the summary on rank 0, and final.json
     return 0

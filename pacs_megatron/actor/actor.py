@@ -25,6 +25,7 @@ from pacs_megatron.actor.forward import forward_logprobs, run_schedule
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
 from pacs_megatron.actor.offload import ActorOffload
 from pacs_megatron.actor.optimizer import (
+    apply_lr_config,
     build_optimizer,
     build_scheduler,
     clip_and_step,
@@ -231,4 +232,6 @@ class MegatronActor:
     def load_checkpoint(self, path: str) -> dict:
         """Restore a checkpoint written at any TP/PP layout; returns the saved extra_state (collective)."""
         self.offloader.restore()
-        return ckpt.load_actor_checkpoint(self, path)
+        extra = ckpt.load_actor_checkpoint(self, path)
+        apply_lr_config(self.optimizer, self.scheduler, self.cfg)  # a changed lr applies on resume
+        return extra

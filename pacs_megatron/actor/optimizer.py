@@ -10,6 +10,7 @@
 * Schedule: ``OptimizerParamScheduler`` with linear warm-up, then constant / linear / cosine decay to
   ``min_lr`` over :func:`total_optimizer_steps`. Megatron's convention: the scheduler advances after
   each successful update, so update k (0-based) uses lr(k) (with warm-up the first update has lr 0).
+  A resumed run keeps the checkpoint's position in the schedule and this config's lr and shape.
 """
 
 from __future__ import annotations
@@ -111,8 +112,10 @@ def build_scheduler(optimizer, cfg: RunConfig):
         end_wd=o.weight_decay,
         wd_incr_steps=total,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        # On resume the checkpoint restores only the schedule's position (num_steps): lr, min_lr,
+        # warm-up, decay length and style come from this run's config, so a changed lr applies.
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
 
 
@@ -146,3 +149,15 @@ def clip_and_step(optimizer) -> tuple[bool, float]:
                 use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
             )
     return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+def apply_lr_config(optimizer, scheduler, cfg: RunConfig) -> None:
+    """After a checkpoint load: this config's peak and floor lr replace the checkpoint's. Megatron
+    keeps them per param group (``max_lr`` / ``min_lr``, restored with the optimizer state), where
+    they win over the scheduler's own; the schedule's position is kept."""
+    for group in optimizer.param_groups:
+        if "max_lr" in group:
+            group["max_lr"] = cfg.optimizer.lr
+        if "min_lr" in group:
+            group["min_lr"] = cfg.optimizer.min_lr
+    scheduler.step(increment=0)  # recompute every group's lr at the current step

@@ -153,8 +153,11 @@ class TrainerConfig:
     stop_margin_s: float = 60.0
     """Seconds kept free before stop_after_s / deadline_unix beyond the longest step (a checkpoint
     save must fit in them until a periodic save has been timed)."""
+    keep_checkpoints: int = 2
+    """Valid checkpoints kept (older ones are deleted; damaged ones are moved aside, never counted); 0 keeps all."""
 
     def __post_init__(self) -> None:
+        _positive("trainer.keep_checkpoints", self.keep_checkpoints, allow_zero=True)
         _positive("trainer.total_steps", self.total_steps, allow_zero=True)
         _positive("trainer.train_batch_size", self.train_batch_size)
         _positive("trainer.save_freq", self.save_freq, allow_zero=True)

@@ -11,7 +11,9 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
 ``__post_init__``; this module adds:
 
 - ``reward.fn``: importable, callable, and its signature takes ``(prompt, response, ground_truth, extra)``;
-- ``trainer.resume`` (``--resume``): a named checkpoint directory exists;
+- ``trainer.resume`` (``--resume``): a named checkpoint directory exists, and the checkpoint a resume
+  would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
+  shape (``utils/resume.py``);
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
   under the data root and its first row parses.
 
@@ -24,12 +26,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig
+from pacs_megatron.utils.resume import preflight_resume
 
 
 def preflight(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` for the first problem found (see the module docstring)."""
     check_reward(cfg)
     check_resume(cfg)
+    preflight_resume(cfg)
     check_data(cfg)
 
 

@@ -4,6 +4,13 @@ Layout under ``OUTPUT_DIR/checkpoints``::
 
     step_00000012/           complete: holds COMPLETE (written last, then the directory renamed)
     .tmp_step_00000014/      being written, or left by a crash: never picked up, removed on the next save
+    corrupt_step_00000010/   failed validation (a missing / truncated shard, no extra state): moved
+                             aside with a warning naming the damage, never deleted
+
+Resuming picks the newest complete checkpoint that passes :func:`checkpoint_problem` (a cheap check
+of shard sizes against megatron's ``.metadata``); damaged ones are moved aside and the previous one
+is used. Pruning keeps the newest ``keep_last`` *valid* checkpoints, so a damaged newest one never
+costs the last good one.
 
 Every rank calls :meth:`CheckpointManager.save` (the actor's dist_checkpointing writes shards from all
 ranks); rank 0 alone finalises: marker, atomic rename, pruning.
@@ -21,6 +28,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pacs_megatron.utils.checkpoint_check import checkpoint_problem
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -38,12 +46,29 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _from_rank0(value):
+    """Rank 0's ``value`` on every rank (one decision, even while rank 0 moves directories)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class CheckpointManager:
     """Save, find and prune checkpoints of one run."""
 
-    def __init__(self, output_dir: str | os.PathLike, keep_last: int = 2) -> None:
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        keep_last: int = 2,
+        validate: Callable[[Path], str | None] = checkpoint_problem,
+    ) -> None:
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
+        """Valid checkpoints kept by pruning (0: all)."""
+        self.validate = validate
+        """Path -> what is wrong with it, or None."""
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -63,19 +88,51 @@ class CheckpointManager:
         done = self.complete()
         return done[-1][1] if done else None
 
+    def latest_valid(self) -> Path | None:
+        """Newest complete checkpoint that passes validation (collective when distributed: rank 0
+        checks, moves damaged ones aside with a warning, and tells the others)."""
+        found = None
+        if _rank() == 0:
+            for _, p in reversed(self.complete()):
+                problem = self.validate(p)
+                if problem is None:
+                    found = str(p)
+                    break
+                self._move_aside(p, problem, "falling back to the previous checkpoint")
+        found = _from_rank0(found)
+        return Path(found) if found else None
+
     def resolve(self, resume: str) -> Path | None:
-        """``trainer.resume``: "never" -> None, "auto" -> latest complete (or None), else that path."""
+        """``trainer.resume``: "never" -> None, "auto" -> newest valid checkpoint (or None), else that
+        path, which must be complete and valid."""
         if resume == "never":
             return None
         if resume == "auto":
-            return self.latest()
+            return self.latest_valid()
         path = Path(resume)
         if not (path / MARKER).is_file():
             raise FileNotFoundError(
                 f"trainer.resume={resume!r} is not a complete checkpoint (no {MARKER} marker): use a "
                 f"step_XXXXXXXX directory under {self.root}, 'auto' or 'never'"
             )
+        problem = self.validate(path)
+        if problem:
+            raise FileNotFoundError(
+                f"trainer.resume={resume!r} is damaged: {problem}; resume from an older checkpoint "
+                f"(e.g. trainer.resume=auto picks the newest valid one under {self.root})"
+            )
         return path
+
+    def _move_aside(self, path: Path, problem: str, then: str) -> Path:
+        """Rename a damaged checkpoint to ``corrupt_step_N`` (never deleted: the user may salvage it)."""
+        target = self.root / path.name.replace("step_", "corrupt_step_", 1)
+        n = 1
+        while target.exists():
+            target = self.root / f"{path.name.replace('step_', 'corrupt_step_', 1)}.{n}"
+            n += 1
+        os.replace(path, target)
+        logger.warning("checkpoint %s is damaged: %s; moved to %s; %s", path, problem, target, then)
+        return target
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """Collective: ``write(tmp_dir)`` on every rank, then rank 0 marks and renames atomically."""
@@ -102,6 +159,12 @@ class CheckpointManager:
     def _prune(self) -> None:
         for p in self.root.glob(".tmp_step_*"):
             shutil.rmtree(p, ignore_errors=True)
-        done = self.complete()
-        for _, p in done[: max(0, len(done) - self.keep_last)]:
-            shutil.rmtree(p, ignore_errors=True)
+        valid = 0
+        for _, p in reversed(self.complete()):
+            problem = self.validate(p)
+            if problem:
+                self._move_aside(p, problem, "it no longer counts towards trainer.keep_checkpoints")
+                continue
+            valid += 1
+            if self.keep_last and valid > self.keep_last:
+                shutil.rmtree(p, ignore_errors=True)

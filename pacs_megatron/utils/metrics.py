@@ -1,5 +1,10 @@
 """Per-step metrics: ``OUTPUT_DIR/metrics.jsonl`` (one JSON object per step), TensorBoard, optional
-wandb, and a rich progress bar with ETA. Only rank 0 writes; other ranks get a no-op writer.
+wandb, and a rich progress bar with ETA (a plain log line with ETA when the output is not a
+terminal). Only rank 0 writes; other ranks get a no-op writer.
+
+On resume, :meth:`MetricsWriter.truncate_after` drops what the interrupted launch logged after the
+checkpoint, from metrics.jsonl, rollouts.jsonl and TensorBoard (``purge_step``), so no step is
+recorded twice.
 
 Metrics are plain ``dict[str, float]`` with namespaced keys (``reward/mean``, ``pacs/loss``,
 ``timing/step_s``...), returned by the functions that compute them and merged here.
@@ -70,13 +75,13 @@ class MetricsWriter:
         self.enabled = enabled
         self._tb = self._wandb = None
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.side_logs = [Path(output_dir) / "rollouts.jsonl"]
+        """Other per-step JSONL files (rows with a "step" key), trimmed with metrics.jsonl."""
+        self._tb_dir = Path(output_dir) / "tb" if tensorboard else None
+        self._purge_step: int | None = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tb"))
         if wandb_project:
             try:
                 import wandb
@@ -85,12 +90,24 @@ class MetricsWriter:
             self._wandb = wandb.init(project=wandb_project, name=run_name or None, config=config, resume="allow")
 
     def truncate_after(self, step: int) -> None:
-        """Drop lines of steps > ``step`` (a resumed run rewrites what the killed run logged after its
-        last checkpoint, so the file never holds a step twice)."""
-        if not self.enabled or not self.path.exists():
+        """Drop records of steps > ``step`` (a resumed run rewrites what the killed run logged after its
+        last checkpoint, so no log holds a step twice); TensorBoard hides them via ``purge_step``."""
+        if not self.enabled:
             return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        if step > 0:
+            self._purge_step = step + 1
+        for path in [self.path, *self.side_logs]:
+            if path.exists():
+                rows = [ln for ln in path.read_text().splitlines() if ln.strip()]
+                path.write_text("".join(ln + "\n" for ln in rows if json.loads(ln).get("step", 0) <= step))
+
+    def _tensorboard(self):
+        """The SummaryWriter, opened at the first log (after truncate_after set the purge step)."""
+        if self._tb is None and self._tb_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=self._purge_step)
+        return self._tb
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -101,7 +118,7 @@ class MetricsWriter:
             row[k] = f if math.isfinite(f) else str(f)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
-        if self._tb is not None:
+        if self._tensorboard() is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, float):
                     self._tb.add_scalar(k, v, step)
@@ -123,12 +140,16 @@ class MetricsWriter:
 
 
 class Progress:
-    """A rich progress bar with ETA on rank 0, on a terminal only (a log file gets the per-step
-    summary lines instead of bar redraws)."""
+    """Progress with ETA on rank 0: a rich bar on a terminal; otherwise (output to a file, a
+    scheduler's log) a plain log line about every 5% of the run, since bar redraws would be noise."""
 
     def __init__(self, total: int, start: int, enabled: bool) -> None:
         self._bar = None
-        if not (enabled and sys.stderr.isatty()):
+        self.total, self.start = total, start
+        self._t0 = time.perf_counter()
+        self._plain = enabled and not sys.stderr.isatty()
+        self._every = max(1, (total - start) // 20)
+        if not enabled or self._plain:
             return
         from rich.console import Console
         from rich.progress import (
@@ -153,7 +174,17 @@ class Progress:
         self._task = self._bar.add_task("train", total=total, completed=start, info="")
         self._bar.start()
 
+    def eta_line(self, step: int) -> str:
+        """``"step 40/200 (20%), 12s elapsed, ETA 48s"`` from this launch's mean step time."""
+        elapsed = time.perf_counter() - self._t0
+        done = max(1, step - self.start)
+        eta = elapsed / done * (self.total - step)
+        pct = 100 * step / max(1, self.total)
+        return f"step {step}/{self.total} ({pct:.0f}%), {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}"
+
     def update(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._plain and ((step - self.start) % self._every == 0 or step == self.total):
+            logger.info("progress: %s", self.eta_line(step))
         if self._bar is None:
             return
         reward = metrics.get("reward/mean")
@@ -163,3 +194,18 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def format_duration(seconds: float) -> str:
+    """``"42s"``, ``"3m05s"``, ``"2h07m"``.
+
+    Example:
+        >>> format_duration(42.4), format_duration(185), format_duration(7620)
+        ('42s', '3m05s', '2h07m')
+    """
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

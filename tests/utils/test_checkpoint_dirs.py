@@ -1,4 +1,5 @@
-"""Checkpoint directories: complete or invisible; pruning; resume resolution."""
+"""Checkpoint directories: complete or invisible; pruning; resume resolution (validation stubbed:
+these checkpoints hold text files; tests/utils/test_checkpoint_check.py writes real ones)."""
 
 import pytest
 
@@ -6,7 +7,7 @@ from pacs_megatron.utils.checkpoint import MARKER, CheckpointManager
 
 
 def test_save_latest_prune_and_half_written(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=2)
+    mgr = CheckpointManager(tmp_path, keep_last=2, validate=lambda p: None)
     assert mgr.latest() is None and mgr.resolve("auto") is None
     for step in (1, 2, 3):
         mgr.save(step, lambda d, s=step: (d / "state.txt").write_text(str(s)))
@@ -25,7 +26,7 @@ def test_save_latest_prune_and_half_written(tmp_path):
 
 
 def test_failed_write_leaves_no_complete_checkpoint(tmp_path):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointManager(tmp_path, validate=lambda p: None)
 
     def boom(d):
         (d / "half").write_text("x")

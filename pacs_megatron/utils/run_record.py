@@ -1,0 +1,137 @@
+"""The run's record for the user: every launch's resolved config, and the end-of-run summary.
+
+``OUTPUT_DIR/configs/launch_000.yaml``, ``launch_001.yaml``, ... hold the resolved config of each
+launch that actually started (written after the checkpoint was restored, so a launch that failed
+earlier leaves nothing), headed by comments saying where it resumed from and what changed;
+``OUTPUT_DIR/config.yaml`` is a copy of the latest. At the end (or when a launch finds the run
+already complete) rank 0 logs a summary and writes the same data to ``final.json``: steps, wall
+time, reward first -> last, best validation pass@k per set, the last checkpoint and the commands
+that export and evaluate it. Everything is read back from ``metrics.jsonl``, so the summary covers
+all launches of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import psutil
+
+from pacs_megatron.config import RunConfig, to_yaml
+from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.utils.metrics import format_duration
+from pacs_megatron.utils.resume import ResumePlan
+
+logger = get_logger(__name__)
+
+_VAL_KEY = re.compile(r"^val/(.+)/(pass@\d+)$")
+
+
+class RunRecord:
+    """Launch configs and the final summary of one run (writes on rank 0 only)."""
+
+    def __init__(self, cfg: RunConfig, output_dir: Path, is_rank0: bool, resume: ResumePlan | None) -> None:
+        self.cfg, self.output_dir, self.is_rank0, self.resume = cfg, Path(output_dir), is_rank0, resume
+        self._t0 = psutil.Process().create_time()  # this launch's wall time includes start-up and loading
+
+    def write_launch(self) -> Path | None:
+        """``configs/launch_NNN.yaml`` (NNN = launches so far) and ``config.yaml`` (the latest)."""
+        if not self.is_rank0:
+            return None
+        configs = self.output_dir / "configs"
+        configs.mkdir(parents=True, exist_ok=True)
+        index = len(list(configs.glob("launch_*.yaml")))
+        header = [f"# launch {index}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"]
+        if self.resume is None:
+            header.append("# fresh run")
+        else:
+            header.append(f"# resumed from {self.resume.path} (step {self.resume.step}); changed since then:")
+            header += [f"#   {c}" for c in self.resume.changes] or ["#   (nothing)"]
+        text = "\n".join(header) + "\n" + to_yaml(self.cfg)
+        path = configs / f"launch_{index:03d}.yaml"
+        path.write_text(text)
+        (self.output_dir / "config.yaml").write_text(text)
+        return path
+
+    def summary(self, last_step: int, last_checkpoint: Path | None, status: str) -> dict:
+        """The run's summary (also final.json), from metrics.jsonl."""
+        rows = _read_rows(self.output_dir / "metrics.jsonl")
+        rewards = [(r["step"], r["reward/mean"]) for r in rows if isinstance(r.get("reward/mean"), float)]
+        best: dict[str, dict] = {}
+        for r in rows:
+            for key, value in r.items():
+                m = _VAL_KEY.match(key)
+                if m and isinstance(value, float) and (key not in best or value > best[key]["value"]):
+                    best[key] = {"set": m.group(1), "metric": m.group(2), "value": value, "step": r["step"]}
+        launches = len(list((self.output_dir / "configs").glob("launch_*.yaml")))
+        hf_dir = self.output_dir / "hf"
+        ckpt = str(last_checkpoint) if last_checkpoint else None
+        return {
+            "status": status,
+            "last_step": last_step,
+            "total_steps": self.cfg.trainer.total_steps,
+            "launches": launches,
+            "wall_time_s": round(time.time() - self._t0, 3),
+            "train_time_s": round(sum(r.get("timing/step_s", 0.0) for r in rows), 3),
+            "reward_first": {"step": rewards[0][0], "value": rewards[0][1]} if rewards else None,
+            "reward_last": {"step": rewards[-1][0], "value": rewards[-1][1]} if rewards else None,
+            "best_val": dict(sorted(best.items())),
+            "output_dir": str(self.output_dir),
+            "last_checkpoint": ckpt,
+            "export_command": f"pacs-megatron export {ckpt} {hf_dir}" if ckpt else None,
+            "eval_command": self._eval_command(hf_dir),
+        }
+
+    def _eval_command(self, hf_dir: Path) -> str:
+        t, data = self.cfg.trainer, self.cfg.data
+        if data.task == "arith":  # the synthetic task: its problems are not a shared set
+            sets = "FILE.jsonl --chat-template none --reward arith"
+        else:
+            sets = ",".join(data.val_files) or "math500,aime2024,aime2025,amc23"
+        ks = ",".join(str(k) for k in t.val_k)
+        return f"pacs-megatron eval --model {hf_dir} --data {sets} --n {t.val_n} --k {ks}"
+
+    def finish(self, last_step: int, last_checkpoint: Path | None, status: str = "complete") -> dict:
+        """Log the summary and write ``final.json`` (rank 0; other ranks get an empty dict)."""
+        if not self.is_rank0:
+            return {}
+        s = self.summary(last_step, last_checkpoint, status)
+        (self.output_dir / "final.json").write_text(json.dumps(s, indent=2) + "\n")
+        logger.info("%s", format_summary(s))
+        return s
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def format_summary(s: dict) -> str:
+    """The summary as the multi-line text logged at the end of a run."""
+    head = {
+        "complete": f"run complete: step {s['last_step']}/{s['total_steps']}",
+        "already_complete": f"run already complete at step {s['last_step']} (trainer.total_steps="
+        f"{s['total_steps']}): nothing to train; raise trainer.total_steps to continue it",
+    }.get(s["status"], f"run {s['status']} at step {s['last_step']}")
+    lines = [
+        head,
+        f"  launches      {s['launches']}; wall time {format_duration(s['wall_time_s'])} this launch, "
+        f"{format_duration(s['train_time_s'])} in training steps over all launches",
+    ]
+    if s["reward_first"]:
+        first, last = s["reward_first"], s["reward_last"]
+        lines.append(
+            f"  reward/mean   {first['value']:.3f} (step {first['step']}) -> {last['value']:.3f} (step {last['step']})"
+        )
+    for v in s["best_val"].values():
+        lines.append(f"  best val      {v['set']} {v['metric']} = {v['value']:.3f} (step {v['step']})")
+    lines += [
+        f"  output dir    {s['output_dir']}",
+        f"  checkpoint    {s['last_checkpoint']}",
+        f"  export        {s['export_command']}",
+        f"  evaluate      {s['eval_command']}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Resume rules (what may change, what is refused), launch configs, the end-of-run summary, side-log
+trimming on resume (rollouts.jsonl, TensorBoard purge) and the plain-log progress line."""
+
+import json
+import logging
+
+import pytest
+
+from pacs_megatron.config import ConfigError, load_config
+from pacs_megatron.utils.metrics import MetricsWriter, Progress
+from pacs_megatron.utils.resume import (
+    ResumePlan,
+    check_model_unchanged,
+    check_tiny_model_dir,
+    config_changes,
+    model_shape,
+    preflight_resume,
+)
+from pacs_megatron.utils.run_record import RunRecord, format_summary
+
+HF = {"model_type": "qwen2", "vocab_size": 16, "hidden_size": 128, "num_hidden_layers": 2, "tie_word_embeddings": True}
+
+
+def test_changes_listed_and_model_changes_refused(tmp_path):
+    old = {"optimizer": {"lr": 0.001}, "rollout": {"n": 4}, "trainer": {"resume": "auto", "total_steps": 3}}
+    new = {"optimizer": {"lr": 0.5}, "rollout": {"n": 4}, "trainer": {"resume": "never", "total_steps": 5}}
+    assert config_changes(old, new) == ["optimizer.lr: 0.001 -> 0.5", "trainer.total_steps: 3 -> 5"]
+    check_model_unchanged(model_shape(HF), dict(HF), "ckpt")  # same model: fine
+    check_model_unchanged(None, HF, "ckpt")  # a checkpoint that recorded no shape: nothing to compare
+    with pytest.raises(ConfigError, match=r"cannot resume from ckpt: .*vocab_size 16 -> 32; hidden_size 128 -> 64"):
+        check_model_unchanged(model_shape(HF), HF | {"hidden_size": 64, "vocab_size": 32}, "ckpt")
+
+
+def test_tiny_overrides_must_match_existing_model_dir(tmp_path):
+    from pacs_megatron.data.synthetic import write_tiny_model_dir
+
+    cfg = load_config(None, [f"model.path={tmp_path}/m", "model.init=tiny"])
+    check_tiny_model_dir(cfg)  # no config.json yet: it will be written
+    write_tiny_model_dir(tmp_path / "m", cfg.model.tiny)
+    check_tiny_model_dir(cfg)
+    bad = load_config(None, [f"model.path={tmp_path}/m", "model.init=tiny", "model.tiny.hidden_size=64"])
+    with pytest.raises(ConfigError, match="model.tiny.hidden_size=64 but config.json has hidden_size=128"):
+        check_tiny_model_dir(bad)
+
+
+def test_preflight_refuses_another_model_before_any_rank(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(HF | {"hidden_size": 64}))
+    ckpt = tmp_path / "out" / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMPLETE").write_text("{}")
+    (ckpt / "extra_state.json").write_text(json.dumps({"step": 2, "dataset": {}, "model": model_shape(HF)}))
+    cfg = load_config(None, [f"model.path={tmp_path}/m", f"trainer.output_dir={tmp_path}/out"])
+    with pytest.raises(ConfigError, match="hidden_size 128 -> 64"):
+        preflight_resume(cfg)
+    preflight_resume(
+        load_config(None, [f"model.path={tmp_path}/m", f"trainer.output_dir={tmp_path}/out", "trainer.resume=never"])
+    )
+
+
+def test_launch_configs_and_summary(tmp_path, caplog):
+    cfg = load_config(None, [f"model.path={tmp_path}/m", f"trainer.output_dir={tmp_path}", "trainer.val_k=[1,4]"])
+    RunRecord(cfg, tmp_path, True, None).write_launch()
+    plan = ResumePlan(tmp_path / "checkpoints" / "step_00000002", 2, ["optimizer.lr: 0.001 -> 0.5"])
+    record = RunRecord(cfg, tmp_path, True, plan)
+    assert record.write_launch().name == "launch_001.yaml"
+    text = (tmp_path / "configs" / "launch_001.yaml").read_text()
+    assert "resumed from" in text and "#   optimizer.lr: 0.001 -> 0.5" in text
+    assert (tmp_path / "config.yaml").read_text() == text
+    assert load_config(tmp_path / "config.yaml").trainer.val_k == [1, 4]  # the record loads as a config
+    assert not RunRecord(cfg, tmp_path / "other", False, None).write_launch()  # rank > 0 writes nothing
+    rows = [
+        {"step": 1, "reward/mean": 0.1, "timing/step_s": 1.0},
+        {"step": 2, "reward/mean": 0.5, "val/arith/pass@1": 0.6, "val/arith/pass@4": 0.9, "timing/step_s": 1.0},
+        {"step": 3, "reward/mean": 0.7, "val/arith/pass@1": 0.8, "val/arith/pass@4": 0.85, "timing/step_s": 1.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.INFO):
+        s = record.finish(3, plan.path)
+    assert json.loads((tmp_path / "final.json").read_text()) == s
+    assert s["launches"] == 2 and s["train_time_s"] == 3.5
+    assert s["reward_first"] == {"step": 1, "value": 0.1} and s["reward_last"] == {"step": 3, "value": 0.7}
+    assert s["best_val"]["val/arith/pass@1"]["value"] == 0.8 and s["best_val"]["val/arith/pass@4"]["step"] == 2
+    assert s["export_command"] == f"pacs-megatron export {plan.path} {tmp_path / 'hf'}"
+    assert s["eval_command"] == f"pacs-megatron eval --model {tmp_path / 'hf'} --data math500 --n 4 --k 1,4"
+    assert format_summary(s) in caplog.text and "0.100 (step 1) -> 0.700 (step 3)" in caplog.text
+
+
+def test_resume_trims_rollouts_and_purges_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    w = MetricsWriter(tmp_path, enabled=True, tensorboard=True)
+    for s in (1, 2, 3):
+        w.log(s, {"reward/mean": 0.1 * s})
+    w.close()
+    (tmp_path / "rollouts.jsonl").write_text(
+        "".join(json.dumps({"step": s, "response": "1"}) + "\n" for s in (1, 2, 3))
+    )
+    resumed = MetricsWriter(tmp_path, enabled=True, tensorboard=True)
+    resumed.truncate_after(2)
+    resumed.log(3, {"reward/mean": 0.33})
+    resumed.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "rollouts.jsonl").read_text().splitlines()] == [1, 2]
+    files = sorted((tmp_path / "tb").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    assert len(files) == 2
+    events = list(EventFileLoader(str(files[-1])).Load())
+    # SessionLog.START at step 3: TensorBoard hides every older event of step >= 3.
+    assert any(e.HasField("session_log") and e.session_log.status == 1 and e.step == 3 for e in events)
+
+
+def test_plain_progress_line_with_eta(caplog):
+    with caplog.at_level(logging.INFO):
+        p = Progress(total=40, start=0, enabled=True)  # pytest's stderr is not a terminal
+        for step in range(1, 41):
+            p.update(step, {})
+        p.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress:")]
+    assert len(lines) == 20 and lines[-1].startswith("progress: step 40/40 (100%)") and "ETA" in lines[0]
+    caplog.clear()
+    Progress(total=40, start=0, enabled=False).update(2, {})
+    assert "progress:" not in caplog.text
+
+
+def test_doctests():
+    import doctest
+
+    from pacs_megatron.utils import checkpoint_check, metrics, resume
+
+    for module in (checkpoint_check, metrics, resume):
+        assert doctest.testmod(module).failed == 0, module.__name__

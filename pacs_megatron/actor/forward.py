@@ -85,14 +85,14 @@ def run_schedule(
 
     n_real = len(micro)
     micro = list(micro) + [micro[-1]] * interleave_padding(n_real, groups)
-    T = micro[0].input_ids.shape[1]
-    mbs = len(micro[0])
+    mbs, T = micro[0].input_ids.shape
     device = groups.device
-    positions = torch.arange(T, device=device).unsqueeze(0).expand(mbs, T)
 
     def forward_step(data_iterator, model):
         k, mb = next(data_iterator)
         ids = mb.input_ids.to(device, non_blocking=True)
+        # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
+        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
         out = model(input_ids=ids, position_ids=positions, attention_mask=None)
         return out, make_loss_func(mb, ids, k >= n_real)
 
@@ -102,6 +102,8 @@ def run_schedule(
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         config = _unwrap(chunks[0]).config
+        # Shapes that vary between micro-batches: megatron then sends each activation's shape ahead of it.
+        config.variable_seq_lengths = len({m.input_ids.shape for m in micro}) > 1
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp_group, config=config)
     fb = get_forward_backward_func(pp_size=groups.pp_size, vp_size=groups.vpp_size if groups.vpp_size > 1 else None)
     store = fb(
@@ -148,19 +150,28 @@ def forward_logprobs(
     groups: ParallelGroups,
     temperature: float,
     with_entropy: bool,
+    packed: tuple[list[TrainBatch], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """No-grad log-probs of ``batch`` ``[B, T]`` (+ entropy) on every rank of this pipeline (CPU tensors)."""
+    """No-grad log-probs of ``batch`` ``[B, T]`` (+ entropy) on every rank of this pipeline (CPU tensors).
+
+    ``packed``: token-budget micro-batches and their source rows (data/packing.py pack_micro_batches)
+    instead of consecutive ``micro_batch_size`` rows; columns past a micro-batch's length hold 0.
+    """
     B, T = batch.input_ids.shape
-    micro = split_micro_batches(batch, min(micro_batch_size, B))
+    micro, rows = packed or (split_micro_batches(batch, min(micro_batch_size, B)), torch.arange(B))
     make = partial(logprob_loss_func, spec=spec, groups=groups, temperature=temperature, with_entropy=with_entropy)
     with torch.no_grad():
         store = run_schedule(chunks, micro, make, groups, forward_only=True)
     n_out = 2 if with_entropy else 1
-    buf = torch.empty((n_out, B, T), dtype=torch.float32, device=groups.device)
+    buf = torch.zeros((n_out, B, T), dtype=torch.float32, device=groups.device)
     if groups.is_last_stage:
-        buf[0] = torch.cat([d["token_logp"] for d in store])
-        if with_entropy:
-            buf[1] = torch.cat([d["entropy"] for d in store])
+        start = 0
+        for mb, d in zip(micro, store):
+            idx = rows[start : start + len(mb)].to(groups.device)
+            start += len(mb)
+            buf[0, idx, : d["token_logp"].shape[1]] = d["token_logp"]
+            if with_entropy:
+                buf[1, idx, : d["entropy"].shape[1]] = d["entropy"]
     if groups.pp_size > 1:
         torch.distributed.broadcast(buf, src=groups.pp_last_rank, group=groups.pp_group)
     buf = buf.cpu()

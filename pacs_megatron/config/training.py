@@ -28,6 +28,16 @@ class AlgorithmConfig:
     logprob_micro_batch_size: int = 0
     """Sequences per forward of the old-log-prob pass; 0 means micro_batch_size. Any value gives
     bit-identical log-probs on CPU (batch invariance)."""
+    dynamic_batching: bool = True
+    """Padding-free batching (docs/batching.md): micro-batches of whole prompt groups under
+    max_tokens_per_micro_batch padded tokens, each padded only to its own longest row, groups spread
+    over DP ranks by tokens; the old-log-prob pass uses the training pass's micro-batches (so
+    logprob_micro_batch_size is unused). Same gradient as fixed batching; false: fixed micro-batches
+    of micro_batch_size rows padded to the step's longest row."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a dynamic micro-batch per DP rank (rows x padded length, padding included);
+    0: micro_batch_size x (data.max_prompt_length + rollout.max_response_length, rounded up to 8),
+    i.e. never more than a fixed micro-batch can hold."""
 
     def __post_init__(self) -> None:
         _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo"))
@@ -35,6 +45,7 @@ class AlgorithmConfig:
         _positive("algorithm.mini_batch_size", self.mini_batch_size, allow_zero=True)
         _positive("algorithm.micro_batch_size", self.micro_batch_size)
         _positive("algorithm.logprob_micro_batch_size", self.logprob_micro_batch_size, allow_zero=True)
+        _positive("algorithm.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True)
 
     def loss_config(self) -> PACSConfig | PolicyLossConfig:
         """The sub-config the selected loss reads, with ``policy.adv_estimator=auto`` resolved."""

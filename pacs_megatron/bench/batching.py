@@ -31,7 +31,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,15 +156,8 @@ def run_rank(args, workdir: Path, tp: int) -> dict:
                     out[m]["logprob_s"].append(t1 - t0)
                     out[m]["train_s"].append(t2 - t1)
                     out[m]["peak_mb"].append(mem.peak / 2**20)
-        rounds = [
-            (f_l + f_t) / (d_l + d_t)
-            for f_l, f_t, d_l, d_t in zip(
-                out["fixed"]["logprob_s"],
-                out["fixed"]["train_s"],
-                out["dynamic"]["logprob_s"],
-                out["dynamic"]["train_s"],
-            )
-        ]
+        f, d = out["fixed"], out["dynamic"]
+        rounds = [(a + b) / (c + e) for a, b, c, e in zip(f["logprob_s"], f["train_s"], d["logprob_s"], d["train_s"])]
         out["speedup"] = statistics.median(rounds)
         out["speedup_rounds"] = rounds
         return out

@@ -24,6 +24,7 @@ from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, run_schedule
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
 from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
+from pacs_megatron.actor.thd import use_thd
 from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, train_loss_func
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf
 from pacs_megatron.config import RunConfig
@@ -95,6 +96,8 @@ class MegatronActor:
         if cfg.model.init == "pretrained":
             load_hf_weights(chunks, self.spec, self.model_dir, groups)
         self.model = wrap_ddp(chunks, self.config, cfg, groups)
+        self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device)
+        """THD-packed micro-batches (GPU + Transformer Engine; unverified, actor/thd.py)."""
         self.optimizer = build_optimizer(self.model, cfg, groups, self.param_dtype)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.iteration = 0
@@ -133,7 +136,7 @@ class MegatronActor:
             c.eval()
         try:
             token_logp, entropy = forward_logprobs(
-                self.model, batch, micro_batch_size, self.spec, self.groups, temperature, with_entropy, packed
+                self.model, batch, micro_batch_size, self.spec, self.groups, temperature, with_entropy, packed, self.thd
             )
         finally:
             for c in self.model:
@@ -170,7 +173,7 @@ class MegatronActor:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = run_schedule(self.model, micro, make, self.groups, forward_only=False)
+        store = run_schedule(self.model, micro, make, self.groups, forward_only=False, thd=self.thd)
         metrics = reduce_metrics(store, self.groups)
         metrics.update(self._optimizer_step())
         return metrics

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
+from pacs_megatron.actor.thd import pack_thd
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.ops import fused_logprobs
 from pacs_megatron.parallel import ParallelGroups
@@ -71,6 +72,7 @@ def run_schedule(
     make_loss_func: LossFactory,
     groups: ParallelGroups,
     forward_only: bool,
+    thd: bool = False,
 ) -> list:
     """Run megatron's schedule over ``micro``; returns what the loss functions reported, one entry
     per micro-batch on the last pipeline stage (empty elsewhere).
@@ -79,7 +81,7 @@ def run_schedule(
     ``forward_only`` mode it is called with ``non_loss_data=True`` and returns a dict of tensors.
     With vpp > 1, repeats of the last micro-batch pad the pass (:func:`interleave_padding`); their
     loss functions get ``dummy=True`` and must contribute nothing (a zero loss and a zero count),
-    and their outputs are dropped.
+    and their outputs are dropped. ``thd``: run the layers on THD-packed rows (GPU + TE, actor/thd.py).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -91,6 +93,16 @@ def run_schedule(
     def forward_step(data_iterator, model):
         k, mb = next(data_iterator)
         ids = mb.input_ids.to(device, non_blocking=True)
+        if thd:  # unverified on GPU: see actor/thd.py
+            p = pack_thd(ids, mb.seq_lens, 8 * groups.tp_size)
+            out = model(
+                input_ids=p.input_ids,
+                position_ids=p.position_ids,
+                attention_mask=None,
+                packed_seq_params=p.packed_seq_params(),
+            )
+            loss_func = make_loss_func(mb, ids, k >= n_real)
+            return out, lambda logits, *a, **kw: loss_func(p.unpack(logits), *a, **kw)
         # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
         out = model(input_ids=ids, position_ids=positions, attention_mask=None)
@@ -103,7 +115,7 @@ def run_schedule(
 
         config = _unwrap(chunks[0]).config
         # Shapes that vary between micro-batches: megatron then sends each activation's shape ahead of it.
-        config.variable_seq_lengths = len({m.input_ids.shape for m in micro}) > 1
+        config.variable_seq_lengths = thd or len({m.input_ids.shape for m in micro}) > 1
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp_group, config=config)
     fb = get_forward_backward_func(pp_size=groups.pp_size, vp_size=groups.vpp_size if groups.vpp_size > 1 else None)
     store = fb(
@@ -151,6 +163,7 @@ def forward_logprobs(
     temperature: float,
     with_entropy: bool,
     packed: tuple[list[TrainBatch], torch.Tensor] | None = None,
+    thd: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """No-grad log-probs of ``batch`` ``[B, T]`` (+ entropy) on every rank of this pipeline (CPU tensors).
 
@@ -161,7 +174,7 @@ def forward_logprobs(
     micro, rows = packed or (split_micro_batches(batch, min(micro_batch_size, B)), torch.arange(B))
     make = partial(logprob_loss_func, spec=spec, groups=groups, temperature=temperature, with_entropy=with_entropy)
     with torch.no_grad():
-        store = run_schedule(chunks, micro, make, groups, forward_only=True)
+        store = run_schedule(chunks, micro, make, groups, forward_only=True, thd=thd)
     n_out = 2 if with_entropy else 1
     buf = torch.zeros((n_out, B, T), dtype=torch.float32, device=groups.device)
     if groups.is_last_stage:

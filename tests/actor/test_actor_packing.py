@@ -92,3 +92,51 @@ def test_dynamic_batching_matches_fixed(layout, model_dir):
     for key in ("policy/loss", "actor/grad_norm"):
         assert d["m_grpo"][key] == pytest.approx(f["m_grpo"][key], rel=1e-4, abs=1e-7)
     assert rel_update_diff(f["w0"], f["w2"], d["w0"], d["w2"]) <= 1e-5, f"{layout}: updates differ"
+
+
+def test_thd_pack_unpack_round_trip():
+    """The bookkeeping of the (GPU-only) THD path: packed tokens, restarting positions, boundaries, and
+    logits scattered back to the padded layout with gradients."""
+    from pacs_megatron.actor.thd import pack_thd
+
+    batch = sample_batch(VOCAB, groups=3)
+    b, T = batch.input_ids.shape
+    p = pack_thd(batch.input_ids, batch.seq_lens, multiple=16)
+    real = int(batch.seq_lens.sum())
+    assert p.input_ids.shape[1] % 16 == 0 and p.input_ids.shape[1] - real < 16
+    assert p.cu_seqlens[: b + 1].tolist() == [0, *torch.cumsum(batch.seq_lens, 0).tolist()]
+    valid = torch.arange(T)[None] < batch.seq_lens[:, None]
+    assert torch.equal(p.input_ids[0, :real], batch.input_ids[valid])
+    assert torch.equal(p.position_ids[0, :real], torch.arange(T).expand(b, T)[valid])
+    logits = torch.randn(1, p.input_ids.shape[1], 5, requires_grad=True)
+    out = p.unpack(logits)
+    assert torch.equal(out[valid], logits[0, :real]) and not out[~valid].any()
+    out.sum().backward()
+    assert logits.grad[0, :real].eq(1).all() and logits.grad[0, real:].eq(0).all()
+
+
+def _thd_body(rank, world, model_dir):
+    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.parallel import initialize_parallel
+
+    cfg = _config(model_dir, 1, 1, 1, True)
+    groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
+    actor = MegatronActor(cfg, groups, model_dir)
+    batch = sample_batch(VOCAB, groups=GROUPS)
+    out = {"thd": actor.thd}
+    for thd in (True, False):
+        actor.thd = thd
+        out[thd] = actor.compute_logprobs(batch, micro_batch_size=GROUP, temperature=1.0).token_logp
+    return out
+
+
+@pytest.mark.gpu
+def test_thd_matches_padded_on_gpu(model_dir):
+    """Never run here (no GPU, no Transformer Engine): THD-packed log-probs equal the padded path's."""
+    from pacs_megatron.actor.model import have_transformer_engine
+
+    if not torch.cuda.is_available() or not have_transformer_engine():
+        pytest.skip("needs a GPU and Transformer Engine")
+    r = run_distributed(_thd_body, 1, model_dir)[0]
+    valid = valid_positions(sample_batch(VOCAB, groups=GROUPS))
+    assert r["thd"] and (r[True] - r[False])[valid].abs().max() <= 1e-3

@@ -4,9 +4,11 @@
     vocab-parallel logits [b, T, V/tp] --token_logprobs--> token_logp [b, T] --loss_func--> ...
 
 ``get_forward_backward_func`` picks no-pipelining, 1F1B or interleaved 1F1B (vpp > 1) from the
-layout. Every micro-batch of a pass has the same T (``seq_length``) and row count
-(``micro_batch_size``): the p2p buffers between stages are shaped from them, and the fixed
-[T*b, H] GEMM shapes are what makes log-probs batch-invariant on CPU.
+layout. With fixed batching every micro-batch of a pass has the same T (``seq_length``) and row
+count (``micro_batch_size``), which shape the p2p buffers between stages. Token-budget micro-batches
+(data/packing.py) differ in both: megatron's ``variable_seq_lengths`` then sends each activation's
+shape ahead of it. Log-probs are batch-invariant on CPU because the old-log-prob pass and the
+training pass run the same micro-batches with the same shapes.
 
 Input convention (data/batching.py): right-padded rows, positions 0..T-1, causal mask only;
 ``token_logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` and ``token_logp[:, 0] = 0``.

@@ -237,9 +237,9 @@ def main(args: argparse.Namespace) -> int:
             if code:
                 return code
             report["runs"].append(json.loads((workdir / "rank0.json").read_text()))
-    _print_report(report)
-    if args.json:
+    if args.json:  # first: the report survives a failure to print it
         Path(args.json).write_text(json.dumps(report, indent=2))
+    _print_report(report)
     return 0
 
 

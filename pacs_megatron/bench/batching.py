@@ -11,14 +11,17 @@ with median ``--median-response`` and sigma ``--sigma``, times a per-response lo
 builds two randomly initialised megatron-core actors (:class:`MegatronActor`, same weights), one with
 ``algorithm.dynamic_batching=false`` (micro-batches of ``--micro-batch-size`` rows padded to the step's
 longest row) and one with it on (the default budget: ``micro_batch_size x`` the longest possible row, so
-no micro-batch exceeds fixed batching's worst case). Per round, after one warm-up round, each mode times
-its actor passes of one step, interleaved: the old-log-prob pass (``compute_logprobs``) and one
-optimizer step (``train_step``) on the whole batch as one mini-batch.
+no micro-batch exceeds fixed batching's worst case). Per round, after one warm-up round, each mode
+times its actor passes of one step, interleaved (which mode goes first alternates between rounds):
+the old-log-prob pass (``compute_logprobs``) and one optimizer step (``train_step``) on the whole
+batch as one mini-batch.
 
-Reported per mode: micro-batches, tokens computed including padding, padding fraction (padding /
-computed tokens), medians of the pass times, and peak extra RSS during the train step (VmHWM, see
-bench/logprob.py). ``speedup`` = median over rounds of (fixed time / dynamic time) of the two passes
-together; adjacent timings share the machine's load of the moment. Target on the default workload: >= 1.5x.
+Reported per mode: micro-batches, tokens computed including padding, the largest micro-batch's
+tokens (the deterministic activation-memory bound), padding fraction (padding / computed tokens),
+medians of the pass times, and peak extra RSS during the train step (VmHWM, see bench/logprob.py; on
+CPU pages touched by the mode that ran earlier are reused without raising it, so it is indicative
+only). ``speedup`` = median over rounds of (fixed time / dynamic time) of the two passes together;
+adjacent timings share the machine's load of the moment. Target on the default workload: >= 1.5x.
 """
 
 from __future__ import annotations
@@ -137,12 +140,14 @@ def run_rank(args, workdir: Path, tp: int) -> dict:
                 "tokens_computed": computed,
                 "tokens_real": real,
                 "padding_frac": 1 - real / computed,
+                "largest_micro_batch_tokens": max(x.input_ids.numel() for x in micro),
                 "logprob_s": [],
                 "train_s": [],
                 "peak_mb": [],
             }
         for i in range(args.repeat + 1):  # round 0 warms up
-            for m, actor in actors.items():
+            for m in MODES if i % 2 else MODES[::-1]:  # alternate who runs first (load swings, touched pages)
+                actor = actors[m]
                 dist.barrier()
                 t0 = time.perf_counter()
                 old = actor.compute_logprobs(batch, micro_batch_size=mbs, temperature=1.0)
@@ -177,7 +182,7 @@ def _print_report(report: dict) -> None:
         title=f"actor passes, {a['groups']} prompts x n={a['n']}, responses log-normal median "
         f"{a['median_response']} (max {a['max_response']}), hidden {a['hidden']} x {a['layers']} layers"
     )
-    cols = ("tp", "mode", "micro-batches", "tokens computed", "padding", "logprob s", "train s", "peak MB")
+    cols = ("tp", "mode", "micro-batches", "tokens computed", "largest", "padding", "logprob s", "train s", "peak MB")
     for col in cols:
         table.add_column(col, justify="right")
     for r in report["runs"]:
@@ -188,6 +193,7 @@ def _print_report(report: dict) -> None:
                 m,
                 str(x["micro_batches"]),
                 str(x["tokens_computed"]),
+                str(x["largest_micro_batch_tokens"]),
                 f"{x['padding_frac']:.0%}",
                 f"{statistics.median(x['logprob_s']):.2f}",
                 f"{statistics.median(x['train_s']):.2f}",

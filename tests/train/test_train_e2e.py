@@ -24,6 +24,7 @@ SMALL = [
     "trainer.train_batch_size=10",
     "rollout.n=4",
     "algorithm.micro_batch_size=20",
+    "algorithm.dynamic_batching=true",  # token budget 20 x 24: micro-batches of varying shape, resumed exactly
     "trainer.sft_warmup_steps=2",
     "trainer.save_freq=2",
     "trainer.test_freq=2",

@@ -14,6 +14,7 @@ import torch
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import TrainBatch, build_train_batch, dp_shard, response_values, split_mini_batches
+from pacs_megatron.data.packing import dp_balanced_shard
 from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.pacs import get_loss, outcome_advantages
@@ -91,9 +92,14 @@ def prepare_local_batch(
     loss_cfg = cfg.algorithm.loss_config()
     if get_loss(cfg.algorithm.loss).needs_advantages:
         batch = batch.with_(advantages=outcome_advantages(batch.scores, batch.group_size, loss_cfg))
-    local = dp_shard(batch, dp_rank, dp_size)
+    if cfg.algorithm.dynamic_batching:  # groups spread by tokens, per mini-batch (data/packing.py)
+        local = dp_balanced_shard(batch, dp_rank, dp_size, cfg.mini_batch_prompts)
+    else:
+        local = dp_shard(batch, dp_rank, dp_size)
     mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
-    out = actor.compute_logprobs(local, micro_batch_size=mbs, temperature=cfg.rollout.temperature, with_entropy=True)
+    out = actor.compute_logprobs(
+        local, mbs, cfg.rollout.temperature, with_entropy=True, mini_batch_groups=cfg.mini_batch_prompts // dp_size
+    )
     metrics = {}
     if getattr(out, "entropy", None) is not None:
         m = local.response_mask.float()

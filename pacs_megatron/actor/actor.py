@@ -32,10 +32,12 @@ from pacs_megatron.actor.optimizer import (
     use_distributed_optimizer,
     wrap_ddp,
 )
+from pacs_megatron.actor.thd import use_thd
 from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, train_loss_func
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
+from pacs_megatron.data.packing import pack_micro_batches, token_budget
 from pacs_megatron.pacs import get_loss
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
@@ -102,6 +104,8 @@ class MegatronActor:
         if cfg.model.init == "pretrained":
             load_hf_weights(chunks, self.spec, self.model_dir, groups)
         self.model = wrap_ddp(chunks, self.config, cfg, groups)
+        self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device)
+        """THD-packed micro-batches (GPU + Transformer Engine; unverified, actor/thd.py)."""
         self.optimizer = build_optimizer(self.model, cfg, groups, self.param_dtype)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.iteration = 0
@@ -127,14 +131,25 @@ class MegatronActor:
     # ------------------------------------------------------------------ log-probs
 
     def compute_logprobs(
-        self, batch: TrainBatch, micro_batch_size: int, temperature: float, with_entropy: bool = False
+        self,
+        batch: TrainBatch,
+        micro_batch_size: int,
+        temperature: float,
+        with_entropy: bool = False,
+        mini_batch_groups: int = 0,
     ) -> LogprobResult:
-        """No-grad log-probs of this DP rank's rows, on every rank of the replica (collective)."""
+        """No-grad log-probs of this DP rank's rows, on every rank of the replica (collective).
+
+        With ``algorithm.dynamic_batching`` the rows go in token-budget micro-batches planned per run
+        of ``mini_batch_groups`` groups (0: the whole batch), the plan train_step makes for each such
+        mini-batch: identical shapes in both passes keep log-probs batch-invariant.
+        """
+        packed = self._packed(batch, mini_batch_groups)
         for c in self.model:
             c.eval()
         try:
             token_logp, entropy = forward_logprobs(
-                self.model, batch, micro_batch_size, self.spec, self.groups, temperature, with_entropy
+                self.model, batch, micro_batch_size, self.spec, self.groups, temperature, with_entropy, packed, self.thd
             )
         finally:
             for c in self.model:
@@ -157,7 +172,8 @@ class MegatronActor:
         loss = get_loss(name)
         check_train_batch(batch, loss, name)
         mbs = self.cfg.algorithm.micro_batch_size
-        micro = split_micro_batches(batch, min(mbs, len(batch)))
+        packed = self._packed(batch, 0)
+        micro = packed[0] if packed else split_micro_batches(batch, min(mbs, len(batch)))
         make = partial(
             train_loss_func,
             spec=self.spec,
@@ -171,10 +187,18 @@ class MegatronActor:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = run_schedule(self.model, micro, make, self.groups, forward_only=False)
+        store = run_schedule(self.model, micro, make, self.groups, forward_only=False, thd=self.thd)
         metrics = reduce_metrics(store, self.groups)
         metrics.update(self._optimizer_step(metrics))
         return metrics
+
+    def _packed(self, batch: TrainBatch, chunk_groups: int):
+        """Token-budget micro-batches (data/packing.py) when dynamic batching is on, else None. With
+        PP every micro-batch of a pass keeps the rows' padded length only up to its own longest row;
+        megatron's p2p then sends shapes ahead (run_schedule), see docs/batching.md."""
+        if not self.cfg.algorithm.dynamic_batching:
+            return None
+        return pack_micro_batches(batch, token_budget(self.cfg), chunk_groups)
 
     def _optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
         """Clip and step, or skip the step when the loss / log-prob metrics or the gradient norm are

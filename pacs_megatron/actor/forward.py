@@ -4,9 +4,11 @@
     vocab-parallel logits [b, T, V/tp] --token_logprobs--> token_logp [b, T] --loss_func--> ...
 
 ``get_forward_backward_func`` picks no-pipelining, 1F1B or interleaved 1F1B (vpp > 1) from the
-layout. Every micro-batch of a pass has the same T (``seq_length``) and row count
-(``micro_batch_size``): the p2p buffers between stages are shaped from them, and the fixed
-[T*b, H] GEMM shapes are what makes log-probs batch-invariant on CPU.
+layout. With fixed batching every micro-batch of a pass has the same T (``seq_length``) and row
+count (``micro_batch_size``), which shape the p2p buffers between stages. Token-budget micro-batches
+(data/packing.py) differ in both: megatron's ``variable_seq_lengths`` then sends each activation's
+shape ahead of it. Log-probs are batch-invariant on CPU because the old-log-prob pass and the
+training pass run the same micro-batches with the same shapes.
 
 Input convention (data/batching.py): right-padded rows, positions 0..T-1, causal mask only;
 ``token_logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` and ``token_logp[:, 0] = 0``.
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
+from pacs_megatron.actor.thd import pack_thd
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.ops import fused_logprobs
 from pacs_megatron.parallel import ParallelGroups
@@ -83,6 +86,7 @@ def run_schedule(
     make_loss_func: LossFactory,
     groups: ParallelGroups,
     forward_only: bool,
+    thd: bool = False,
 ) -> list:
     """Run megatron's schedule over ``micro``; returns what the loss functions reported, one entry
     per micro-batch on the last pipeline stage (empty elsewhere).
@@ -91,20 +95,30 @@ def run_schedule(
     ``forward_only`` mode it is called with ``non_loss_data=True`` and returns a dict of tensors.
     With vpp > 1, repeats of the last micro-batch pad the pass (:func:`interleave_padding`); their
     loss functions get ``dummy=True`` and must contribute nothing (a zero loss and a zero count),
-    and their outputs are dropped.
+    and their outputs are dropped. ``thd``: run the layers on THD-packed rows (GPU + TE, actor/thd.py).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     n_real = len(micro)
     micro = list(micro) + [micro[-1]] * interleave_padding(n_real, groups)
-    T = micro[0].input_ids.shape[1]
-    mbs = len(micro[0])
+    mbs, T = micro[0].input_ids.shape
     device = groups.device
-    positions = torch.arange(T, device=device).unsqueeze(0).expand(mbs, T)
 
     def forward_step(data_iterator, model):
         k, mb = next(data_iterator)
         ids = mb.input_ids.to(device, non_blocking=True)
+        if thd:  # unverified on GPU: see actor/thd.py
+            p = pack_thd(ids, mb.seq_lens, 8 * groups.tp_size)
+            out = model(
+                input_ids=p.input_ids,
+                position_ids=p.position_ids,
+                attention_mask=None,
+                packed_seq_params=p.packed_seq_params(),
+            )
+            loss_func = make_loss_func(mb, ids, k >= n_real)
+            return out, lambda logits, *a, **kw: loss_func(p.unpack(logits), *a, **kw)
+        # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
+        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
         out = model(input_ids=ids, position_ids=positions, attention_mask=None)
         return out, make_loss_func(mb, ids, k >= n_real)
 
@@ -114,6 +128,8 @@ def run_schedule(
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         config = _unwrap(chunks[0]).config
+        # Shapes that vary between micro-batches: megatron then sends each activation's shape ahead of it.
+        config.variable_seq_lengths = thd or len({m.input_ids.shape for m in micro}) > 1
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp_group, config=config)
     fb = get_forward_backward_func(pp_size=groups.pp_size, vp_size=groups.vpp_size if groups.vpp_size > 1 else None)
     store = fb(
@@ -160,19 +176,29 @@ def forward_logprobs(
     groups: ParallelGroups,
     temperature: float,
     with_entropy: bool,
+    packed: tuple[list[TrainBatch], torch.Tensor] | None = None,
+    thd: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """No-grad log-probs of ``batch`` ``[B, T]`` (+ entropy) on every rank of this pipeline (CPU tensors)."""
+    """No-grad log-probs of ``batch`` ``[B, T]`` (+ entropy) on every rank of this pipeline (CPU tensors).
+
+    ``packed``: token-budget micro-batches and their source rows (data/packing.py pack_micro_batches)
+    instead of consecutive ``micro_batch_size`` rows; columns past a micro-batch's length hold 0.
+    """
     B, T = batch.input_ids.shape
-    micro = split_micro_batches(batch, min(micro_batch_size, B))
+    micro, rows = packed or (split_micro_batches(batch, min(micro_batch_size, B)), torch.arange(B))
     make = partial(logprob_loss_func, spec=spec, groups=groups, temperature=temperature, with_entropy=with_entropy)
     with torch.no_grad():
-        store = run_schedule(chunks, micro, make, groups, forward_only=True)
+        store = run_schedule(chunks, micro, make, groups, forward_only=True, thd=thd)
     n_out = 2 if with_entropy else 1
-    buf = torch.empty((n_out, B, T), dtype=torch.float32, device=groups.device)
+    buf = torch.zeros((n_out, B, T), dtype=torch.float32, device=groups.device)
     if groups.is_last_stage:
-        buf[0] = torch.cat([d["token_logp"] for d in store])
-        if with_entropy:
-            buf[1] = torch.cat([d["entropy"] for d in store])
+        start = 0
+        for mb, d in zip(micro, store):
+            idx = rows[start : start + len(mb)].to(groups.device)
+            start += len(mb)
+            buf[0, idx, : d["token_logp"].shape[1]] = d["token_logp"]
+            if with_entropy:
+                buf[1, idx, : d["entropy"].shape[1]] = d["entropy"]
     if groups.pp_size > 1:
         torch.distributed.broadcast(buf, src=groups.pp_last_rank, group=groups.pp_group)
     buf = buf.cpu()

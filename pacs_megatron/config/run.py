@@ -66,6 +66,14 @@ class RunConfig:
                     f"algorithm.{key}={mbs} must divide the {rows_per_rank} sequences each DP rank holds per "
                     f"mini-batch (mini_batch_size/dp*n); e.g. use {n}"
                 )
+        if algo.dynamic_batching and algo.max_tokens_per_micro_batch:
+            longest = -(-(self.data.max_prompt_length + self.rollout.max_response_length) // 8) * 8
+            if n * longest > algo.max_tokens_per_micro_batch:
+                raise ConfigError(
+                    f"algorithm.max_tokens_per_micro_batch={algo.max_tokens_per_micro_batch} is below one prompt "
+                    f"group at full length: {n} x {longest} (data.max_prompt_length + rollout.max_response_length, "
+                    f"rounded to 8) = {n * longest} tokens; raise the budget to at least {n * longest}"
+                )
         if self.model.init == "tiny":
             tiny = self.model.tiny
             for k in ("num_attention_heads", "num_key_value_heads"):

@@ -37,6 +37,16 @@ class AlgorithmConfig:
     is_level: str = "auto"
     """Unit of the importance ratio: "token", "sequence" (product over the response), or "auto":
     sequence for pacs (its weight multiplies a row's BCE weight), token for grpo/ppo."""
+    dynamic_batching: bool = True
+    """Padding-free batching (docs/batching.md): micro-batches of whole prompt groups under
+    max_tokens_per_micro_batch padded tokens, each padded only to its own longest row, groups spread
+    over DP ranks by tokens; the old-log-prob pass uses the training pass's micro-batches (so
+    logprob_micro_batch_size is unused). Same gradient as fixed batching; false: fixed micro-batches
+    of micro_batch_size rows padded to the step's longest row."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a dynamic micro-batch per DP rank (rows x padded length, padding included);
+    0: micro_batch_size x (data.max_prompt_length + rollout.max_response_length, rounded up to 8),
+    i.e. never more than a fixed micro-batch can hold."""
 
     def __post_init__(self) -> None:
         _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo"))
@@ -53,6 +63,7 @@ class AlgorithmConfig:
                 "algorithm.is_level=token with algorithm.loss=pacs: PACS weights whole rows (its BCE is per "
                 "sequence); use algorithm.is_level=sequence (or auto)"
             )
+        _positive("algorithm.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True)
 
     def loss_config(self) -> PACSConfig | PolicyLossConfig:
         """The sub-config the selected loss reads, with ``policy.adv_estimator=auto`` resolved."""

@@ -70,6 +70,12 @@ class TrainBatch:
             raise ValueError(f"rows {start}:{stop} would split a prompt group of {n}")
         return self._map(lambda t: t[start:stop])
 
+    def take(self, rows: torch.Tensor, length: int | None = None) -> TrainBatch:
+        """Rows ``rows`` (whole groups, each contiguous) cut to the first ``length`` columns (default all)."""
+        T = self.input_ids.shape[1]
+        width = T if length is None else length
+        return self._map(lambda t: t[rows, :width] if t.dim() == 2 and t.shape[1] == T else t[rows])
+
     def with_(self, **kw) -> TrainBatch:
         return replace(self, **kw)
 

@@ -60,7 +60,8 @@ def run_config(model_dir: str, tp=1, pp=1, dp=1, vpp=1, init="pretrained", seed=
         model=ModelConfig(path=model_dir, init=init, seed=seed),
         parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp),
         rollout=RolloutConfig(n=GROUP, temperature=1.0),
-        algorithm=AlgorithmConfig(micro_batch_size=2 * GROUP, logprob_micro_batch_size=GROUP),
+        # fixed micro-batches: these tests choose micro-batch sizes (test_actor_packing.py turns dynamic on)
+        algorithm=AlgorithmConfig(micro_batch_size=2 * GROUP, logprob_micro_batch_size=GROUP, dynamic_batching=False),
         trainer=TrainerConfig(total_steps=4, train_batch_size=4),
         optimizer=optimizer,
     )

@@ -24,6 +24,9 @@ SMALL = [
     "trainer.train_batch_size=10",
     "rollout.n=4",
     "algorithm.micro_batch_size=20",
+    # token-budget micro-batches of 3 groups of 4 rows x 8 tokens (the last one smaller), resumed exactly
+    "algorithm.dynamic_batching=true",
+    "algorithm.max_tokens_per_micro_batch=96",
     "trainer.sft_warmup_steps=2",
     "trainer.save_freq=2",
     "trainer.test_freq=2",

@@ -1,0 +1,255 @@
+"""Benchmark: fixed padded micro-batches vs token-budget micro-batches through the real actor, side by side.
+
+    python -m pacs_megatron.bench.batching                      # TP=1 in this process, then TP=2 (2 gloo ranks)
+    python -m pacs_megatron.bench.batching --tp 1 --groups 8 --json batching.json
+
+The workload is a synthetic reasoning-RL step: ``--groups`` prompts of 16 to ``--max-prompt`` tokens,
+``--n`` (8) responses each. Response lengths are long-tailed and correlated within a group, as in
+reasoning RL (a hard problem gets long answers from all its samples): a per-prompt scale, log-normal
+with median ``--median-response`` and sigma ``--sigma``, times a per-response log-normal factor of sigma
+``--within-sigma``, clipped to ``--max-response``: most responses short, a few near the limit. Each rank
+builds two randomly initialised megatron-core actors (:class:`MegatronActor`, same weights), one with
+``algorithm.dynamic_batching=false`` (micro-batches of ``--micro-batch-size`` rows padded to the step's
+longest row) and one with it on (the default budget: ``micro_batch_size x`` the longest possible row, so
+no micro-batch exceeds fixed batching's worst case). Per round, after one warm-up round, each mode
+times its actor passes of one step, interleaved (which mode goes first alternates between rounds):
+the old-log-prob pass (``compute_logprobs``) and one optimizer step (``train_step``) on the whole
+batch as one mini-batch.
+
+Reported per mode: micro-batches, tokens computed including padding, the largest micro-batch's
+tokens (the deterministic activation-memory bound), padding fraction (padding / computed tokens),
+medians of the pass times, and peak extra RSS during the train step (VmHWM, see bench/logprob.py; on
+CPU pages touched by the mode that ran earlier are reused without raising it, so it is indicative
+only). ``speedup`` = median over rounds of (fixed time / dynamic time) of the two passes together;
+adjacent timings share the machine's load of the moment. Target on the default workload: >= 1.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+MODES = ("fixed", "dynamic")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", default="1,2", help="comma-separated TP sizes, each run as its own job")
+    p.add_argument("--groups", type=int, default=8, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="responses per prompt")
+    p.add_argument("--median-response", type=int, default=64)
+    p.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the per-prompt length scale")
+    p.add_argument("--within-sigma", type=float, default=0.3, help="log-normal sigma within a group")
+    p.add_argument("--max-response", type=int, default=512)
+    p.add_argument("--max-prompt", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=8, help="rows per fixed micro-batch (one group)")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--repeat", type=int, default=2, help="timed rounds after one warm-up (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)  # set by the launching process
+
+
+def synthetic_lengths(args) -> tuple[list[int], list[int]]:
+    """Prompt length per group and response length per row (long-tailed, deterministic in --seed)."""
+    rng = random.Random(args.seed)
+    prompts = [rng.randint(16, args.max_prompt) for _ in range(args.groups)]
+    responses = []
+    for _ in range(args.groups):
+        scale = args.median_response * rng.lognormvariate(0.0, args.sigma)
+        for _ in range(args.n):
+            responses.append(max(1, min(args.max_response, int(scale * rng.lognormvariate(0.0, args.within_sigma)))))
+    return prompts, responses
+
+
+def _batch(args):
+    from pacs_megatron.data.batching import build_train_batch
+
+    prompt_lens, response_lens = synthetic_lengths(args)
+    g = torch.Generator().manual_seed(args.seed)
+    prompts, responses = [], []
+    for k, plen in enumerate(prompt_lens):
+        prompt = torch.randint(1, args.vocab, (plen,), generator=g).tolist()
+        for j in range(args.n):
+            prompts.append(prompt)
+            responses.append(torch.randint(1, args.vocab, (response_lens[k * args.n + j],), generator=g).tolist())
+    scores = [float(i % 3 == 0) for i in range(len(prompts))]
+    return build_train_batch(prompts, responses, scores, args.n, pad_id=0, pad_to_multiple=8)
+
+
+def _config(args, workdir: Path, tp: int, dynamic: bool):
+    from pacs_megatron.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"model.path={workdir}",
+            "model.init=random",
+            "model.dtype=float32",
+            f"parallel.tp={tp}",
+            "parallel.backend=gloo",
+            f"rollout.n={args.n}",
+            f"rollout.max_response_length={args.max_response}",
+            f"data.max_prompt_length={args.max_prompt}",
+            f"trainer.train_batch_size={args.groups}",
+            f"algorithm.micro_batch_size={args.micro_batch_size}",
+            f"algorithm.dynamic_batching={str(dynamic).lower()}",
+            "optimizer.lr=1e-5",
+        ],
+    )
+
+
+def _tokens(micro) -> tuple[int, int]:
+    """(computed tokens incl. padding, real tokens) over micro-batches."""
+    return sum(m.input_ids.numel() for m in micro), sum(int(m.seq_lens.sum()) for m in micro)
+
+
+def run_rank(args, workdir: Path, tp: int) -> dict:
+    """Both actors on this rank; per-mode token counts, timings and memory."""
+    import torch.distributed as dist
+
+    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.bench.logprob import _PeakMemory
+    from pacs_megatron.data.batching import split_micro_batches
+    from pacs_megatron.parallel import destroy_parallel, initialize_parallel
+
+    cfgs = {m: _config(args, workdir, tp, m == "dynamic") for m in MODES}
+    groups = initialize_parallel(cfgs["fixed"].parallel, json.loads((workdir / "config.json").read_text()))
+    try:
+        actors = {m: MegatronActor(cfgs[m], groups, str(workdir)) for m in MODES}
+        batch = _batch(args)
+        mbs = args.micro_batch_size
+        out: dict = {"rank": groups.rank, "tp": tp, "rows": len(batch), "threads": torch.get_num_threads()}
+        for m, actor in actors.items():
+            packed = actor._packed(batch, 0)
+            micro = packed[0] if packed else split_micro_batches(batch, mbs)
+            computed, real = _tokens(micro)
+            out[m] = {
+                "micro_batches": len(micro),
+                "tokens_computed": computed,
+                "tokens_real": real,
+                "padding_frac": 1 - real / computed,
+                "largest_micro_batch_tokens": max(x.input_ids.numel() for x in micro),
+                "logprob_s": [],
+                "train_s": [],
+                "peak_mb": [],
+            }
+        for i in range(args.repeat + 1):  # round 0 warms up
+            for m in MODES if i % 2 else MODES[::-1]:  # alternate who runs first (load swings, touched pages)
+                actor = actors[m]
+                dist.barrier()
+                t0 = time.perf_counter()
+                old = actor.compute_logprobs(batch, micro_batch_size=mbs, temperature=1.0)
+                dist.barrier()
+                t1 = time.perf_counter()
+                with _PeakMemory(torch.device("cpu")) as mem:
+                    actor.train_step(batch.with_(old_logp=old.token_logp))
+                    dist.barrier()
+                t2 = time.perf_counter()
+                if i:
+                    out[m]["logprob_s"].append(t1 - t0)
+                    out[m]["train_s"].append(t2 - t1)
+                    out[m]["peak_mb"].append(mem.peak / 2**20)
+        f, d = out["fixed"], out["dynamic"]
+        rounds = [(a + b) / (c + e) for a, b, c, e in zip(f["logprob_s"], f["train_s"], d["logprob_s"], d["train_s"])]
+        out["speedup"] = statistics.median(rounds)
+        out["speedup_rounds"] = rounds
+        return out
+    finally:
+        destroy_parallel()
+
+
+def _print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from pacs_megatron.bench.sync import _cpu_name
+
+    console = Console()
+    a = report["args"]
+    table = Table(
+        title=f"actor passes, {a['groups']} prompts x n={a['n']}, responses log-normal median "
+        f"{a['median_response']} (max {a['max_response']}), hidden {a['hidden']} x {a['layers']} layers"
+    )
+    cols = ("tp", "mode", "micro-batches", "tokens computed", "largest", "padding", "logprob s", "train s", "peak MB")
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in report["runs"]:
+        for m in MODES:
+            x = r[m]
+            table.add_row(
+                str(r["tp"]),
+                m,
+                str(x["micro_batches"]),
+                str(x["tokens_computed"]),
+                str(x["largest_micro_batch_tokens"]),
+                f"{x['padding_frac']:.0%}",
+                f"{statistics.median(x['logprob_s']):.2f}",
+                f"{statistics.median(x['train_s']):.2f}",
+                f"{statistics.median(x['peak_mb']):.0f}",
+            )
+    console.print(table)
+    for r in report["runs"]:
+        tokens = r["fixed"]["tokens_computed"] / r["dynamic"]["tokens_computed"]
+        console.print(f"speedup tp={r['tp']}: {r['speedup']:.2f}x (tokens computed: {tokens:.2f}x fewer)")
+    console.print(
+        f"[dim]{_cpu_name()} x{os.cpu_count()}, torch {torch.__version__}, load {report['load_avg_at_start']}; "
+        "speedup = median over rounds of fixed / dynamic time of both actor passes; target >= 1.5x[/dim]"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from pacs_megatron.bench.sync import _write_model_dir
+    from pacs_megatron.launch.local import spawn_local
+    from pacs_megatron.utils.dist import under_launcher
+
+    tps = [int(x) for x in str(args.tp).split(",")]
+    if under_launcher():  # one rank of a TP job
+        workdir = Path(args.workdir)
+        result = run_rank(args, workdir, int(os.environ["WORLD_SIZE"]))
+        (workdir / f"rank{result['rank']}.json").write_text(json.dumps(result))
+        return 0
+    report = {"args": {k: v for k, v in vars(args).items() if k != "workdir"}, "runs": []}
+    report["load_avg_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    shape = SimpleNamespace(
+        vocab=args.vocab,
+        hidden=args.hidden,
+        ffn=4 * args.hidden,
+        layers=args.layers,
+        heads=4,
+        kv_heads=2,
+        untied=False,
+        dtype="float32",
+    )
+    for tp in tps:
+        with tempfile.TemporaryDirectory(prefix="pacs_batching_bench_") as tmp:
+            workdir = Path(tmp)
+            _write_model_dir(workdir, shape)
+            if tp == 1:
+                report["runs"].append(run_rank(args, workdir, 1))
+                continue
+            code = spawn_local(["pacs_megatron.bench.batching", *sys.argv[1:], "--workdir", str(workdir)], tp)
+            if code:
+                return code
+            report["runs"].append(json.loads((workdir / "rank0.json").read_text()))
+    if args.json:  # first: the report survives a failure to print it
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    _print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

@@ -17,7 +17,8 @@ Two pieces:
   (run once by the batch script, before any srun): validates the config for that world size and
   prints the overrides srun adds: ``parallel.dp`` (world size / (tp * pp): the script does no
   arithmetic) and ``trainer.deadline_unix`` (the job's end time from ``squeue``), or one error line
-  naming the node count, the processes per node and the layout, exit 2.
+  naming the node count, the processes per node and the layout, exit 2. The torchrun script
+  (``examples/torchrun/multinode.sh``) uses it too; outside a Slurm job there is no deadline.
 """
 
 from __future__ import annotations

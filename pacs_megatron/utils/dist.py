@@ -19,9 +19,10 @@ def under_launcher() -> bool:
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface."""
+    """A TCP port free on every interface: torch's TCPStore listens on all of them, so a port free on
+    127.0.0.1 only (another job's on the machine's address) would fail with EADDRINUSE."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

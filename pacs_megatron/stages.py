@@ -84,7 +84,7 @@ def prepare_local_batch(
 ) -> tuple[TrainBatch, dict]:
     """This DP rank's groups, with outcome advantages (baselines) and old log-probs filled."""
     loss_cfg = cfg.algorithm.loss_config()
-    if get_loss(cfg.algorithm.loss).needs_advantages:
+    if get_loss(cfg.algorithm.loss).needs_advantages and getattr(loss_cfg, "adv_estimator", "") != "gae":
         batch = batch.with_(advantages=outcome_advantages(batch.scores, batch.group_size, loss_cfg))
     local = dp_shard(batch, dp_rank, dp_size)
     mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size

@@ -46,7 +46,11 @@ class TrainBatch:
     old_logp: torch.Tensor | None = None
     """``[B, T]`` float32 log-probs of the rollout policy (filled by the old-log-prob pass)."""
     advantages: torch.Tensor | None = None
-    """``[B]`` float32 outcome advantages (baselines only)."""
+    """``[B]`` float32 outcome advantages (baselines only), or ``[B, T]`` per-token GAE advantages."""
+    old_values: torch.Tensor | None = None
+    """``[B, T]`` float32 values of the learned critic before its update (``adv_estimator=gae``)."""
+    returns: torch.Tensor | None = None
+    """``[B, T]`` float32 GAE returns, the critic's regression targets (``adv_estimator=gae``)."""
 
     def __post_init__(self) -> None:
         check_groups(self.input_ids.shape[0], self.group_size, self.group_ids)

@@ -109,7 +109,7 @@ class MegatronCritic(MegatronActor):
         self.scheduler = build_scheduler(self.optimizer, self.opt_cfg)
         self.iteration = 0
         self.skipped_steps = 0
-        logger.info("critic: value head on %s, init from %s, lr %g", self.spec.model_type, cfg.critic.init, cfg.critic.optim.lr)
+        logger.info("critic: value head, init from %s, lr %g", cfg.critic.init, cfg.critic.optim.lr)
 
     @property
     def micro_batch_size(self) -> int:

@@ -73,9 +73,9 @@ class RunConfig:
             if tiny.num_layers % (self.parallel.pp * self.parallel.vpp):
                 raise ConfigError("model.tiny.num_layers must be divisible by parallel.pp * parallel.vpp")
         if algo.loss == "pacs" and algo.policy.adv_estimator == "gae":
-            raise ConfigError("algorithm.policy.adv_estimator=gae trains a critic for loss ppo/grpo: set algorithm.loss=ppo")
+            raise ConfigError("algorithm.policy.adv_estimator=gae is for loss ppo/grpo: set algorithm.loss=ppo")
         if self.critic.micro_batch_size % n:
-            raise ConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size}: use a multiple of rollout.n={n}")
+            raise ConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size}: use a multiple of {n}")
         if self.data.task == "arith" and self.reward.fn == "math":
             raise ConfigError("data.task=arith is scored by reward.fn=arith (exact match), not 'math'")
 

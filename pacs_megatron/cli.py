@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("pacs_megatron.eval.cli", "sample n answers per problem and report unbiased pass@k"),
     "parity": ("pacs_megatron.actor.parity", "compare Megatron log-probs with Hugging Face transformers"),
     "plot": ("pacs_megatron.utils.plot", "render PNG curves from OUTPUT_DIR/metrics.jsonl"),
+    "compare": ("pacs_megatron.tools.compare", "PACS vs GRPO vs PPO over seeds with a tuned lr each (JSON + PNG)"),
 }
 
 

@@ -1,0 +1,1 @@
+"""User tools beside training (each a ``pacs-megatron`` subcommand): compare."""

@@ -33,7 +33,7 @@ from pacs_megatron.actor.actor import MegatronActor, _seed_for_init
 from pacs_megatron.actor.forward import run_schedule
 from pacs_megatron.actor.model import build_model_chunks, transformer_config
 from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
-from pacs_megatron.actor.train_step import _DENOM, _MAXLR, reduce_metrics
+from pacs_megatron.actor.train_step import _DENOM, _MAXLR
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.config import RunConfig, critic_enabled
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
@@ -143,17 +143,9 @@ class MegatronCritic(MegatronActor):
         if batch.old_values is None or batch.returns is None:
             raise ValueError("critic.train_step needs batch.old_values and batch.returns (GAE)")
         micro = split_micro_batches(batch, min(self.micro_batch_size, len(batch)))
-        make = partial(_value_loss_func, clip=self.cfg.critic.cliprange_value)
-        for c in self.model:
-            c.train()
-            c.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        store = run_schedule(self.model, micro, make, self.groups, forward_only=False)
-        metrics = reduce_metrics(store, self.groups)
+        metrics = self._update(micro, partial(_value_loss_func, clip=self.cfg.critic.cliprange_value))
         metrics.pop(_MAXLR, None)
-        step = self._optimizer_step()
-        metrics.update({k.replace("actor/", "critic/"): v for k, v in step.items()})
-        return metrics
+        return {k.replace("actor/", "critic/"): v for k, v in metrics.items()}
 
 
 def _value_loss_func(mb: TrainBatch, ids: torch.Tensor, dummy: bool, clip: float):  # noqa: ARG001

@@ -47,6 +47,7 @@ METHODS: dict[str, list[str]] = {
     "ppo_rloo": ["algorithm.loss=ppo", "algorithm.policy.adv_estimator=rloo"],
 }
 TUNE_SEED0 = 1000
+TRAIN = (sys.executable, "-m", "pacs_megatron", "train")
 TRAIN_KEY = "reward/mean"
 # Two-sided 95% Student-t quantiles for 1..10 degrees of freedom (normal beyond).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
@@ -100,12 +101,8 @@ class Runner:
     def command(self, method: str, lr: float, seed: int) -> list[str]:
         d = self.out / "runs" / run_name(method, lr, seed)
         return [
-            sys.executable,
-            "-m",
-            "pacs_megatron",
-            "train",
-            "--config",
-            self.args.config,
+            *TRAIN,
+            f"--config={self.args.config}",
             *METHODS[method],
             f"optimizer.lr={lr}",
             f"trainer.seed={seed}",

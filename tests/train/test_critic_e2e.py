@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_train_e2e import CONFIG, _deterministic, _env, _rows
+import test_train_e2e as e2e
+from test_train_e2e import _deterministic, _env, _rows
 
 CRITIC_KEYS = (
     "critic/value_loss",
@@ -25,27 +25,16 @@ CRITIC_KEYS = (
 
 
 def _cmd(out: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pacs_megatron",
-        "train",
-        "--config",
-        str(CONFIG),
-        f"trainer.output_dir={out}",
-        f"model.path={out}/model",
-        "trainer.total_steps=3",
-        "trainer.train_batch_size=10",
-        "rollout.n=4",
-        "algorithm.micro_batch_size=20",
-        "trainer.sft_warmup_steps=2",
-        "trainer.save_freq=2",
-        "logging.progress_bar=false",
+    return e2e._cmd(
+        out,
+        3,
+        "trainer.test_freq=0",
+        "reward.fn=arith",
         "algorithm.loss=ppo",
         "algorithm.policy.adv_estimator=gae",
         "algorithm.policy.loss_agg_mode=seq-mean-token-sum-norm",
         "critic.optim.lr=1e-3",
-    ]
+    )
 
 
 @pytest.mark.slow

@@ -258,7 +258,8 @@ def compare(args: argparse.Namespace) -> dict:
             tuning[m] = scores
             chosen[m] = float(max(scores, key=lambda k: tuple(-1.0 if math.isnan(v) else v for v in scores[k])))
             logger.info("tuning %s: %s -> lr %g", m, scores, chosen[m])
-    specs = [(m, chosen[m], seed) for m in args.methods for seed in range(args.seeds)]
+    # Seed-major order: a comparison cut short still has every method on its first seeds.
+    specs = [(m, chosen[m], seed) for seed in range(args.seeds) for m in args.methods]
     res = runner.run_all(specs)
     val_key = val_key or next((find_val_key(r) for r in res.values() if r and find_val_key(r)), None)
     if val_key is None:

@@ -109,6 +109,8 @@ class Components:
     """RewardScorer."""
     sync: Any
     """WeightSync (actor -> engine, probed)."""
+    critic: Any = None
+    """MegatronCritic (algorithm.policy.adv_estimator=gae), else None."""
 
     @property
     def pad_id(self) -> int:
@@ -124,6 +126,8 @@ class Components:
             "model": model_shape(self.actor.hf_config.to_dict()),
         }
         self.actor.save_checkpoint(str(directory), extra)
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(directory / "critic"), {"step": step})
         if self.cfg.trainer.export_hf:
             self.export_hf(directory)
 
@@ -136,6 +140,8 @@ class Components:
         if plan is None:
             return 0
         extra = self.actor.load_checkpoint(str(plan.path))
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(plan.path / "critic"))
         self.dataset.load_state_dict(extra["dataset"])
         logger.info("resumed from %s (step %d)", plan.path, extra["step"])
         return int(extra["step"])
@@ -147,6 +153,7 @@ class Components:
 def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     """Tokenizer, datasets, actor, engine, scorer and weight sync (collective)."""
     from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.actor.critic import build_critic
     from pacs_megatron.data import build_train_dataset, build_val_datasets, load_tokenizer
     from pacs_megatron.reward import RewardScorer
     from pacs_megatron.rollout import build_engine
@@ -158,4 +165,5 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     actor = MegatronActor(cfg, rt.groups, str(rt.model_dir))
     engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device)
     sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
-    return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync)
+    critic = build_critic(cfg, rt.groups, actor)
+    return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync, critic)

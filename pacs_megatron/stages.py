@@ -90,7 +90,7 @@ def prepare_local_batch(
 ) -> tuple[TrainBatch, dict]:
     """This DP rank's groups, with outcome advantages (baselines) and old log-probs filled."""
     loss_cfg = cfg.algorithm.loss_config()
-    if get_loss(cfg.algorithm.loss).needs_advantages:
+    if get_loss(cfg.algorithm.loss).needs_advantages and getattr(loss_cfg, "adv_estimator", "") != "gae":
         batch = batch.with_(advantages=outcome_advantages(batch.scores, batch.group_size, loss_cfg))
     if cfg.algorithm.dynamic_batching:  # groups spread by tokens, per mini-batch (data/packing.py)
         local = dp_balanced_shard(batch, dp_rank, dp_size, cfg.mini_batch_prompts)
@@ -125,16 +125,17 @@ def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict
 
 
 def format_warmup(cfg: RunConfig, rt, c) -> dict:
-    """Supervised warm-up on (prompt, random digit + eos): teaches the answer *format*, never the
-    answer (targets are drawn uniformly), so the RL run still starts at chance level. Prompts are
-    drawn with their own RNG, so the RL prompt stream is untouched."""
+    """Supervised warm-up on (prompt, random digits + eos): teaches the answer *format*, never the
+    answer nor its length (targets are drawn uniformly), so the RL run still starts at chance level.
+    Prompts are drawn with their own RNG, so the RL prompt stream is untouched."""
     from pacs_megatron.data.synthetic import format_warmup_examples
 
     rng = random.Random(cfg.trainer.seed)
     rows = cfg.mini_batch_prompts * cfg.rollout.n
     last: dict = {}
     for _ in range(cfg.trainer.sft_warmup_steps):
-        pairs = format_warmup_examples([rng.choice(c.dataset.records) for _ in range(rows)], rng)
+        digits = max(len(r.answer) for r in c.dataset.records)
+        pairs = format_warmup_examples([rng.choice(c.dataset.records) for _ in range(rows)], rng, digits)
         batch = build_train_batch([p for p, _ in pairs], [t for _, t in pairs], [0.0] * rows, 1, c.pad_id, 8)
         local = dp_shard(batch.with_(old_logp=torch.zeros(batch.input_ids.shape)), rt.groups.dp_rank, rt.groups.dp_size)
         last = c.actor.train_step(local, loss_name="sft")

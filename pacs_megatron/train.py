@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from pacs_megatron import stages
+from pacs_megatron import critic_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
 from pacs_megatron.utils.checkpoint import CheckpointManager
@@ -65,7 +65,10 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         with timer("old_logprob"):
             local, m = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size)
             metrics |= m
+            local, m = critic_stages.attach_values(cfg, c, batch, local)  # GAE (ppo + learned critic)
+            metrics |= m
         with timer("update"):
+            metrics |= critic_stages.update_critic(cfg, c, local)
             metrics |= stages.update_actor(cfg, c.actor, local, rt.groups.dp_size)
             metrics |= c.actor.offload()  # actor.offload_during_rollout: optimizer state to host until next use
         with timer("sync"):

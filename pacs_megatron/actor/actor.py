@@ -182,7 +182,12 @@ class MegatronActor:
             loss_cfg=self._loss_config(name),
             temperature=self.cfg.rollout.temperature,
         )
-        self.offloader.restore()
+        return self._update(micro, make)
+
+    def _update(self, micro: list[TrainBatch], make) -> dict[str, float]:
+        """Forward/backward of ``micro`` with megatron loss functions from ``make``, then one optimizer
+        step; the DP-reduced metrics of the loss functions plus the step's (shared with the critic)."""
+        self.offloader.restore()  # optimizer state back from the host (actor.offload_during_rollout)
         for c in self.model:
             c.train()
             c.zero_grad_buffer()

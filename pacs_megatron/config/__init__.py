@@ -9,6 +9,7 @@ the fix. Checks that need the model (TP divides the heads, ...) run at start-up 
 """
 
 from pacs_megatron.config.base import ConfigError
+from pacs_megatron.config.critic import CriticConfig, critic_enabled
 from pacs_megatron.config.data import ArithTaskConfig, DataConfig, RewardConfig
 from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig, TinyModelConfig
@@ -20,6 +21,7 @@ __all__ = [
     "AlgorithmConfig",
     "ArithTaskConfig",
     "ConfigError",
+    "CriticConfig",
     "DataConfig",
     "LauncherConfig",
     "LoggingConfig",
@@ -34,6 +36,7 @@ __all__ = [
     "TrainerConfig",
     "VLLMConfig",
     "config_from_dict",
+    "critic_enabled",
     "load_config",
     "to_yaml",
 ]

@@ -19,10 +19,18 @@ class ArithTaskConfig:
     """Answers are (a + b) % modulo, a one-token answer; 0 disables the modulo."""
     num_problems: int = 0
     """Distinct problems in the train set; 0 means all (max_operand + 1)^2 pairs."""
+    test_fraction: float = 0.0
+    """Share of the problems held out for validation (a seeded split by ``split_seed``): RL trains on
+    the rest and validation runs on these only, so pass@1 measures generalisation; 0 trains and
+    validates on every problem (memorisation)."""
+    split_seed: int = 0
+    """Seed of the held-out split (kept apart from data.seed so every training seed sees one split)."""
 
     def __post_init__(self) -> None:
         _positive("data.arith.max_operand", self.max_operand)
         _positive("data.arith.modulo", self.modulo, allow_zero=True)
+        if not 0.0 <= self.test_fraction < 1.0:
+            raise ConfigError(f"data.arith.test_fraction={self.test_fraction} must be in [0, 1), e.g. 0.2")
 
 
 @dataclass

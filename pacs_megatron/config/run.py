@@ -13,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pacs_megatron.config.actor import ActorConfig
 from pacs_megatron.config.base import ConfigError
+from pacs_megatron.config.critic import CriticConfig
 from pacs_megatron.config.data import DataConfig, RewardConfig
 from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig
@@ -37,6 +38,8 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The learned critic (used when algorithm.policy.adv_estimator=gae)."""
 
     def __post_init__(self) -> None:
         n, algo, dp = self.rollout.n, self.algorithm, self.parallel.dp
@@ -83,6 +86,10 @@ class RunConfig:
                     )
             if tiny.num_layers % (self.parallel.pp * self.parallel.vpp):
                 raise ConfigError("model.tiny.num_layers must be divisible by parallel.pp * parallel.vpp")
+        if algo.loss == "pacs" and algo.policy.adv_estimator == "gae":
+            raise ConfigError("algorithm.policy.adv_estimator=gae is for loss ppo/grpo: set algorithm.loss=ppo")
+        if self.critic.micro_batch_size % n:
+            raise ConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size}: use a multiple of {n}")
         if self.data.task == "arith" and self.reward.fn == "math":
             raise ConfigError("data.task=arith is scored by reward.fn=arith (exact match), not 'math'")
         estimator = algo.loss_config().adv_estimator

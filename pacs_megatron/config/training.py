@@ -13,7 +13,8 @@ class AlgorithmConfig:
     """Which loss trains the actor, and how the batch is cut for it."""
 
     loss: str = "pacs"
-    """"pacs" (default), or the paper's baselines "grpo" and "ppo" (PPO-clip, critic-free)."""
+    """"pacs" (default), or the paper's baselines "grpo" and "ppo" (PPO-clip; critic-free unless
+    policy.adv_estimator=gae, the learned critic of ``critic:``)."""
     pacs: PACSConfig = field(default_factory=PACSConfig)
     """PACS settings (beta, reward_method, adv_estimator, weight_mode)."""
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)

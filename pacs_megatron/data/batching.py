@@ -46,12 +46,16 @@ class TrainBatch:
     old_logp: torch.Tensor | None = None
     """``[B, T]`` float32 log-probs of the rollout policy (filled by the old-log-prob pass)."""
     advantages: torch.Tensor | None = None
-    """``[B]`` float32 outcome advantages (baselines only)."""
+    """``[B]`` float32 outcome advantages (baselines only), or ``[B, T]`` per-token GAE advantages."""
     rollout_logp: torch.Tensor | None = None
     """``[B, T]`` float32 the engine's log-prob of each sampled token (0 off the response; None when the
     engine gave none): compared with ``old_logp`` every step (pacs/rollout_correction.py)."""
     is_weights: torch.Tensor | None = None
     """Rollout-correction importance weights, ``[B, T]`` per token or ``[B, 1]`` per sequence (None: off)."""
+    old_values: torch.Tensor | None = None
+    """``[B, T]`` float32 values of the learned critic before its update (``adv_estimator=gae``)."""
+    returns: torch.Tensor | None = None
+    """``[B, T]`` float32 GAE returns, the critic's regression targets (``adv_estimator=gae``)."""
 
     def __post_init__(self) -> None:
         check_groups(self.input_ids.shape[0], self.group_size, self.group_ids)

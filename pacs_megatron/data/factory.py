@@ -5,7 +5,8 @@
 
 ``data.task="math"`` reads ``data.train_files`` / ``data.val_files`` (names of the shared sets or file
 paths) with the PACS instruction and ``data.chat_template``; ``"arith"`` builds the synthetic task
-(train and validation are its whole problem set, validation keyed ``"arith"``).
+(train and validation are its whole problem set, validation keyed ``"arith"``; with
+``data.arith.test_fraction`` the split's train part and held-out part, keyed ``"arith_heldout"``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pacs_megatron.data.prompts import build_records
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.data.sampler import PromptDataset
 from pacs_megatron.data.sources import load_problems, resolve_dataset
-from pacs_megatron.data.synthetic import arith_problems, arith_records
+from pacs_megatron.data.synthetic import arith_records, arith_split
 from pacs_megatron.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def build_train_dataset(cfg: RunConfig, tokenizer) -> PromptDataset:
     """The train stream of ``cfg.data`` (all train files concatenated, shuffled per epoch)."""
     data = cfg.data
     if data.task == "arith":
-        records = arith_records(arith_problems(data.arith, data.seed), tokenizer)
+        records = arith_records(arith_split(data.arith, data.seed)[0], tokenizer)
         return PromptDataset(records, data.seed, data.shuffle, name="arith")
     records: list[PromptRecord] = []
     names = []
@@ -57,8 +58,9 @@ def build_val_datasets(cfg: RunConfig, tokenizer) -> dict[str, list[PromptRecord
     """Validation sets by name, each capped at ``trainer.val_max_problems`` (first rows; 0: all)."""
     data, limit = cfg.data, cfg.trainer.val_max_problems
     if data.task == "arith":
-        records = arith_records(arith_problems(data.arith, data.seed), tokenizer)
-        return {"arith": records[:limit] if limit else records}
+        records = arith_records(arith_split(data.arith, data.seed)[1], tokenizer)
+        name = "arith_heldout" if data.arith.test_fraction else "arith"  # held-out problems only
+        return {name: records[:limit] if limit else records}
     out: dict[str, list[PromptRecord]] = {}
     for f in data.val_files:
         name, recs = load_dataset(f, data, tokenizer, limit)

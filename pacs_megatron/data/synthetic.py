@@ -4,6 +4,8 @@ Problems are all pairs ``a, b in 0..max_operand`` (or a seeded subset of ``num_p
 ``(a + b) % modulo`` (``modulo=0``: no modulo). The CPU default (max_operand=4, modulo=0) has 25
 problems with answers 0..8. A prompt is the raw text ``"3+5="`` (no instruction, no template) and the
 correct response is ``"8"`` followed by EOS, scored by exact match (``reward.fn=arith``).
+``test_fraction > 0`` holds out a seeded share of the problems (:func:`arith_split`): larger operands
+(e.g. ``max_operand=9``: sums 0..18) give multi-token answers and a generalisation test.
 
 The tokenizer is character level, built offline with ``tokenizers`` (WordLevel over single
 characters) and wrapped as a transformers ``PreTrainedTokenizerFast``; its 16 tokens fill the
@@ -53,6 +55,27 @@ def arith_problems(cfg: ArithTaskConfig, seed: int = 0) -> list[Problem]:
         answer = (a + b) % cfg.modulo if cfg.modulo else a + b
         out.append(Problem(id=f"arith-{a}+{b}", problem=f"{a}+{b}=", answer=str(answer), source="arith"))
     return out
+
+
+def arith_split(cfg: ArithTaskConfig, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
+    """``(train, test)`` problems: a ``split_seed``-seeded ``test_fraction`` of them held out (both in
+    (a, b) order); with ``test_fraction=0`` both are all problems.
+
+    Example:
+        >>> train, test = arith_split(ArithTaskConfig(max_operand=9, modulo=0, test_fraction=0.2))
+        >>> len(train), len(test), {p.id for p in train} & {p.id for p in test}
+        (80, 20, set())
+    """
+    problems = arith_problems(cfg, seed)
+    if not cfg.test_fraction:
+        return problems, problems
+    k = round(len(problems) * cfg.test_fraction)
+    if not 0 < k < len(problems):
+        raise ValueError(
+            f"data.arith.test_fraction={cfg.test_fraction} of {len(problems)} problems leaves an empty split"
+        )
+    held = set(random.Random(cfg.split_seed).sample(range(len(problems)), k))
+    return [p for i, p in enumerate(problems) if i not in held], [p for i, p in enumerate(problems) if i in held]
 
 
 def arith_records(problems: Sequence[Problem], tokenizer) -> list[PromptRecord]:
@@ -122,16 +145,24 @@ def write_tiny_model_dir(path: str | Path, tiny: TinyModelConfig) -> Path:
     return path
 
 
-def format_warmup_examples(records: Sequence[PromptRecord], rng: random.Random) -> list[tuple[list[int], list[int]]]:
+def format_warmup_examples(
+    records: Sequence[PromptRecord], rng: random.Random, max_digits: int = 1
+) -> list[tuple[list[int], list[int]]]:
     """``(prompt_ids, target_ids)`` pairs for the supervised *format* warm-up.
 
-    The target has as many digits as the record's answer, each drawn uniformly from 0-9, then EOS:
-    it teaches "answer with digits, then stop", never which digits (for the one-digit answers of the
-    CPU default, a uniformly random digit). The RL run therefore still starts at chance accuracy.
+    The target is 1..``max_digits`` digits (the length uniform, independent of the prompt), each
+    drawn uniformly from 0-9, then EOS: it teaches "answer with digits, then stop", never which
+    digits nor how many the answer has (for the one-digit answers of the CPU default, one uniformly
+    random digit). The RL run therefore still starts at chance accuracy.
 
     Example:
         >>> rec = PromptRecord("a", "3+5=", "3+5=", (6, 13, 8, 14), "8", "arith")
         >>> [(p, len(t), t[-1]) for p, t in format_warmup_examples([rec], random.Random(0))]
         [([6, 13, 8, 14], 2, 1)]
     """
-    return [(list(r.prompt_ids), [DIGIT_IDS[rng.randrange(10)] for _ in r.answer] + [EOS_ID]) for r in records]
+    out = []
+    for r in records:
+        # No draw for one-digit tasks: the CPU default's warm-up stream stays what it was.
+        n = rng.randint(1, max_digits) if max_digits > 1 else 1
+        out.append((list(r.prompt_ids), [DIGIT_IDS[rng.randrange(10)] for _ in range(n)] + [EOS_ID]))
+    return out

@@ -5,6 +5,7 @@ Everything here runs on a laptop CPU and is unit-tested against hand-computed nu
 
 from pacs_megatron.pacs.advantage import check_groups, group_advantage
 from pacs_megatron.pacs.config import PACSConfig, PolicyLossConfig
+from pacs_megatron.pacs.gae import explained_variance, gae_advantages, outcome_token_rewards, value_loss
 from pacs_megatron.pacs.implicit_reward import implicit_reward
 from pacs_megatron.pacs.loss import class_weights, pacs_loss
 from pacs_megatron.pacs.policy_loss import aggregate, clipped_policy_loss, outcome_advantages
@@ -19,11 +20,15 @@ __all__ = [
     "aggregate",
     "check_groups",
     "class_weights",
+    "explained_variance",
+    "gae_advantages",
     "clipped_policy_loss",
     "get_loss",
     "group_advantage",
     "implicit_reward",
     "outcome_advantages",
+    "outcome_token_rewards",
     "pacs_loss",
     "register_loss",
+    "value_loss",
 ]

@@ -7,8 +7,9 @@ from typing import Optional
 
 REWARD_METHODS = ("sum_ratio", "mean_logp")
 ADV_ESTIMATORS = ("rloo", "grpo", "naive")
+POLICY_ADV_ESTIMATORS = ("auto", "grpo", "rloo", "gae")
 WEIGHT_MODES = (None, "question", "only_positive", "only_negative")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _check_choice(owner: str, field: str, value, choices) -> None:
@@ -63,16 +64,30 @@ class PolicyLossConfig:
     clip_ratio_high: float = 0.2
     """Upper clip: ratios above 1 + clip_ratio_high stop contributing gradient for A > 0."""
     loss_agg_mode: str = "token-mean"
-    """"token-mean" (all tokens of the mini-batch equal), "seq-mean-token-sum", "seq-mean-token-mean"."""
+    """"token-mean" (all tokens of the mini-batch equal), "seq-mean-token-sum", "seq-mean-token-mean",
+    "seq-mean-token-sum-norm" (Dr.GRPO: token sums over a constant horizon; the PACS reference's)."""
     adv_estimator: str = "auto"
     """Advantage from the 0/1 verifiable rewards: "grpo" (group-normalised), "rloo" (leave-one-out),
-    or "auto": grpo for ``algorithm.loss=grpo``, rloo for the critic-free ``algorithm.loss=ppo``."""
+    "gae" (per-token GAE from the learned critic, ``critic:``; the paper's PPO), or "auto": grpo for
+    ``algorithm.loss=grpo``, rloo for ``algorithm.loss=ppo``."""
     norm_adv_by_std: bool = True
     """grpo only: divide by the group's std (+1e-6); False gives Dr.GRPO-style r - mean."""
+    gamma: float = 1.0
+    """gae only: discount (the reference: 1.0)."""
+    lam: float = 1.0
+    """gae only: GAE lambda (the reference: 1.0)."""
+    loss_agg_horizon: int = 0
+    """seq-mean-token-sum-norm only: the constant divisor H (e.g. rollout.max_response_length);
+    0 uses the batch's padded row length."""
 
     def __post_init__(self) -> None:
         for name in ("clip_ratio_low", "clip_ratio_high"):
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"PolicyLossConfig.{name}={getattr(self, name)} must be in (0, 1), e.g. 0.2")
         _check_choice("PolicyLossConfig", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _check_choice("PolicyLossConfig", "adv_estimator", self.adv_estimator, ("auto", "grpo", "rloo"))
+        _check_choice("PolicyLossConfig", "adv_estimator", self.adv_estimator, POLICY_ADV_ESTIMATORS)
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"PolicyLossConfig.{name}={getattr(self, name)} must be in [0, 1] (reference: 1)")
+        if self.loss_agg_horizon < 0:
+            raise ValueError(f"PolicyLossConfig.loss_agg_horizon={self.loss_agg_horizon} must be >= 0")

@@ -9,6 +9,12 @@ aggregated by ``loss_agg_mode``:
     token-mean          sum_{i,t} m l / sum_{i,t} m                (every token of the batch equal)
     seq-mean-token-sum  1/B sum_i sum_t m l
     seq-mean-token-mean 1/B sum_i (sum_t m l / sum_t m)
+    seq-mean-token-sum-norm  1/B sum_i sum_t m l / H   (Dr.GRPO; H a constant horizon: the
+                        config's loss_agg_horizon, else the row length T. verl divides the *sum*
+                        over a micro-batch by H and each micro-batch by the accumulation count:
+                        the same gradient up to the constant per-GPU micro-batch size)
+
+``advantages`` may also be per token, ``[B, T]`` (GAE from a learned critic, see gae.py).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pacs_megatron.pacs.advantage import group_advantage
 from pacs_megatron.pacs.config import PolicyLossConfig
 
 
-def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, horizon: int = 0) -> torch.Tensor:
     """Reduce a ``[B, T]`` per-token loss to a scalar (see the module docstring)."""
     m = mask.to(loss_mat.dtype)
     if mode == "token-mean":
@@ -28,7 +34,11 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Te
         return (loss_mat * m).sum(dim=-1).mean()
     if mode == "seq-mean-token-mean":
         return ((loss_mat * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)).mean()
-    raise ValueError(f"loss_agg_mode={mode!r}: choose token-mean, seq-mean-token-sum or seq-mean-token-mean")
+    if mode == "seq-mean-token-sum-norm":
+        return (loss_mat * m).sum(dim=-1).mean() / float(horizon or loss_mat.shape[-1])
+    raise ValueError(
+        f"loss_agg_mode={mode!r}: choose token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm"
+    )
 
 
 def outcome_advantages(scores: torch.Tensor, group_size: int, config: PolicyLossConfig) -> torch.Tensor:
@@ -52,9 +62,10 @@ def clipped_policy_loss(
     (truncated or masked, pacs/rollout_correction.py) multiplying each token's surrogate l_t, as verl's
     rollout correction does: the clipped objective is an expectation under pi_old, the tokens were drawn
     from pi_rollout."""
-    if advantages.shape != (logp.shape[0],):
-        raise ValueError(f"advantages must be [B]={logp.shape[0]}, got {tuple(advantages.shape)}")
-    adv = advantages.to(logp.dtype).unsqueeze(-1)
+    if advantages.shape not in ((logp.shape[0],), tuple(logp.shape)):
+        raise ValueError(f"advantages must be [B] or [B, T]={tuple(logp.shape)}, got {tuple(advantages.shape)}")
+    adv = advantages.to(logp.dtype)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
     # Clamp the log-ratio before exp: a masked (padding) position may hold garbage.
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
@@ -63,7 +74,7 @@ def clipped_policy_loss(
     loss_mat = torch.maximum(unclipped, clipped)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.to(loss_mat.dtype).detach()
-    loss = aggregate(loss_mat, response_mask, config.loss_agg_mode)
+    loss = aggregate(loss_mat, response_mask, config.loss_agg_mode, config.loss_agg_horizon)
     with torch.no_grad():
         m = response_mask.to(logp.dtype)
         denom = m.sum().clamp(min=1.0)
@@ -71,6 +82,8 @@ def clipped_policy_loss(
             "policy/loss": loss.detach(),
             "policy/clipfrac": ((clipped > unclipped).to(logp.dtype) * m).sum() / denom,
             "policy/approx_kl": (0.5 * log_ratio.pow(2) * m).sum() / denom,
-            "policy/advantage_mean": advantages.float().mean(),
+            "policy/advantage_mean": (
+                advantages.float().mean() if advantages.dim() == 1 else (advantages.float() * m).sum() / denom
+            ),
         }
     return loss, metrics

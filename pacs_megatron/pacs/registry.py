@@ -111,7 +111,8 @@ def _clipped(x: LossInputs, cfg: Any):
 
 # GRPO and PPO-clip share the clipped surrogate; they differ in the advantage (AlgorithmConfig.
 # loss_config resolves policy.adv_estimator=auto: grpo -> group-normalised, ppo -> leave-one-out,
-# i.e. PPO-clip with a critic-free baseline; a learned GAE critic is not implemented).
+# i.e. PPO-clip with a critic-free baseline; policy.adv_estimator=gae gives per-token GAE advantages
+# from the learned critic, filled in by critic_stages before the update).
 register_loss("grpo", needs_advantages=True, unit="agg")(_clipped)
 register_loss("ppo", needs_advantages=True, unit="agg")(_clipped)
 

@@ -103,3 +103,32 @@ def test_format_warmup_targets_are_random_digits_not_answers():
     assert all(60 <= c <= 140 for c in digits.values())  # ~100 each
     assert 50 <= correct <= 150  # chance level (~1/10), not the answer
     assert format_warmup_examples(records, random.Random(0)) == pairs
+
+
+def test_heldout_split_is_seeded_disjoint_and_complete():
+    from pacs_megatron.data.synthetic import arith_split
+
+    cfg = ArithTaskConfig(max_operand=9, modulo=0, test_fraction=0.2)
+    train, test = arith_split(cfg)
+    assert (len(train), len(test)) == (80, 20)
+    assert {p.id for p in train}.isdisjoint({p.id for p in test})
+    assert sorted(p.id for p in train + test) == sorted(p.id for p in arith_problems(cfg))
+    assert arith_split(cfg) == (train, test)
+    assert arith_split(ArithTaskConfig(max_operand=9, modulo=0, test_fraction=0.2, split_seed=1))[1] != test
+    assert max(len(p.answer) for p in train + test) == 2  # multi-token answers (0..18)
+    everything = arith_split(ArithTaskConfig(max_operand=4, modulo=0))
+    assert everything[0] == everything[1] == arith_problems(ArithTaskConfig(max_operand=4, modulo=0))
+
+
+def test_format_warmup_does_not_reveal_the_answer_length():
+    tok = build_arith_tokenizer()
+    records = arith_records(arith_problems(ArithTaskConfig(max_operand=9, modulo=0)), tok) * 10  # 1000
+    pairs = format_warmup_examples(records, random.Random(0), max_digits=2)
+    by_len = Counter()
+    for rec, (_, target) in zip(records, pairs):
+        assert target[-1] == EOS_ID and all(t in DIGIT_IDS for t in target[:-1])
+        by_len[(len(rec.answer), len(target) - 1)] += 1
+    # One- and two-digit answers both get one- and two-digit targets, about half each.
+    for answer_len in (1, 2):
+        n = by_len[(answer_len, 1)] + by_len[(answer_len, 2)]
+        assert 0.4 * n <= by_len[(answer_len, 1)] <= 0.6 * n, by_len

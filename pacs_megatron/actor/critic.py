@@ -1,0 +1,212 @@
+"""MegatronCritic: the learned value function of the paper's PPO baseline (GAE advantages).
+
+    critic = build_critic(cfg, groups, actor)                  # None unless adv_estimator=gae
+    values = critic.compute_values(local_batch, micro_batch_size=8)        # [B, T], no grad
+    metrics = critic.train_step(mini_batch)   # needs old_values and returns; one optimizer step
+
+Design: the actor's machinery, not a copy of it. The critic is a :class:`MegatronActor` subclass
+built by the same functions (``build_model_chunks``, ``wrap_ddp``, ``build_optimizer``,
+``build_scheduler``) with its own TransformerConfig, optimizer and schedule (``critic.optim``), on
+the actor's process groups (same TP/PP/DP layout, colocated). Only the last pipeline stage
+differs: the vocab-parallel output layer is replaced by :class:`ValueHead`, a replicated ``[1, H]``
+projection. Hidden states are replicated over TP, so the head's output already is the same on
+every TP rank; with sequence parallelism the head runs on the rank's sequence shard and the values
+are gathered over TP (the head's gradient is then summed over TP by megatron's
+``finalize_model_grads``, through the ``sequence_parallel`` attribute, like a LayerNorm weight).
+
+Forward passes reuse actor/forward.py's ``run_schedule`` with critic loss functions, and
+checkpoints reuse actor/checkpoint.py (the critic is saved in its own sub-directory).
+``values[:, t]`` is the value of the prefix ``input_ids[:, :t]`` (the state before token t), aligned
+with ``token_logp[:, t]``; column 0 holds 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pacs_megatron.actor.actor import MegatronActor, _seed_for_init
+from pacs_megatron.actor.forward import run_schedule
+from pacs_megatron.actor.model import build_model_chunks, transformer_config
+from pacs_megatron.actor.offload import ActorOffload
+from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
+from pacs_megatron.actor.train_step import _DENOM, _MAXLR
+from pacs_megatron.actor.weights import unwrap
+from pacs_megatron.config import RunConfig, critic_enabled
+from pacs_megatron.data.batching import TrainBatch, split_micro_batches
+from pacs_megatron.pacs import value_loss
+from pacs_megatron.parallel import ParallelGroups
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar projection standing in for GPTModel's output layer (same call signature).
+
+    Zero-initialised, so the first values are 0 and the first critic step moves only the head.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, tp_group) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
+        # Summed over TP by finalize_model_grads when each rank saw only its sequence shard.
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):  # noqa: ARG002 - GPTModel's call
+        values = F.linear(hidden, self.weight)  # [s(/tp), b, 1]
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # Every TP rank computes the same loss on the gathered values: the backward is a split.
+            values = gather_from_sequence_parallel_region(
+                values, tensor_parallel_output_grad=False, group=self.tp_group
+            )
+        return values, None
+
+
+def aligned_values(out: torch.Tensor) -> torch.Tensor:
+    """``[b, T]`` float32 values from the model's ``[b, T, 1]`` output: position t-1's head output
+    goes to column t (the value of the state before token t); column 0 is 0."""
+    return F.pad(out[:, :-1, 0].float(), (1, 0))
+
+
+class MegatronCritic(MegatronActor):
+    """Value model on the actor's layout (see module docstring). Every method is collective."""
+
+    def __init__(self, cfg: RunConfig, groups: ParallelGroups, actor: MegatronActor) -> None:
+        self.cfg, self.groups, self.model_dir = cfg, groups, actor.model_dir
+        self.hf_config, self.param_dtype = actor.hf_config, actor.param_dtype
+        # Untied: the critic has no LM head to share the embedding with.
+        self.spec = replace(actor.spec, tie_embeddings=False)
+        # The critic's optimizer and schedule, built by the actor's code from a config whose
+        # ``optimizer`` section is ``critic.optim``.
+        self.opt_cfg = replace(cfg, optimizer=cfg.critic.optim)
+        self.distributed_optimizer = use_distributed_optimizer(self.opt_cfg, groups)
+        self.config = transformer_config(
+            self.spec, groups, self.param_dtype, cfg.parallel.sequence_parallel, cfg.model.recompute_activations
+        )
+        on_gpu = groups.device.type == "cuda"
+        with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
+            _seed_for_init(cfg.model.seed, on_gpu)
+            chunks = build_model_chunks(self.spec, self.config, groups)
+        for chunk in chunks:
+            model = unwrap(chunk)
+            if model.post_process:
+                model.output_layer = ValueHead(
+                    self.spec.hidden_size, self.param_dtype, cfg.parallel.sequence_parallel, groups.tp_group
+                ).to(groups.device)
+        if cfg.critic.init == "actor":
+            _copy_trunk(actor.model, chunks)
+        else:
+            _load_trunk_from_hf(chunks, self.spec, cfg.critic.init, groups)
+        self.model = wrap_ddp(chunks, self.config, self.opt_cfg, groups)
+        self.optimizer = build_optimizer(self.model, self.opt_cfg, groups, self.param_dtype)
+        self.scheduler = build_scheduler(self.optimizer, self.opt_cfg)
+        self.iteration = 0
+        self.skipped_steps = 0
+        self.nan_skipped_steps = 0
+        self.thd = False  # the critic's own passes use padded micro-batches
+        self.offloader = ActorOffload(self.model, self.optimizer, groups.device)
+        logger.info("critic: value head, init from %s, lr %g", cfg.critic.init, cfg.critic.optim.lr)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.cfg.critic.micro_batch_size or self.cfg.algorithm.micro_batch_size
+
+    def compute_values(self, batch: TrainBatch, micro_batch_size: int | None = None) -> torch.Tensor:
+        """No-grad ``[B, T]`` float32 values of this DP rank's rows, on every rank of the replica."""
+        B, T = batch.input_ids.shape
+        micro = split_micro_batches(batch, min(micro_batch_size or self.micro_batch_size, B))
+
+        def make(mb, ids, dummy):  # noqa: ARG001 - run_schedule's loss-function factory
+            return lambda out, non_loss_data=False: {"values": aligned_values(out)}
+
+        for c in self.model:
+            c.eval()
+        try:
+            with torch.no_grad():
+                store = run_schedule(self.model, micro, make, self.groups, forward_only=True)
+        finally:
+            for c in self.model:
+                c.train()
+        buf = torch.empty((B, T), dtype=torch.float32, device=self.groups.device)
+        if self.groups.is_last_stage:
+            buf.copy_(torch.cat([d["values"] for d in store]))
+        if self.groups.pp_size > 1:
+            dist.broadcast(buf, src=self.groups.pp_last_rank, group=self.groups.pp_group)
+        return buf.cpu()
+
+    def train_step(self, batch: TrainBatch, loss_name: str | None = None) -> dict[str, float]:  # noqa: ARG002
+        """One critic optimizer step on this DP rank's share of a mini-batch (clipped value loss)."""
+        if batch.old_values is None or batch.returns is None:
+            raise ValueError("critic.train_step needs batch.old_values and batch.returns (GAE)")
+        micro = split_micro_batches(batch, min(self.micro_batch_size, len(batch)))
+        metrics = self._update(micro, partial(_value_loss_func, clip=self.cfg.critic.cliprange_value))
+        metrics.pop(_MAXLR, None)
+        return {k.replace("actor/", "critic/"): v for k, v in metrics.items()}
+
+
+def _value_loss_func(mb: TrainBatch, ids: torch.Tensor, dummy: bool, clip: float):  # noqa: ARG001
+    """megatron ``loss_func`` of one critic micro-batch: token-mean value loss times its token count
+    (the train step's gradient convention, see train_step.py); a padding micro-batch counts 0."""
+
+    def loss_func(out):
+        values = aligned_values(out)
+        dev = values.device
+        mask = mb.response_mask.to(dev)
+        loss, clipfrac = value_loss(values, mb.returns.to(dev), mb.old_values.to(dev), mask, clip)
+        n = mask.sum().to(torch.float64) * (0.0 if dummy else 1.0)
+        reported = {
+            "critic/value_loss": loss.detach().double(),
+            "critic/vf_clipfrac": clipfrac.double(),
+            "critic/vpred_mean": ((values.detach() * mask).sum() / mask.sum().clamp(min=1)).double(),
+            _DENOM: n,
+            _MAXLR: torch.zeros((), dtype=torch.float64),
+        }
+        return loss * n.to(loss.dtype), n.round().to(torch.int).to(dev), reported
+
+    return loss_func
+
+
+@torch.no_grad()
+def _copy_trunk(actor_chunks: list, critic_chunks: list) -> None:
+    """Copy every actor parameter the critic has (all but the LM head) into the critic."""
+    n = 0
+    for a, c in zip(actor_chunks, critic_chunks):
+        src = dict(unwrap(a).named_parameters())
+        for name, p in unwrap(c).named_parameters():
+            if name.startswith("output_layer."):
+                continue
+            p.copy_(src[name])
+            n += 1
+    logger.info("critic: copied %d parameter tensors per rank from the actor", n)
+
+
+def _load_trunk_from_hf(chunks: list, spec, path: str, groups: ParallelGroups) -> None:
+    """Load embedding, layers and final norm from an HF directory (the value head stays zero)."""
+    from pacs_megatron.actor.convert import load_chunk_from_hf
+    from pacs_megatron.actor.hf_io import SafetensorsReader
+
+    reader = SafetensorsReader(path)
+    try:
+        for chunk in chunks:
+            model = unwrap(chunk)
+            head = model._modules.pop("output_layer", None)  # hidden from the HF name mapping
+            try:
+                load_chunk_from_hf(model, spec, reader.get, groups.tp_rank, groups.tp_size)
+            finally:
+                if head is not None:
+                    model.output_layer = head
+    finally:
+        reader.close()
+
+
+def build_critic(cfg: RunConfig, groups: ParallelGroups, actor: MegatronActor) -> MegatronCritic | None:
+    """The run's critic, or None when the policy loss needs none."""
+    return MegatronCritic(cfg, groups, actor) if critic_enabled(cfg) else None

@@ -1,0 +1,46 @@
+"""The learned critic of the paper's PPO baseline (``algorithm.policy.adv_estimator=gae``).
+
+The critic is a second Megatron GPTModel, same architecture and TP/PP/DP layout as the actor and
+colocated with it, whose vocabulary head is replaced by a scalar value head. It has its own Adam
+optimizer and LR schedule (``critic.optim``, the same keys as ``optimizer``). The PACS reference's
+PPO (ritzz-ai/PACS scripts/baseline/ppo.sh, verl) uses critic lr 1e-5 and verl's defaults
+``cliprange_value=0.5``, grad clip 1.0, weight decay 0.01.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pacs_megatron.config.base import ConfigError, _positive
+from pacs_megatron.config.training import OptimizerConfig
+
+
+@dataclass
+class CriticConfig:
+    """Learned value function; built only when the policy loss uses ``adv_estimator=gae``."""
+
+    init: str = "actor"
+    """"actor": copy the policy's initial weights and add a zero-initialised scalar value head (as
+    verl); or a Hugging Face model directory of the same architecture (its LM head is ignored)."""
+    optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    """The critic's own optimizer and schedule (the reference: lr 1e-5)."""
+    cliprange_value: float = 0.5
+    """Clip of the value update: V is kept within V_old +- cliprange_value in the loss (verl: 0.5)."""
+    micro_batch_size: int = 0
+    """Sequences per critic forward/backward per DP rank; 0 means algorithm.micro_batch_size."""
+    ppo_epochs: int = 0
+    """Passes of the critic over each step's rollouts; 0 means algorithm.ppo_epochs."""
+
+    def __post_init__(self) -> None:
+        if not self.init:
+            raise ConfigError("critic.init is empty: use 'actor' or a Hugging Face model directory")
+        if not self.cliprange_value > 0:
+            raise ConfigError(f"critic.cliprange_value={self.cliprange_value} must be > 0 (verl's default: 0.5)")
+        _positive("critic.micro_batch_size", self.micro_batch_size, allow_zero=True)
+        _positive("critic.ppo_epochs", self.ppo_epochs, allow_zero=True)
+
+
+def critic_enabled(cfg) -> bool:
+    """Whether ``cfg`` (a RunConfig) trains a learned critic: a baseline loss with ``adv_estimator=gae``."""
+    algo = cfg.algorithm
+    return algo.loss in ("ppo", "grpo") and algo.loss_config().adv_estimator == "gae"

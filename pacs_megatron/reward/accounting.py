@@ -87,6 +87,21 @@ class BatchCounts:
     def restart(self) -> None:
         self.restarts += 1
 
+    def answer(self, i: int, status: str, value, scores: list[float]) -> None:
+        """Record a worker's ``(status, value)`` for response ``i`` (the protocol of every backend):
+        "ok" -> ``scores[i]``; "error" -> counted, scored 0; "bad_type" -> RewardFunctionError (a bug
+        in the reward: it returned a non-number), which the caller lets through after closing its workers."""
+        from pacs_megatron.reward.registry import RewardFunctionError, check_score
+
+        if status == "ok":
+            scores[i] = check_score(self.fn, value)
+        elif status == "bad_type":
+            raise RewardFunctionError(
+                f"reward.fn={self.fn!r} returned {value}: it must return a float (e.g. 1.0 or 0.0)"
+            )
+        else:
+            self.error(i, value)
+
     def interrupt(self, unscored: int) -> None:
         self.interrupted += unscored
         self.last_error = self.last_error or "interrupted by a stop signal"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pacs_megatron.reward.accounting import BatchCounts
-from pacs_megatron.reward.registry import RewardFunctionError, check_score
+from pacs_megatron.reward.registry import RewardFunctionError
 from pacs_megatron.reward.scorer import _STARTUP_TIMEOUT_S
 from pacs_megatron.utils.logging import get_logger
 
@@ -152,15 +152,11 @@ class RayRewardPool:
                         counts.error(i, "reward actor died")
                         self._replace(k, counts)
                         continue
-                    if status == "ok":
-                        scores[i] = check_score(self.cfg.fn, value)
-                    elif status == "bad_type":
+                    try:
+                        counts.answer(i, status, value, scores)
+                    except RewardFunctionError:
                         self.close()
-                        raise RewardFunctionError(
-                            f"reward.fn={self.cfg.fn!r} returned {value}: it must return a float (e.g. 1.0 or 0.0)"
-                        )
-                    else:
-                        counts.error(i, value)
+                        raise
                 elif now - t0 > timeout:
                     s.task = None
                     counts.timeout(i)

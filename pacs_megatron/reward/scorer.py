@@ -44,7 +44,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pacs_megatron.reward.accounting import BatchCounts, FailureGuard
-from pacs_megatron.reward.registry import RewardFunctionError, check_score, load_reward_fn
+from pacs_megatron.reward.registry import RewardFunctionError, load_reward_fn
 from pacs_megatron.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -263,15 +263,11 @@ class ProcessPool:
                 continue
             w.queue.popleft()
             w.since = now
-            if status == "ok":
-                scores[i] = check_score(self.cfg.fn, value)
-            elif status == "bad_type":
+            try:
+                counts.answer(i, status, value, scores)
+            except RewardFunctionError:
                 self.close()
-                raise RewardFunctionError(
-                    f"reward.fn={self.cfg.fn!r} returned {value}: it must return a float (e.g. 1.0 or 0.0)"
-                )
-            else:
-                counts.error(i, value)
+                raise
 
 
 def _stop(w: _Worker, grace_s: float) -> None:

@@ -15,17 +15,15 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from _runs import NONDETERMINISTIC, metrics_rows, train_cmd
 
 from pacs_megatron.utils.dist import free_port
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
 SMALL = [
     "trainer.train_batch_size=10",
     "rollout.n=4",
@@ -34,23 +32,10 @@ SMALL = [
     "trainer.test_freq=0",
     "logging.progress_bar=false",
 ]
-NONDETERMINISTIC = ("timing/", "perf/", "sync/seconds", "sync/gbytes_per_s")
 
 
 def _cmd(out: Path, steps: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pacs_megatron",
-        "train",
-        "--config",
-        str(CONFIG),
-        f"trainer.output_dir={out}",
-        f"model.path={out}/model",
-        f"trainer.total_steps={steps}",
-        *SMALL,
-        *extra,
-    ]
+    return train_cmd(out, steps, *SMALL, *extra)
 
 
 def _ray(cluster, *extra: str) -> list[str]:
@@ -61,10 +46,7 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1")  # the same threads per rank under both launchers
 
 
-def _rows(out: Path) -> dict[int, dict]:
-    path = out / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    return {r["step"]: r for r in rows}
+_rows = metrics_rows
 
 
 def _maths(row: dict) -> dict:

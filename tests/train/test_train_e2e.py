@@ -8,18 +8,15 @@ rank checkpoint and exit with 143.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from _runs import CONFIG, NONDETERMINISTIC, metrics_rows, train_cmd
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
 SMALL = [
     "trainer.train_batch_size=10",
     "rollout.n=4",
@@ -33,24 +30,10 @@ SMALL = [
     "logging.progress_bar=false",
     "reward.fn=flaky_reward:score",
 ]
-# Keys whose values depend on the wall clock or on what the process did before, not on the maths.
-NONDETERMINISTIC = ("timing/", "perf/", "sync/seconds", "sync/gbytes_per_s")
 
 
 def _cmd(out: Path, steps: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pacs_megatron",
-        "train",
-        "--config",
-        str(CONFIG),
-        f"trainer.output_dir={out}",
-        f"model.path={out}/model",
-        f"trainer.total_steps={steps}",
-        *SMALL,
-        *extra,
-    ]
+    return train_cmd(out, steps, *SMALL, *extra)
 
 
 def _env() -> dict:
@@ -59,9 +42,7 @@ def _env() -> dict:
     return env
 
 
-def _rows(out: Path) -> dict[int, dict]:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return {r["step"]: r for r in rows}
+_rows = metrics_rows
 
 
 def _deterministic(row: dict) -> dict:

@@ -1,0 +1,36 @@
+"""The pieces every end-to-end test of the trainer uses: the command line of a short CPU-default run,
+and the metrics it logged. Launch-specific helpers (Slurm, torchrun) live in tests/launch/."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
+NONDETERMINISTIC = ("timing/", "perf/", "sync/seconds", "sync/gbytes_per_s")
+"""Metric keys whose values depend on the wall clock or on what the process did before, not on the maths."""
+
+
+def train_cmd(out: Path, steps: int, *overrides: str, config: Path = CONFIG) -> list[str]:
+    """``python -m pacs_megatron train`` of ``config`` for ``steps`` steps, writing to ``out``."""
+    return [
+        sys.executable,
+        "-m",
+        "pacs_megatron",
+        "train",
+        "--config",
+        str(config),
+        f"trainer.output_dir={out}",
+        f"model.path={out}/model",
+        f"trainer.total_steps={steps}",
+        *overrides,
+    ]
+
+
+def metrics_rows(out: Path) -> dict[int, dict]:
+    """step -> the metrics row of ``out/metrics.jsonl`` ({} when absent)."""
+    path = out / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return {r["step"]: r for r in rows}

@@ -46,7 +46,7 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire=10
 SlurmUser=root
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n

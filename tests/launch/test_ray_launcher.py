@@ -133,7 +133,7 @@ def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
     out, log = tmp_path / "run", tmp_path / "driver.log"
     with log.open("w") as f:
         proc = subprocess.Popen(
-            _cmd(out, 50, "trainer.save_freq=2", *_ray(ray_cluster)), env=_env(), stdout=f, stderr=subprocess.STDOUT
+            _cmd(out, 1000, "trainer.save_freq=2", *_ray(ray_cluster)), env=_env(), stdout=f, stderr=subprocess.STDOUT
         )
     try:
         _wait_for(lambda: bool(_checkpoints(out)), 300, proc, log)
@@ -159,10 +159,10 @@ def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
     log2 = tmp_path / "driver2.log"
     with log2.open("w") as f:
         proc = subprocess.Popen(
-            _cmd(out, 50, "trainer.save_freq=0", *_ray(ray_cluster)), env=_env(), stdout=f, stderr=subprocess.STDOUT
+            _cmd(out, 1000, "trainer.save_freq=0", *_ray(ray_cluster)), env=_env(), stdout=f, stderr=subprocess.STDOUT
         )
     try:
-        _wait_for(lambda: max(_rows(out), default=0) == last + 1, 300, proc, log2)
+        _wait_for(lambda: max(_rows(out), default=0) > last, 300, proc, log2)  # (1000 steps: never done first)
         assert f"(step {last})" in log2.read_text()  # "resumed from ... (step N)"
         proc.send_signal(signal.SIGTERM)  # forwarded to the ranks: checkpoint, then exit 143
         assert proc.wait(timeout=120) == 143, log2.read_text()[-3000:]

@@ -9,6 +9,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
+SHORT = [
+    "trainer.train_batch_size=10",
+    "rollout.n=4",
+    "algorithm.micro_batch_size=20",
+    "trainer.sft_warmup_steps=1",
+    "trainer.test_freq=0",
+    "trainer.save_freq=0",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
+"""Overrides that make the CPU default a run of a few seconds (10 prompts x 4, one warm-up step)."""
 NONDETERMINISTIC = ("timing/", "perf/", "sync/seconds", "sync/gbytes_per_s")
 """Metric keys whose values depend on the wall clock or on what the process did before, not on the maths."""
 

@@ -6,8 +6,7 @@ import json
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
+from _runs import CONFIG, REPO, SHORT  # noqa: F401 - re-exported for the launch tests
 
 
 def short_run(out: Path, steps: int, *extra: str) -> list[str]:
@@ -16,15 +15,8 @@ def short_run(out: Path, steps: int, *extra: str) -> list[str]:
         f"trainer.output_dir={out}",
         f"model.path={out}/model",
         f"trainer.total_steps={steps}",
-        "trainer.train_batch_size=10",
-        "rollout.n=4",
-        "algorithm.micro_batch_size=20",
-        "trainer.sft_warmup_steps=1",
-        "trainer.test_freq=0",
-        "trainer.save_freq=0",
+        *SHORT,
         "trainer.log_rollouts=1",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
         *extra,
     ]
 

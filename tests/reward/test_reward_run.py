@@ -12,19 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from _runs import SHORT
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = [
-    "trainer.total_steps=3",
-    "trainer.train_batch_size=10",
-    "rollout.n=4",
-    "algorithm.micro_batch_size=20",
-    "trainer.sft_warmup_steps=1",
-    "trainer.test_freq=0",
-    "trainer.save_freq=0",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-]
+SMALL = ["trainer.total_steps=3", *SHORT]
 
 
 def _run(out: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -104,9 +104,11 @@ def value_loss(
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``1 - Var(R - V) / Var(R)`` over the masked tokens (unbiased variances; nan when Var(R) = 0)."""
+    """``1 - Var(R - V) / Var(R)`` over the masked tokens (unbiased variances). nan when the returns do
+    not vary (Var(R) <= 1e-12, e.g. every response scored 0): there is nothing to explain, and the ratio
+    would be -inf or a huge negative number from round-off."""
     m = mask.bool()
     r, d = returns[m].double(), (returns - values)[m].double()
-    if r.numel() < 2:
+    if r.numel() < 2 or not r.var() > 1e-12:
         return torch.tensor(float("nan"))
     return (1.0 - d.var() / r.var()).float()

@@ -106,6 +106,10 @@ def test_explained_variance():
     mask = torch.tensor([[1, 1, 1, 0]])
     # Var(R)=1 over (1,2,3); R-V = (0,0,1): var = 1/3.
     assert explained_variance(val, ret, mask).item() == pytest.approx(1 - 1 / 3)
+    # Every response scored 0 (a collapsed policy): constant returns leave nothing to explain.
+    zeros = torch.zeros(1, 4)
+    assert math.isnan(explained_variance(val, zeros, mask).item())
+    assert math.isnan(explained_variance(val, zeros + 1e-9 * torch.tensor([[1.0, 0.0, 0.0, 0.0]]), mask).item())
 
 
 def test_dr_grpo_aggregation_and_token_advantages():

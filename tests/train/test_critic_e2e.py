@@ -46,6 +46,10 @@ def test_ppo_critic_runs_and_resumes_bit_identically(tmp_path):
     assert sorted(rows) == [1, 2, 3]
     for step, row in rows.items():
         for key in CRITIC_KEYS:
+            if key == "critic/explained_variance" and row["reward/mean"] in (0.0, 1.0):
+                # every response scored the same: constant returns leave nothing to explain (logged "nan")
+                assert row[key] == "nan", (step, row[key])
+                continue
             assert math.isfinite(row[key]), (step, key, row.get(key))
     # The zero-initialised head starts at V = 0; after two critic steps at lr 1e-3 it has moved.
     assert rows[1]["critic/values_mean"] == 0.0 and rows[3]["critic/values_mean"] != 0.0

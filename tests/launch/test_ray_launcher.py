@@ -156,14 +156,17 @@ def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
     assert _gone_within(rank1["pid"], 10.0)  # the trainer rank died with its actor (PDEATHSIG)
 
     last = max(_checkpoints(out))
+    stale = max(_rows(out), default=last)
     log2 = tmp_path / "driver2.log"
     with log2.open("w") as f:
         proc = subprocess.Popen(
             _cmd(out, 1000, "trainer.save_freq=0", *_ray(ray_cluster)), env=_env(), stdout=f, stderr=subprocess.STDOUT
         )
     try:
-        _wait_for(lambda: max(_rows(out), default=0) > last, 300, proc, log2)  # (1000 steps: never done first)
-        assert f"(step {last})" in log2.read_text()  # "resumed from ... (step N)"
+        # The killed run may have logged steps past `last` before it died (this run trims them on
+        # resume): only a step past all of those is new work. (1000 steps: never done first.)
+        _wait_for(lambda: f"(step {last})" in log2.read_text(), 300, proc, log2)  # "resumed from ... (step N)"
+        _wait_for(lambda: max(_rows(out), default=0) > stale, 300, proc, log2)
         proc.send_signal(signal.SIGTERM)  # forwarded to the ranks: checkpoint, then exit 143
         assert proc.wait(timeout=120) == 143, log2.read_text()[-3000:]
     finally:

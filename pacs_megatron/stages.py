@@ -134,8 +134,9 @@ def format_warmup(cfg: RunConfig, rt, c) -> dict:
     rows = cfg.mini_batch_prompts * cfg.rollout.n
     last: dict = {}
     for _ in range(cfg.trainer.sft_warmup_steps):
-        digits = max(len(r.answer) for r in c.dataset.records)
-        pairs = format_warmup_examples([rng.choice(c.dataset.records) for _ in range(rows)], rng, digits)
+        lengths = [len(r.answer) for r in c.dataset.records]
+        picked = [rng.choice(c.dataset.records) for _ in range(rows)]
+        pairs = format_warmup_examples(picked, rng, max(lengths), min(lengths))
         batch = build_train_batch([p for p, _ in pairs], [t for _, t in pairs], [0.0] * rows, 1, c.pad_id, 8)
         local = dp_shard(batch.with_(old_logp=torch.zeros(batch.input_ids.shape)), rt.groups.dp_rank, rt.groups.dp_size)
         last = c.actor.train_step(local, loss_name="sft")

@@ -25,10 +25,21 @@ class ArithTaskConfig:
     validates on every problem (memorisation)."""
     split_seed: int = 0
     """Seed of the held-out split (kept apart from data.seed so every training seed sees one split)."""
+    answer_width: int = 0
+    """Zero-pad every answer to this many digits ("07" for 7 at width 2), so all answers have one
+    length and a shorter guess is wrong (the reward is an exact match): the policy cannot shrink to
+    the easier one-digit answers and must learn the carry. 0: no padding."""
 
     def __post_init__(self) -> None:
         _positive("data.arith.max_operand", self.max_operand)
         _positive("data.arith.modulo", self.modulo, allow_zero=True)
+        _positive("data.arith.answer_width", self.answer_width, allow_zero=True)
+        largest = self.modulo - 1 if self.modulo else 2 * self.max_operand
+        if self.answer_width and len(str(largest)) > self.answer_width:
+            raise ConfigError(
+                f"data.arith.answer_width={self.answer_width} is shorter than the largest answer {largest}: "
+                f"set it to {len(str(largest))} or more, or 0 for no padding"
+            )
         if not 0.0 <= self.test_fraction < 1.0:
             raise ConfigError(f"data.arith.test_fraction={self.test_fraction} must be in [0, 1), e.g. 0.2")
 

@@ -53,7 +53,8 @@ def arith_problems(cfg: ArithTaskConfig, seed: int = 0) -> list[Problem]:
     out = []
     for a, b in pairs:
         answer = (a + b) % cfg.modulo if cfg.modulo else a + b
-        out.append(Problem(id=f"arith-{a}+{b}", problem=f"{a}+{b}=", answer=str(answer), source="arith"))
+        text = f"{answer:0{cfg.answer_width}d}" if cfg.answer_width else str(answer)
+        out.append(Problem(id=f"arith-{a}+{b}", problem=f"{a}+{b}=", answer=text, source="arith"))
     return out
 
 
@@ -146,14 +147,15 @@ def write_tiny_model_dir(path: str | Path, tiny: TinyModelConfig) -> Path:
 
 
 def format_warmup_examples(
-    records: Sequence[PromptRecord], rng: random.Random, max_digits: int = 1
+    records: Sequence[PromptRecord], rng: random.Random, max_digits: int = 1, min_digits: int = 1
 ) -> list[tuple[list[int], list[int]]]:
     """``(prompt_ids, target_ids)`` pairs for the supervised *format* warm-up.
 
-    The target is 1..``max_digits`` digits (the length uniform, independent of the prompt), each
-    drawn uniformly from 0-9, then EOS: it teaches "answer with digits, then stop", never which
-    digits nor how many the answer has (for the one-digit answers of the CPU default, one uniformly
-    random digit). The RL run therefore still starts at chance accuracy.
+    The target is ``min_digits``..``max_digits`` digits (the length uniform, independent of the
+    prompt), each drawn uniformly from 0-9, then EOS: it teaches "answer with digits, then stop",
+    never which digits nor how many this answer has (for the one-digit answers of the CPU default,
+    one uniformly random digit; for zero-padded answers, always the padded width). The RL run
+    therefore still starts at chance accuracy.
 
     Example:
         >>> rec = PromptRecord("a", "3+5=", "3+5=", (6, 13, 8, 14), "8", "arith")
@@ -163,6 +165,6 @@ def format_warmup_examples(
     out = []
     for r in records:
         # No draw for one-digit tasks: the CPU default's warm-up stream stays what it was.
-        n = rng.randint(1, max_digits) if max_digits > 1 else 1
+        n = rng.randint(min_digits, max_digits) if max_digits > min_digits else max_digits
         out.append((list(r.prompt_ids), [DIGIT_IDS[rng.randrange(10)] for _ in range(n)] + [EOS_ID]))
     return out

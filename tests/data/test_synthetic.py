@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from pacs_megatron.config import ArithTaskConfig, TinyModelConfig
+from pacs_megatron.config import ArithTaskConfig, ConfigError, TinyModelConfig
 from pacs_megatron.data.synthetic import (
     DIGIT_IDS,
     EOS_ID,
@@ -132,3 +132,19 @@ def test_format_warmup_does_not_reveal_the_answer_length():
     for answer_len in (1, 2):
         n = by_len[(answer_len, 1)] + by_len[(answer_len, 2)]
         assert 0.4 * n <= by_len[(answer_len, 1)] <= 0.6 * n, by_len
+
+
+def test_zero_padded_answers_have_one_length_and_the_warmup_keeps_it():
+    cfg = ArithTaskConfig(max_operand=9, modulo=0, answer_width=2)
+    problems = arith_problems(cfg)
+    assert {len(p.answer) for p in problems} == {2}
+    assert {p.problem: p.answer for p in problems}["3+4="] == "07"
+    assert {p.problem: p.answer for p in problems}["9+9="] == "18"
+    records = arith_records(problems, build_arith_tokenizer())
+    pairs = format_warmup_examples(records, random.Random(0), max_digits=2, min_digits=2)
+    assert {len(t) for _, t in pairs} == {3}  # always two random digits + eos
+    assert len({tuple(t[:2]) for _, t in pairs}) > 30  # ... drawn at random, not the answer
+    with pytest.raises(ConfigError, match=r"data.arith.answer_width=1 .* largest answer 18"):
+        ArithTaskConfig(max_operand=9, modulo=0, answer_width=1)
+    with pytest.raises(ConfigError, match="data.arith.answer_width"):
+        ArithTaskConfig(answer_width=-1)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.utils.proc import helper_process
 
 logger = get_logger(__name__)
 
@@ -42,6 +43,28 @@ DISTRIB_OPTIM_METADATA = {
     "distrib_optim_fully_reshardable_mem_efficient": True,
 }
 EXTRA_STATE = "extra_state.json"
+
+
+def _shield_writer_queue() -> None:
+    """Start the results-queue server of megatron's checkpoint writer ourselves, as a helper that
+    ignores the stop signals and dies with this rank (utils/proc.py).
+
+    dist_checkpointing's writer (megatron-core 0.16.1 ``filesystem_async._get_write_results_queue``)
+    passes every save's results through a multiprocessing Manager it spawns on the first save and
+    keeps in a module global. Spawned plainly, that server dies of a SIGTERM sent to the whole
+    process group (``scancel``, ``kill -TERM -PGID``): the checkpoint the signal asked for then fails
+    with BrokenPipeError and the steps since the last save are lost (seen in a compare run).
+    """
+    from multiprocessing import get_context
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return  # already started, or a megatron without this global (then nothing to shield)
+    manager = SyncManager(ctx=get_context("spawn"))  # spawn, as megatron: no fork of a torch process
+    manager.start(initializer=helper_process)
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 
 def _rng_state() -> dict:
@@ -103,6 +126,7 @@ def save_actor_checkpoint(actor, path: str | os.PathLike, extra_state: dict) -> 
         },
         layout=_layout(g),
     )
+    _shield_writer_queue()
     dist_checkpointing.save(sd, str(target))
     dist.barrier()
     logger.info("actor checkpoint written to %s (iteration %d)", target, actor.iteration)

@@ -11,7 +11,6 @@ die with the parent (PR_SET_PDEATHSIG on Linux), so killing the parent never lea
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ import time
 from pacs_megatron.utils.dist import free_port
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from pacs_megatron.utils.proc import die_with_parent
 
 logger = get_logger(__name__)
 
@@ -45,19 +45,6 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     return env
 
 
-try:  # loaded before any fork: the child-side hook below must not import or allocate
-    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:
-    _LIBC = None
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child between fork and exec: get SIGKILL when the spawner dies."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-
-
 def spawn_local(module_argv: list[str], world_size: int) -> int:
     """Run ``python -m <module_argv...>`` as ``world_size`` ranks; return the job's exit code."""
     port = free_port()
@@ -66,7 +53,7 @@ def spawn_local(module_argv: list[str], world_size: int) -> int:
             [sys.executable, "-m", *module_argv],
             env=rank_env(r, world_size, port),
             start_new_session=True,
-            preexec_fn=_die_with_parent,  # async-signal-safe: one prctl call
+            preexec_fn=die_with_parent,  # async-signal-safe: one prctl call
         )
         for r in range(world_size)
     ]

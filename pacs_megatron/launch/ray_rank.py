@@ -20,9 +20,7 @@ error message. The actor is threaded (``max_concurrency``) so ``signal`` runs wh
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,16 +28,9 @@ import tempfile
 import threading
 from collections import deque
 
-_PR_SET_PDEATHSIG = 1
+from pacs_megatron.utils.proc import die_with_parent
+
 _TAIL_LINES = 30
-
-
-def _die_with_parent_fn():
-    """A pre-exec function asking the kernel to SIGKILL the child when the actor dies (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: the child only calls it
-    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class RankActor:
@@ -85,7 +76,7 @@ class RankActor:
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
-            preexec_fn=_die_with_parent_fn(),  # noqa: PLW1509 - only an async-signal-safe prctl call
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - only an async-signal-safe prctl call
         )
         copier = threading.Thread(target=self._copy_stderr, daemon=True)
         copier.start()

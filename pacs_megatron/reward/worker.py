@@ -23,29 +23,19 @@ a response stuck in C code cannot outlive the trainer.
 
 from __future__ import annotations
 
-import ctypes
 import numbers
-import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
 
-_PR_SET_PDEATHSIG = 1
+from pacs_megatron.utils.proc import helper_process
+
 FLUSH_S = 0.01
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # best effort: EOF on the socket still ends an idle worker
-            pass
 
 
 def serve(conn: Connection) -> None:
     """Load the reward named by the init message, then score messages until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; it closes us
-    _die_with_parent()
+    helper_process()  # a stop signal is the trainer's (it still scores its step, then closes us)
     try:
         _, spec, sys_path = conn.recv()
         sys.path[:] = sys_path  # user reward modules resolve exactly as in the parent

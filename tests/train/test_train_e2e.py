@@ -3,7 +3,7 @@
 One short run is killed with SIGKILL after its step-2 checkpoint and resumed; its metrics for the
 later steps must equal those of the uninterrupted run bit for bit (timings excepted). The user
 reward raises on some responses: the run must count the errors and go on. A SIGTERM makes every
-rank checkpoint and exit with 143.
+rank checkpoint and exit with 143, also when every process of the job gets it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from _runs import CONFIG, NONDETERMINISTIC, metrics_rows, train_cmd
 
@@ -115,14 +116,19 @@ def test_train_resume_sigkill_and_sigterm(tmp_path):
     for step in (3, 4):
         assert _deterministic(resumed[step]) == _deterministic(rows[step]), step
 
-    # SIGTERM to the launcher: every rank checkpoints the step it finished, exit code 143.
+    # SIGTERM to every process of the job at once, as `scancel` signals a whole Slurm step (after a
+    # checkpoint, so megatron's writer and the reward workers are running): helpers ignore it, every
+    # rank checkpoints the step it finished, exit code 143.
     term = tmp_path / "term"
     proc = subprocess.Popen(_cmd(term, 50), env=_env())
-    _wait_for(lambda: (term / "metrics.jsonl").exists() and 1 in _rows(term), 300, proc)
-    proc.send_signal(signal.SIGTERM)
+    _wait_for(lambda: (term / "checkpoints" / "step_00000002" / "COMPLETE").is_file() and 3 in _rows(term), 300, proc)
+    job = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    assert len(job) > 3  # launcher, 2 ranks and their helpers
+    for pid in job:
+        os.kill(pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 143
     last = max(_rows(term))
-    assert (term / "checkpoints" / f"step_{last:08d}" / "COMPLETE").is_file()
+    assert last > 2 and (term / "checkpoints" / f"step_{last:08d}" / "COMPLETE").is_file()
 
 
 def test_dry_run_and_config_errors(tmp_path, capsys):

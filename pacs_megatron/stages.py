@@ -133,8 +133,8 @@ def format_warmup(cfg: RunConfig, rt, c) -> dict:
     rng = random.Random(cfg.trainer.seed)
     rows = cfg.mini_batch_prompts * cfg.rollout.n
     last: dict = {}
+    lengths = [len(r.answer) for r in c.dataset.records]
     for _ in range(cfg.trainer.sft_warmup_steps):
-        lengths = [len(r.answer) for r in c.dataset.records]
         picked = [rng.choice(c.dataset.records) for _ in range(rows)]
         pairs = format_warmup_examples(picked, rng, max(lengths), min(lengths))
         batch = build_train_batch([p for p, _ in pairs], [t for _, t in pairs], [0.0] * rows, 1, c.pad_id, 8)

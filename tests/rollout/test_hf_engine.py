@@ -4,6 +4,7 @@ import importlib.util
 
 import pytest
 import torch
+from _forcing import force_next_token
 
 from pacs_megatron.config import RunConfig, TinyModelConfig
 from pacs_megatron.data.synthetic import write_tiny_model_dir
@@ -43,20 +44,8 @@ def state(eng: HFEngine) -> dict[str, torch.Tensor]:
 
 
 def forced_engine(model_dir, tok, token_id: int) -> HFEngine:
-    """An untied engine whose next token is ``token_id`` with probability ~1 at every position: the
-    blocks' outputs are zeroed (the residual stream is the token embedding), every embedding is the
-    ones vector (so the normed hidden state is ones), and only ``token_id``'s LM-head row is non-zero."""
-    eng = HFEngine(model_dir, tok, seed=0)
-    sd = state(eng)
-    for k, v in sd.items():
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
-            v.zero_()
-    sd["model.embed_tokens.weight"].fill_(1.0)
-    head = torch.zeros_like(sd["lm_head.weight"])
-    head[token_id] = 1.0
-    sd["lm_head.weight"] = head
-    eng.update_weights([list(sd.items())])
-    return eng
+    """An untied engine whose next token is ``token_id`` with probability ~1 at every position."""
+    return force_next_token(HFEngine(model_dir, tok, seed=0), token_id)
 
 
 def test_seeded_sampling_is_deterministic_and_shaped(engine, tok):

@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-import torch
+from _forcing import force_next_token
 
 from pacs_megatron.config import TinyModelConfig, load_config
 from pacs_megatron.data.synthetic import write_tiny_model_dir
@@ -38,17 +38,8 @@ def dirs(tmp_path_factory):
 
 
 def _forced(engine, token_id: int):
-    """Every next token is ``token_id`` (blocks zeroed, embeddings ones, one LM-head row)."""
-    sd = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    for k, v in sd.items():
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
-            v.zero_()
-    sd["model.embed_tokens.weight"].fill_(1.0)
-    head = torch.zeros_like(sd["lm_head.weight"])
-    head[token_id] = 30.0
-    sd["lm_head.weight"] = head
-    engine.update_weights([list(sd.items())])
-    return engine
+    """Every next token is ``token_id``."""
+    return force_next_token(engine, token_id, head_weight=30.0)
 
 
 def _engine(model_dir, *overrides):

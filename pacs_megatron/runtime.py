@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from pacs_megatron.config import RunConfig
+from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.utils.launch_info import write_launch_json
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.resume import ResumePlan, check_tiny_model_dir, model_shape, plan_resume
+from pacs_megatron.utils.shared_fs import missing_on, require_shared
 
 logger = get_logger(__name__)
 
@@ -55,6 +56,22 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def check_shared_dirs(cfg: RunConfig, output_dir: Path, model_dir: Path) -> None:
+    """Collective: trainer.output_dir on a filesystem every rank sees (canary, utils/shared_fs.py);
+    model.path too when rank 0 wrote it (the tiny model), else present on every node (a copy per
+    node's own disk is fine for a model that is only read)."""
+    require_shared(output_dir, "trainer.output_dir")
+    if cfg.model.init == "tiny":
+        require_shared(model_dir, "model.path")
+        return
+    missing = missing_on(model_dir / "config.json")
+    if missing:
+        raise ConfigError(
+            f"model.path={model_dir} has no config.json on {', '.join(missing)}: put the model on a shared "
+            "filesystem or copy it to the same path on every node"
+        )
+
+
 def setup(cfg: RunConfig) -> Runtime:
     """Process groups, output dir, model dir, seeds, resume plan. Collective. The run's config files
     are written later, once the run has really started (utils/run_record.py)."""
@@ -71,6 +88,7 @@ def setup(cfg: RunConfig) -> Runtime:
             write_tiny_model_dir(model_dir, cfg.model.tiny)
             logger.info("wrote the tiny model config and task tokenizer to %s", model_dir)
     dist.barrier()
+    check_shared_dirs(cfg, output_dir, model_dir)  # a node-local disk fails here, not at the first checkpoint
     check_tiny_model_dir(cfg)
     write_launch_json(output_dir)  # where every rank runs, for users and tests
     hf_config = json.loads((model_dir / "config.json").read_text())

@@ -89,6 +89,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         if stop or step == cfg.trainer.total_steps or (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0):
             ckpt.save(step, lambda d, s=step: c.save(d, s))
         if stop:
+            flag.write_requeue_marker(step)  # Slurm: the batch script requeues from this file (launch/slurm.py)
             logger.warning("stopped after step %d (signal or time budget); resume with --resume auto", step)
             progress.close()
             writer.close()

@@ -10,7 +10,10 @@ So:
   the fallout) and exits with the same code, 1;
 - ``SystemExit`` (pre-emption, an abandoned reward batch) passes through;
 - a Ctrl-C that lands before the loop installs its handler (``utils/preemption.py``) exits 130
-  with one line: nothing was trained, so there is nothing to save.
+  with one line: nothing was trained, so there is nothing to save;
+- SIGTERM / SIGUSR1 are recorded from the start (before the model and engine load, which take
+  minutes on a large model): a pre-emption warning during start-up stops the run after its first
+  step with a checkpoint, instead of killing the rank.
 
 Megatron-core warns on import that Apex and Transformer Engine are absent (always true on CPU,
 harmless on GPU builds without them): those warnings are filtered here, once per rank, before
@@ -24,7 +27,7 @@ import warnings
 from collections.abc import Callable
 
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.preemption import EXIT_INTERRUPTED
+from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, install_early_handlers
 
 logger = get_logger(__name__)
 
@@ -32,13 +35,16 @@ EXIT_FAILED = 1
 
 MEGATRON_NOISE = (
     r".*(Apex|Transformer Engine) (is|are) not installed.*",
-    r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
     r".*cuda_graph_scope.*",
 )
 """Messages of megatron-core's import-time warnings that say nothing about the user's run."""
 
 
 def quiet_megatron_warnings() -> None:
+    # Megatron's TP / sequence-parallel overlap needs the CUDA kernels queued in issue order: one
+    # hardware queue (its warning says so, and is left visible). Set before CUDA starts; pre-Blackwell
+    # GPUs need it, on Blackwell (sm_100+) users may set another value themselves (docs/launch.md).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     for pattern in MEGATRON_NOISE:
         warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
 
@@ -55,6 +61,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def run_rank(fn: Callable[..., int], *args) -> int:
     """``fn(*args)`` with the error policy above; its exit code, or 1 when it raised."""
     quiet_megatron_warnings()
+    install_early_handlers()
     try:
         return fn(*args)
     except KeyboardInterrupt:

@@ -10,9 +10,11 @@ Two pieces:
 
 - :func:`apply_srun_env` (called by ``pacs_megatron.launch`` in each task): maps ``SLURM_PROCID`` /
   ``SLURM_STEP_NUM_TASKS`` / ``SLURM_LOCALID`` to the ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` that
-  torch.distributed reads. ``MASTER_ADDR``/``MASTER_PORT`` come from the batch script. Such a rank
-  exits :data:`EXIT_REQUEUE` (75) after a graceful stop (:func:`srun_exit_code`): the script
-  requeues on it, never on a crash.
+  torch.distributed reads. ``MASTER_ADDR``/``MASTER_PORT`` come from the batch script, or from
+  ``scontrol`` and the job id when absent (a plain ``srun`` of several tasks). Such a rank
+  exits :data:`EXIT_REQUEUE` (75) after a graceful stop (:func:`srun_exit_code`). The script does
+  not requeue on that code (srun's aggregate code can be 137 after ``--kill-on-bad-exit``) but on
+  the marker rank 0 writes after the final checkpoint (``utils/preemption.py``).
 - ``python -m pacs_megatron.launch.slurm plan --nodes N --nproc-per-node P --config FILE [a.b=c ...]``
   (run once by the batch script, before any srun): validates the config for that world size and
   prints the overrides srun adds: ``parallel.dp`` (world size / (tp * pp): the script does no
@@ -41,9 +43,47 @@ EXIT_REQUEUE = 75
 _MAPPED = "PACS_SRUN_RANKS"
 
 
+def tasks_per_node(spec: str) -> list[int]:
+    """Slurm's compressed per-node task counts (``SLURM_STEP_TASKS_PER_NODE``), expanded:
+    ``"2(x2),1"`` -> ``[2, 2, 1]``."""
+    out: list[int] = []
+    for part in filter(None, spec.split(",")):
+        count, _, rep = part.partition("(x")
+        out += [int(count)] * (int(rep.rstrip(")")) if rep else 1)
+    return out
+
+
+def job_port(job_id: str | int) -> int:
+    """A rendezvous port private to the job: 10000-29999, below Linux's ephemeral range (32768-60999),
+    where an outgoing connection of some other process could already hold it."""
+    return 10000 + int(job_id) % 20000
+
+
+def head_node_addr(nodelist: str) -> str:
+    """The address of the first node of ``nodelist`` (``scontrol show hostnames``, then that node's
+    NodeAddr); raises RuntimeError with one line when scontrol cannot say."""
+    try:
+        hosts = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.split()
+        node = subprocess.run(
+            ["scontrol", "show", "node", "-o", hosts[0]], capture_output=True, text=True, timeout=30
+        ).stdout.split()
+    except (OSError, IndexError, subprocess.SubprocessError) as e:
+        raise RuntimeError(
+            f"cannot find the first node of SLURM_JOB_NODELIST={nodelist!r} ({e}): set MASTER_ADDR"
+        ) from None
+    addr = next((t.split("=", 1)[1] for t in node if t.startswith("NodeAddr=")), "")
+    return addr or hosts[0]  # NodeAddr is the hostname itself when the cluster sets none
+
+
 def apply_srun_env(environ: os._Environ | dict | None = None) -> bool:
     """Inside an srun step of several tasks with no RANK set (no torchrun): derive the torch.distributed
-    variables from Slurm's. Returns True when it did. Under torchrun (RANK set) nothing changes."""
+    variables from Slurm's. Returns True when it did. Under torchrun (RANK set) nothing changes.
+
+    ``MASTER_ADDR`` defaults to the first node's address (never 127.0.0.1: in a multi-node step that
+    would make every node rendezvous with itself), ``MASTER_PORT`` to :func:`job_port`, and
+    ``LOCAL_WORLD_SIZE`` to this node's task count (nodes may hold different counts)."""
     env = os.environ if environ is None else environ
     if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
         return False
@@ -53,12 +93,15 @@ def apply_srun_env(environ: os._Environ | dict | None = None) -> bool:
     env["RANK"] = env["SLURM_PROCID"]
     env["WORLD_SIZE"] = str(ntasks)
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
-    env.setdefault("LOCAL_WORLD_SIZE", tasks_per_node or "1")
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env[_MAPPED] = "1"
+    counts = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
+    node = int(env.get("SLURM_NODEID", "0"))
+    env.setdefault("LOCAL_WORLD_SIZE", str(counts[node] if node < len(counts) else 1))
+    if "MASTER_ADDR" not in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        env["MASTER_ADDR"] = head_node_addr(nodelist) if nodelist else "127.0.0.1"  # no list: one node
     if "MASTER_PORT" not in env:
-        raise RuntimeError("srun started the ranks without MASTER_PORT: launch through examples/slurm/multinode.sbatch")
+        env["MASTER_PORT"] = str(job_port(env.get("SLURM_JOB_ID", "0")))
+    env[_MAPPED] = "1"
     return True
 
 

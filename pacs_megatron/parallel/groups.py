@@ -22,6 +22,7 @@ import torch.distributed as dist
 from pacs_megatron.config import ConfigError, ParallelConfig
 from pacs_megatron.parallel.cpu_patches import apply_cpu_patches
 from pacs_megatron.utils.dist import free_port, under_launcher
+from pacs_megatron.utils.launch_info import cuda_ordinal
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -88,7 +89,10 @@ def init_distributed(cfg: ParallelConfig) -> torch.device:
     if backend == "nccl" and not has_gpu:
         raise ConfigError("parallel.backend=nccl needs CUDA GPUs: use parallel.backend=gloo (or auto) on CPU")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if has_gpu else torch.device("cpu")
+    # LOCAL_RANK, or the one device of a task bound to its GPU (srun --gpus-per-task); never past the visible ones
+    device = (
+        torch.device("cuda", cuda_ordinal(local_rank, torch.cuda.device_count())) if has_gpu else torch.device("cpu")
+    )
     if has_gpu:
         torch.cuda.set_device(device)
     else:

@@ -7,7 +7,8 @@ nvidia-modelopt, math-verify) and whether each imports; the launcher variables i
 (``tools/memory.py``), with a warning when it cannot fit. Each problem is one line naming the piece
 and the fix; exit 1 when any is hard (the run would fail), 0 otherwise.
 
-Run it on a compute node (``srun -N1 pacs-megatron doctor --config ...``) to see what the ranks see.
+Run it on a compute node (``srun -N1 pacs-megatron doctor --config ...``) to see what the ranks see;
+``--distributed`` runs on every rank of a job instead (``tools/doctor_distributed.py``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ def extension_report() -> dict:
     return {"built": True, "cuda": bool(mod.built_with_cuda()), "archs": sm, "ptx": ptx, "path": str(path)}
 
 
+def arch_runs(cc: int, cubins: list[int], ptx: list[int]) -> bool:
+    """Whether a GPU of compute capability ``cc`` (86 for 8.6, 103 for 10.3) runs an extension holding
+    cubins for ``cubins`` and PTX for ``ptx``: a cubin runs on its own major version at an equal or
+    higher minor (sm_80 on 8.6 and 8.9, sm_100 on 10.3), PTX is JIT-compiled on any newer GPU."""
+    major, minor = divmod(cc, 10)
+    return any(a // 10 == major and a % 10 <= minor for a in cubins) or any(p <= cc for p in ptx)
+
+
 def stack_report() -> list[dict]:
     rows = []
     for name, dist, purpose, fix in STACK:
@@ -113,7 +122,7 @@ def problems(report: dict) -> list[tuple[str, str]]:
     if ext.get("cuda") and gpus:
         # A GPU runs a cubin of its own arch, or JIT-compiles PTX of an older one.
         need = sorted({int(g["capability"].replace(".", "")) for g in gpus})
-        bad = [cc for cc in need if cc not in ext["archs"] and not any(p <= cc for p in ext["ptx"])]
+        bad = [cc for cc in need if not arch_runs(cc, ext["archs"], ext["ptx"])]
         if bad:
             have = f"sm_{ext['archs']} (PTX {ext['ptx']})"
             fix = "rebuild with TORCH_CUDA_ARCH_LIST including them, or ending in +PTX"
@@ -163,6 +172,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="config overrides as a.b.c=value")
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU memory for the plan (default: this GPU, else 80)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="run on every rank (srun / torchrun): ranks, network, Gloo/NCCL all-reduce, shared dirs, /dev/shm",
+    )
+    p.add_argument("--dir", action="append", default=[], help="with --distributed: a dir every node must see")
 
 
 def _text(report: dict, found: list[tuple[str, str]]) -> str:
@@ -197,6 +212,11 @@ def _text(report: dict, found: list[tuple[str, str]]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from pacs_megatron.config import ConfigError
+
+    if args.distributed:
+        from pacs_megatron.tools.doctor_distributed import main as distributed_main
+
+        return distributed_main(args)
 
     report = {
         "python": f"{platform.python_version()} ({sys.executable})",

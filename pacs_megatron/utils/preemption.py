@@ -17,10 +17,23 @@ loop) and ``trainer.deadline_unix`` (an absolute end, e.g. the Slurm job's end t
 checks is one step plus any periodic checkpoint, so it also sizes the final save; the margin covers
 the save when none has happened yet. Each rank decides on its own clock; the all-reduce makes it one
 decision.
+
+Requeue or not: a pre-emption warning (SIGUSR1, what ``--signal=B:USR1@T`` leads to) and the time
+budget mean "the job ends soon, continue it later"; SIGTERM means someone ends the job (``scancel``,
+a container stop, Slurm's own pre-emption, which requeues by itself with ``PreemptMode=REQUEUE``).
+:attr:`PreemptionFlag.requeue` is that decision, agreed by every rank (any SIGTERM wins), and
+:meth:`PreemptionFlag.write_requeue_marker` records it for the batch script after the final
+checkpoint: the script requeues from that file, never from srun's exit code (a rank exiting 75 is a
+"bad exit" to srun, which may then SIGKILL slower ranks and report 137).
+
+Early signals: :func:`install_early_handlers` (run by ``launch/rank.py`` before the config's model
+and engine load) records SIGTERM / SIGUSR1 that arrive during start-up, instead of the default
+action killing the rank; the loop's flag picks the signal up and stops after its first step.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -37,7 +50,25 @@ EXIT_PREEMPTED = 143  # 128 + SIGTERM: "terminated", what schedulers and requeue
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's code for Ctrl-C
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 DUPLICATE_S = 1.0
+REQUEUE_MARKER_ENV = "PACS_REQUEUE_MARKER"
+"""The file the batch script asks rank 0 to write when the job should be requeued (step, reason)."""
 _STOP_REQUESTED = threading.Event()
+_EARLY: dict[str, int | None] = {"signum": None}
+
+
+def _early(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    if _EARLY["signum"] is None:
+        logger.warning("received %s while starting up: will stop after the first step", signal.Signals(signum).name)
+        _EARLY["signum"] = signum
+    _STOP_REQUESTED.set()
+
+
+def install_early_handlers() -> None:
+    """Record SIGTERM / SIGUSR1 from now on (main thread only; SIGINT keeps raising KeyboardInterrupt
+    until the loop starts: a Ctrl-C during start-up has nothing to save)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(s, _early)
 
 
 def stop_requested() -> bool:
@@ -53,8 +84,12 @@ class PreemptionFlag:
     """
 
     def __init__(self, trainer=None) -> None:
-        self.signum: int | None = None
+        self.signum: int | None = _EARLY["signum"]  # a signal during start-up counts
         self.exit_code = 0
+        self.requeue = False
+        """After a stop: whether the job should be continued (SIGUSR1 or the time budget, no SIGTERM)."""
+        self.reason = ""
+        self._budget_hit = False
         self._sigint_at: float | None = None
         self._started = self._last_check = time.monotonic()
         self._longest = 0.0
@@ -99,16 +134,41 @@ class PreemptionFlag:
                 self._longest,
                 self._margin,
             )
+            self._budget_hit = True
             return EXIT_PREEMPTED
         return 0
 
     def should_stop(self) -> bool:
         """Collective: True on every rank when any rank got a signal or ran out of time."""
-        code = torch.tensor([self._local_code()], dtype=torch.int32)
+        code = self._local_code()
+        wants_requeue = self._budget_hit or self.signum == signal.SIGUSR1
+        # [exit code, some rank wants a requeue, some rank got SIGTERM]; MAX over ranks for each.
+        t = torch.tensor([code, int(wants_requeue), int(self.signum == signal.SIGTERM)], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized():
             # nccl reduces device tensors only; gloo takes the CPU tensor as is.
             if dist.get_backend() == "nccl":
-                code = code.cuda()
-            dist.all_reduce(code, op=dist.ReduceOp.MAX)  # 143 wins over 130: a scheduler is waiting
-        self.exit_code = int(code.item())
-        return self.exit_code != 0
+                t = t.cuda()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # 143 wins over 130: a scheduler is waiting
+        code, wants, term = (int(v) for v in t.tolist())
+        self.exit_code = code
+        self.requeue = bool(code and wants and not term)  # a user's scancel (SIGTERM) is never requeued
+        if code:
+            self.reason = "SIGTERM" if term else ("SIGINT" if code == EXIT_INTERRUPTED else "")
+            self.reason = self.reason or ("SIGUSR1" if self.signum == signal.SIGUSR1 else "time budget")
+        return code != 0
+
+    def write_requeue_marker(self, step: int) -> None:
+        """Collective, after the final checkpoint: when :attr:`requeue` and the batch script asked for
+        it (``$PACS_REQUEUE_MARKER``), rank 0 writes ``{"step", "reason", "job_id"}`` there; every
+        rank waits for it, so no rank's exit can get rank 0 killed before the marker exists."""
+        path = os.environ.get(REQUEUE_MARKER_ENV)
+        if not (self.requeue and path):
+            return
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            info = {"step": step, "reason": self.reason, "job_id": os.environ.get("SLURM_JOB_ID", "")}
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(json.dumps(info) + "\n")
+            os.replace(tmp, path)  # whole or absent: the script never reads half a marker
+        if dist.is_initialized():
+            dist.barrier()

@@ -88,8 +88,8 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         stop = flag.should_stop()
         if stop or step == cfg.trainer.total_steps or (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0):
             ckpt.save(step, lambda d, s=step: c.save(d, s))
-        if stop:
-            flag.write_requeue_marker(step)  # Slurm: the batch script requeues from this file (launch/slurm.py)
+        if stop and step < cfg.trainer.total_steps:  # a stop at the last step is a finished run
+            flag.write_requeue_marker(step, cfg.trainer.total_steps)  # Slurm's script requeues from this file
             logger.warning("stopped after step %d (signal or time budget); resume with --resume auto", step)
             progress.close()
             writer.close()

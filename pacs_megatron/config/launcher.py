@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from pacs_megatron.config.base import ConfigError, _choice, _positive
 
@@ -28,8 +29,16 @@ class LauncherConfig:
     gpus_per_rank: int = -1
     """GPUs in each rank's bundle: -1 (auto) = 1 when the cluster has GPUs, else 0 (CPU ranks)."""
 
+    env: dict[str, str] = field(default_factory=dict)
+    """kind=ray: variables set in every rank's environment, on top of those forwarded from the driver's
+    (PACS_*, HF_*, WANDB_*, NCCL_*, GLOO_*, TORCH_*, VLLM_*, UCX_*, NVTE_*, OMP_*,
+    CUDA_DEVICE_MAX_CONNECTIONS), e.g. ``launcher.env={LD_LIBRARY_PATH: /opt/nccl/lib}``."""
+
     def __post_init__(self) -> None:
         _choice("launcher.kind", self.kind, ("auto", "local", "torchrun", "ray"))
+        bad = [k for k in self.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k))]
+        if bad:
+            raise ConfigError(f"launcher.env has invalid variable names {bad}: use letters, digits and _")
         _choice("launcher.placement", self.placement, ("pack", "spread", "strict_spread"))
         _positive("launcher.placement_timeout_s", self.placement_timeout_s)
         _positive("launcher.cpus_per_rank", self.cpus_per_rank)

@@ -20,6 +20,7 @@ from pacs_megatron.launch.rank import run_rank
 from pacs_megatron.launch.slurm import apply_srun_env, srun_exit_code
 from pacs_megatron.parallel import check_layout
 from pacs_megatron.utils.dist import under_launcher
+from pacs_megatron.utils.early_signals import restore_default_handlers
 from pacs_megatron.utils.logging import get_logger, init_logging
 
 logger = get_logger(__name__)
@@ -92,6 +93,8 @@ def main(args: argparse.Namespace) -> int:
     if cfg.trainer.dry_run:
         sys.stdout.write(to_yaml(cfg) + "\n# layout\n" + json.dumps(layout, indent=2) + "\n")
         return 0
+    if not (under_launcher() or cfg.parallel.world_size == 1):
+        restore_default_handlers()  # a driver or spawner, not a rank: it installs its own forwarding
     if cfg.launcher.kind == "ray" and not under_launcher():
         from pacs_megatron.launch.ray_launcher import main as ray_main  # ray is imported only here
 

@@ -38,7 +38,17 @@ logger = get_logger(__name__)
 
 _STRATEGY = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
 _PROBE_TIMEOUT_S = 5.0
-_FORWARDED_ENV_PREFIXES = ("PACS_", "HF_", "WANDB_")
+# The driver's variables every rank gets: the run's own and the network / runtime settings that
+# make or break a multi-node job (a rank's environment is its raylet's otherwise, not the driver's
+# shell). launcher.env adds or overrides any others.
+_FORWARDED_ENV_PREFIXES = (
+    "PACS_", "HF_", "WANDB_", "NCCL_", "GLOO_", "TORCH_", "VLLM_", "UCX_", "NVTE_", "OMP_",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+)  # fmt: skip
+_NOT_FORWARDED = {"TORCH_HOME"}  # a path on the driver's machine
+RAY_STOP_WAIT_MIN_S = 120
+"""Below this ``RAY_JOB_STOP_WAIT_TIME_S`` (Ray's default: 3 s) ``ray job stop`` SIGKILLs the driver,
+and with it the ranks, before they can finish a step and checkpoint: warned at start."""
 _STOPPED = (EXIT_PREEMPTED, 128 + signal.SIGINT)  # a rank that checkpointed and stopped on a signal
 
 
@@ -110,14 +120,18 @@ def _rank_order(places: list[dict]) -> list[int]:
     return sorted(range(len(places)), key=lambda i: (first_seen[places[i]["node_id"]], i))
 
 
-def rank_envs(places: list[dict], order: list[int], cpus_per_rank: int, gcs_address: str) -> list[dict[str, str]]:
-    """The environment of each rank (index = rank), from the actors' places and the rank order."""
+def rank_envs(
+    places: list[dict], order: list[int], cpus_per_rank: int, gcs_address: str, extra_env: dict | None = None
+) -> list[dict[str, str]]:
+    """The environment of each rank (index = rank), from the actors' places and the rank order: the
+    driver's forwarded variables, ``extra_env`` (launcher.env), then the rank's own."""
     world = len(order)
     master = places[order[0]]
     on_node: dict[str, list[int]] = defaultdict(list)
     for rank, b in enumerate(order):
         on_node[places[b]["node_id"]].append(rank)
     forwarded = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
+    forwarded = {k: v for k, v in forwarded.items() if k not in _NOT_FORWARDED} | dict(extra_env or {})
     envs = []
     for rank, b in enumerate(order):
         p = places[b]
@@ -129,7 +143,7 @@ def rank_envs(places: list[dict], order: list[int], cpus_per_rank: int, gcs_addr
             "LOCAL_WORLD_SIZE": str(len(local)),
             "MASTER_ADDR": master["ip"],
             "MASTER_PORT": str(master["port"]),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(cpus_per_rank)),
+            "OMP_NUM_THREADS": forwarded.get("OMP_NUM_THREADS", str(cpus_per_rank)),
             "PACS_LAUNCHER_KIND": "ray",
             "PACS_RAY_NODE_ID": p["node_id"],
             "PACS_NODE_IP": p["ip"],
@@ -142,10 +156,39 @@ def rank_envs(places: list[dict], order: list[int], cpus_per_rank: int, gcs_addr
     return envs
 
 
+def absolute_paths(cfg: RunConfig) -> RunConfig:
+    """``trainer.output_dir``, ``model.path`` (and a local ``model.tokenizer``) made absolute on the
+    driver: a rank runs in the driver's working directory only where that exists on its node (else in
+    a private temp dir), and ``ray job submit --working-dir`` unpacks a copy per node, so relative
+    paths would scatter the run across nodes. Whether every node sees them is checked by the ranks
+    at start (utils/shared_fs.py)."""
+    cfg.trainer.output_dir = os.path.abspath(cfg.trainer.output_dir)
+    cfg.model.path = os.path.abspath(cfg.model.path)
+    if cfg.model.tokenizer and os.path.exists(cfg.model.tokenizer):
+        cfg.model.tokenizer = os.path.abspath(cfg.model.tokenizer)
+    return cfg
+
+
+def warn_short_job_stop() -> None:
+    """Under ``ray job submit``: warn when ``ray job stop`` would SIGKILL the ranks before a checkpoint."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:  # set by Ray's job supervisor for its driver
+        return
+    wait = int(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", "3") or 3)
+    if wait < RAY_STOP_WAIT_MIN_S:
+        logger.warning(
+            "RAY_JOB_STOP_WAIT_TIME_S=%d: `ray job stop` kills the ranks %d s after SIGTERM, before they can "
+            'checkpoint; submit with --runtime-env-json \'{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "600"}}\' '
+            "(a step plus a checkpoint)",
+            wait,
+            wait,
+        )
+
+
 def main(cfg: RunConfig) -> int:
     """The ``launcher.kind=ray`` entry of ``pacs-megatron train``: the job's exit code, errors in one line."""
+    warn_short_job_stop()
     try:
-        return launch_ray(cfg)
+        return launch_ray(absolute_paths(cfg))
     except LaunchError as e:
         logger.error("ray launcher: %s", e)
         return 1
@@ -175,7 +218,8 @@ def launch_ray(cfg: RunConfig) -> int:
         ]
         places = ray.get([a.where.remote() for a in actors])
         order = _rank_order(places)
-        envs = rank_envs(places, order, cfg.launcher.cpus_per_rank, ray.get_runtime_context().gcs_address)
+        gcs = ray.get_runtime_context().gcs_address
+        envs = rank_envs(places, order, cfg.launcher.cpus_per_rank, gcs, cfg.launcher.env)
         ranked = [actors[b] for b in order]
         where = [places[b] for b in order]
         logger.info(

@@ -64,14 +64,21 @@ class RankActor:
         """Run the trainer rank to completion; return its exit code and its last stderr lines."""
         self.rank = rank
         workdir = tempfile.mkdtemp(prefix=f"pacs-rank{rank}-")
-        config_path = os.path.join(workdir, "config.yaml")  # the resolved config: no shared filesystem needed
+        # The resolved config travels with the call; the run's directories (absolute paths, made so by
+        # the driver) must still be on a filesystem every node sees, which the rank checks at start.
+        config_path = os.path.join(workdir, "config.yaml")
         with open(config_path, "w") as f:
             f.write(config_yaml)
+        if not os.path.isdir(cwd):
+            sys.stderr.write(
+                f"rank {rank}: the driver's working directory {cwd} is not on this node: running in {workdir}\n"
+            )
+            cwd = workdir
         full_env = dict(os.environ) | env
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pacs_megatron.launch", "--config", config_path],
             env=full_env,
-            cwd=cwd if os.path.isdir(cwd) else workdir,
+            cwd=cwd,
             stdin=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

@@ -143,7 +143,8 @@ def problems(report: dict) -> list[tuple[str, str]]:
             "raise TP/PP or DP (distributed optimizer), lower rollout.vllm.gpu_memory_utilization or the "
             "micro-batch, or set model.recompute_activations=true"
         )
-        out.append(("error", f"memory plan needs {need} but the GPU has {plan['gpu_gib']:.0f} GiB: {fix}"))
+        has = f"the GPU has {plan['gpu_gib']:.0f} GiB ({plan['headroom_gib']:.0f} kept for CUDA/NCCL)"
+        out.append(("error", f"memory plan needs {need} but {has}: {fix}"))
     if report.get("engine") == "vllm" and not gpus:
         out.append(("warning", "the config uses vLLM but this machine has no GPU (fine on a login node)"))
     return out

@@ -17,9 +17,10 @@ From the Hugging Face ``config.json`` and the run config, for the worst pipeline
 
 "Resident during rollout" is actor (params + grads + optimizer, or nothing when the actor is
 offloaded to CPU for the rollout) + vLLM's share; "during training" is actor + activations (+ vLLM's
-share if it cannot sleep). CUDA contexts, NCCL buffers and allocator fragmentation come on top
-(budget a few GiB). Example (the issue's numbers): Qwen2.5-7B, TP=2 x DP=4, bf16, distributed
-optimizer, gpu_memory_utilization 0.5 on 80 GiB: actor 31.9 GiB + vLLM 40 GiB = ~72 GiB in rollout.
+share if it cannot sleep). CUDA contexts, NCCL buffers and allocator fragmentation come on top:
+the plan "fits" only with :data:`HEADROOM_GIB` left over for them. Example (the issue's numbers):
+Qwen2.5-7B, TP=2 x DP=4, bf16, distributed optimizer, gpu_memory_utilization 0.5 on 80 GiB: actor
+31.9 GiB + vLLM 40 GiB = ~72 GiB in rollout.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 GIB = 1024**3
+HEADROOM_GIB = 4.0
+"""Kept free beyond the plan: a CUDA context (~0.5-1 GiB), NCCL's buffers (~1 GiB with a few
+communicators), the caching allocator's fragmentation. A plan within this of the GPU's size is
+reported as not fitting."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,10 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak_gib <= self.gpu_gib
+        return self.peak_gib + HEADROOM_GIB <= self.gpu_gib
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"peak_gib": self.peak_gib, "fits": self.fits}
+        return asdict(self) | {"peak_gib": self.peak_gib, "headroom_gib": HEADROOM_GIB, "fits": self.fits}
 
 
 def param_counts(hf: dict) -> dict[str, int]:

@@ -26,9 +26,9 @@ a container stop, Slurm's own pre-emption, which requeues by itself with ``Preem
 checkpoint: the script requeues from that file, never from srun's exit code (a rank exiting 75 is a
 "bad exit" to srun, which may then SIGKILL slower ranks and report 137).
 
-Early signals: :func:`install_early_handlers` (run by ``launch/rank.py`` before the config's model
-and engine load) records SIGTERM / SIGUSR1 that arrive during start-up, instead of the default
-action killing the rank; the loop's flag picks the signal up and stops after its first step.
+Early signals (``utils/early_signals.py``, installed first thing by ``python -m pacs_megatron.launch``
+and again by ``launch/rank.py``): a SIGTERM / SIGUSR1 during start-up is recorded instead of killing
+the rank; the loop's flag picks it up and stops after its first step.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from pacs_megatron.utils.early_signals import early_signal, install_early_handlers  # noqa: F401 - re-exported
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -53,22 +54,6 @@ DUPLICATE_S = 1.0
 REQUEUE_MARKER_ENV = "PACS_REQUEUE_MARKER"
 """The file the batch script asks rank 0 to write when the job should be requeued (step, reason)."""
 _STOP_REQUESTED = threading.Event()
-_EARLY: dict[str, int | None] = {"signum": None}
-
-
-def _early(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
-    if _EARLY["signum"] is None:
-        logger.warning("received %s while starting up: will stop after the first step", signal.Signals(signum).name)
-        _EARLY["signum"] = signum
-    _STOP_REQUESTED.set()
-
-
-def install_early_handlers() -> None:
-    """Record SIGTERM / SIGUSR1 from now on (main thread only; SIGINT keeps raising KeyboardInterrupt
-    until the loop starts: a Ctrl-C during start-up has nothing to save)."""
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(s, _early)
 
 
 def stop_requested() -> bool:
@@ -84,7 +69,10 @@ class PreemptionFlag:
     """
 
     def __init__(self, trainer=None) -> None:
-        self.signum: int | None = _EARLY["signum"]  # a signal during start-up counts
+        self.signum: int | None = early_signal()  # a signal during start-up counts
+        if self.signum is not None:
+            name = signal.Signals(self.signum).name
+            logger.warning("received %s while starting up: will checkpoint after the first step and exit", name)
         self.exit_code = 0
         self.requeue = False
         """After a stop: whether the job should be continued (SIGUSR1 or the time budget, no SIGTERM)."""
@@ -157,12 +145,13 @@ class PreemptionFlag:
             self.reason = self.reason or ("SIGUSR1" if self.signum == signal.SIGUSR1 else "time budget")
         return code != 0
 
-    def write_requeue_marker(self, step: int) -> None:
+    def write_requeue_marker(self, step: int, total_steps: int = 0) -> None:
         """Collective, after the final checkpoint: when :attr:`requeue` and the batch script asked for
         it (``$PACS_REQUEUE_MARKER``), rank 0 writes ``{"step", "reason", "job_id"}`` there; every
-        rank waits for it, so no rank's exit can get rank 0 killed before the marker exists."""
+        rank waits for it, so no rank's exit can get rank 0 killed before the marker exists. Nothing
+        when ``step`` was the last one (``total_steps``): there is nothing left to continue."""
         path = os.environ.get(REQUEUE_MARKER_ENV)
-        if not (self.requeue and path):
+        if not (self.requeue and path) or (total_steps and step >= total_steps):
             return
         if not dist.is_initialized() or dist.get_rank() == 0:
             info = {"step": step, "reason": self.reason, "job_id": os.environ.get("SLURM_JOB_ID", "")}

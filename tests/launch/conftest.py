@@ -15,7 +15,7 @@ from slurm_cluster import missing_reason, start_cluster  # noqa: E402
 
 @pytest.fixture(scope="module")
 def slurm():
-    """munged + slurmctld + slurmd n1, n2 (one CPU each), stopped by PID at the end of the module."""
+    """munged + slurmctld + slurmd n1, n2 (two CPUs each), stopped by PID at the end of the module."""
     reason = missing_reason()
     if reason:
         pytest.skip(reason)

@@ -1,5 +1,5 @@
 """A real two-node Slurm cluster on 127.0.0.1 for tests: munged, slurmctld and two slurmd ("n1",
-"n2", one CPU each) from a generated ``slurm.conf`` in a temp dir.
+"n2", two CPUs each, so a job can hold 2 tasks per node) from a generated ``slurm.conf`` in a temp dir.
 
 Everything is private to the test: free ports (never Slurm's defaults, other jobs may run Slurm
 on this machine), our own munged socket (``AuthInfo=socket=``), state, spool, pid and log files
@@ -67,8 +67,8 @@ JobRequeue=1
 SchedulerParameters=sched_interval=1
 KillWait=30
 MinJobAge=600
-NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={port1} CPUs=1 RealMemory=8000
-NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={port2} CPUs=1 RealMemory=8000
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={port1} CPUs=2 RealMemory=8000
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={port2} CPUs=2 RealMemory=8000
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 """
 

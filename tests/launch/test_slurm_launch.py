@@ -1,15 +1,22 @@
 """``examples/slurm/multinode.sbatch`` on a real two-node Slurm (conftest.py: n1, n2 on 127.0.0.1).
 
-- pre-emption: a 2-node job (TP=2 spanning the nodes) gets ``scancel --batch --signal=USR1``
-  mid-run, as ``--signal=B:USR1@N`` would deliver it: every rank checkpoints after its step, the
-  script requeues the job, the requeued job resumes and completes; each step is logged exactly once
-  in metrics.jsonl and rollouts.jsonl. This run is also the plain 2-node completion check.
+- a real time limit: a 2-node job (TP=2 spanning the nodes) submitted with ``--time=2
+  --signal=B:USR1@100``. The controller sends the warning ~20 s in, while the ranks are still
+  loading (this machine starts them in ~40 s): the early handler records it instead of dying, the
+  ranks stop after step 1 with a checkpoint, well before the limit, rank 0 writes the requeue
+  marker, the script requeues from it; the requeued run (warned again) does step 2 and completes.
+  Each step is logged exactly once in metrics.jsonl and rollouts.jsonl, the job never reaches
+  TIMEOUT. This run is also the plain 2-node completion check.
+- a user's ``scancel JOB``: the job ends CANCELLED and is not requeued.
 - a rank that dies (SIGKILL) fails the job within seconds.
+- 2 tasks per node x 2 nodes: ``doctor --distributed`` under plain srun (no MASTER_ADDR / MASTER_PORT
+  given: they come from scontrol and the job id), SLURM_LOCALID 1, "2(x2)" task counts.
 - bad input: no --config, and a world size that does not fit tp * pp: one line, exit 2, no srun.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -28,12 +35,11 @@ DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMO
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
-def _submit(slurm, work: Path, *args: str, nodes: int = 2, env: dict | None = None, time_min: int = 0) -> str:
+def _submit(slurm, work: Path, *args: str, nodes: int = 2, env: dict | None = None, sbatch: tuple = ()) -> str:
     work.mkdir(parents=True, exist_ok=True)
-    env = dict(slurm.env, PYTHON=sys.executable, MASTER_PORT=str(free_port()), **(env or {}))
-    limit = ["--time", str(time_min)] if time_min else []
+    env = dict(slurm.env, PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()), **(env or {}))
     out = subprocess.run(
-        ["sbatch", "--parsable", "--nodes", str(nodes), *limit, str(SCRIPT), *args],
+        ["sbatch", "--parsable", "--nodes", str(nodes), *sbatch, str(SCRIPT), *args],
         env=env,
         cwd=work,
         capture_output=True,
@@ -56,34 +62,97 @@ def _finished(slurm, work: Path, job: str, timeout: float) -> str:
         raise AssertionError(f"{e}\n{_log(work, job)[-4000:]}") from None
 
 
-def test_sbatch_two_nodes_preempt_requeue_resume(slurm, tmp_path):
-    out, steps = tmp_path / "run", 25
-    job = _submit(slurm, tmp_path, "--config", str(CONFIG), *short_run(out, steps), time_min=30)
-    running = lambda: slurm.job_field(job, "JobState") in ("PENDING", "RUNNING")  # noqa: E731
-    wait_until(lambda: 2 in steps_of(out / "metrics.jsonl"), 240, "step 2", running)
-    assert slurm.job_field(job, "NodeList") == "n[1-2]"  # TP=2: rank 0 on n1, rank 1 on n2
+def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_path):
+    out, steps = tmp_path / "run", 2
+    # The warning 100 s before a 120 s limit (the controller sends it at its next periodic check).
+    limit = ("--time=2", "--signal=B:USR1@100")
+    job = _submit(
+        slurm, tmp_path, "--config", str(CONFIG), *short_run(out, steps, "trainer.stop_margin_s=5"), sbatch=limit
+    )
+    states = set()
 
-    # What --signal=B:USR1@N does near the time limit: USR1 to the batch shell only.
-    slurm.run("scancel", "--batch", "--signal=USR1", job)
-    wait_until(lambda: slurm.job_field(job, "Restarts") == "1", 120, "the requeue", lambda: True)
+    def running() -> bool:
+        states.add(slurm.job_field(job, "JobState"))
+        return not states & {"TIMEOUT", "FAILED", "CANCELLED"}
+
+    wait_until(lambda: slurm.job_field(job, "Restarts") != "0", 240, "the first requeue", running)
     log = _log(tmp_path, job)
-    assert "batch shell got SIGUSR1" in log and "requeueing job" in log, log[-3000:]
-    stopped = max(steps_of(out / "metrics.jsonl"))
-    assert stopped < steps, "the signal came too late to test a resume"
+    assert "requeueing job" in log, log[-3000:]
+    first = [ln for ln in log.splitlines() if "requeueing job" in ln][0]
+    assert '"reason": "SIGUSR1"' in first, first
+    stopped = json.loads(first[first.index("{") : first.index("}") + 1])["step"]
+    assert stopped == 1, first  # warned while starting: not killed, stopped after the first step
     assert (out / "checkpoints" / f"step_{stopped:08d}" / "COMPLETE").is_file()
 
     # A requeued job is held (BeginTime) until the first run's job credential expires: 120 s by default,
     # 10 s in this cluster (AuthInfo cred_expire). Releasing it earlier with `scontrol update
     # StartTime=now` races that expiry: slurmd refuses it ("Job credential revoked") and the job FAILS.
-    state = _finished(slurm, tmp_path, job, 240)
+    end = time.monotonic() + 300
+    while slurm.job_field(job, "JobState") not in DONE and time.monotonic() < end:
+        running()
+        time.sleep(1)
+    state = _finished(slurm, tmp_path, job, 5)
     log = _log(tmp_path, job)
     assert state == "COMPLETED", log[-4000:] + slurm.logs()
+    assert "TIMEOUT" not in states, states  # every run stopped before its limit
     assert "restart 1" in log and "2 node(s) x 1" in log
-    assert "trainer.deadline_unix=" in log  # the job's end time (--time 30) reached the trainer's budget
+    assert "received SIGUSR1 while starting up" in log  # the early handler, not the default action
+    assert slurm.job_field(job, "Restarts") == "1"  # the last step is not followed by a requeue
+    assert "trainer.deadline_unix=" in log  # the job's end time reached the trainer's budget
     assert steps_of(out / "metrics.jsonl") == list(range(1, steps + 1))
     # rollouts.jsonl: trainer.log_rollouts=1 row per step, none replayed
     assert steps_of(out / "rollouts.jsonl") == list(range(1, steps + 1))
     assert (out / "checkpoints" / f"step_{steps:08d}" / "COMPLETE").is_file()
+    assert "DUE TO TIME LIMIT" not in (tmp_path / f"slurm-pacs-{job}.out").read_text()  # slurmstepd's own line
+
+
+def test_sbatch_scancel_cancels_without_requeue(slurm, tmp_path):
+    out = tmp_path / "run"
+    job = _submit(slurm, tmp_path, "--config", str(CONFIG), *short_run(out, 500))
+    running = lambda: slurm.job_field(job, "JobState") in ("PENDING", "RUNNING")  # noqa: E731
+    wait_until(lambda: 1 in steps_of(out / "metrics.jsonl"), 240, "step 1", running)
+    slurm.run("scancel", job)  # SIGTERM to every step and the batch shell, as a user does
+    assert _finished(slurm, tmp_path, job, 60) == "CANCELLED"
+    time.sleep(3)  # a requeue would show here (the old TERM trap requeued the completing job)
+    assert slurm.job_field(job, "JobState") == "CANCELLED" and slurm.job_field(job, "Restarts") == "0"
+    log = _log(tmp_path, job)
+    assert "batch shell got SIGTERM" in log and "requeueing" not in log, log[-3000:]
+    assert not (tmp_path / "logs" / f".requeue-{job}").exists()
+
+
+def test_srun_two_tasks_per_node_doctor_distributed(slurm, tmp_path):
+    env = {k: v for k, v in slurm.env.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env |= {"OMP_NUM_THREADS": "1"}
+    cmd = f"srun {sys.executable} -m pacs_megatron doctor --distributed --dir {tmp_path}/shared"
+    res = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes",
+            "2",
+            "--ntasks-per-node",
+            "2",
+            "--output",
+            f"{tmp_path}/out.txt",
+            "--wrap",
+            cmd,
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    job = res.stdout.strip().split(";")[0]
+    state = slurm.wait_job(job, DONE, 120)
+    text = (tmp_path / "out.txt").read_text()
+    assert state == "COMPLETED", text[-3000:]
+    # MASTER_ADDR: n1's NodeAddr (scontrol), the port from the job id, below the ephemeral range
+    assert f"launcher slurm, world 4, master 127.0.0.1:{10000 + int(job) % 20000}" in text, text
+    for rank, node, local in ((0, "n1", 0), (1, "n1", 1), (2, "n2", 0), (3, "n2", 1)):
+        assert f"rank {rank:<3} local {local}/2  node {node}  " in text, text
+    assert f"shared {tmp_path}/shared: ok" in text and "gloo all-reduce" in text and "ERROR" not in text, text
 
 
 def _rank_pid(job: str, rank: int) -> int | None:

@@ -34,6 +34,8 @@ def test_memory_plan_of_qwen25_7b():
     # bf16 params + fp32 grads + Adam/DP = 7.1 + 14.2 + 10.6 GiB, plus vLLM's 40 GiB: ~72 GiB in rollout
     assert plan.params_gib + plan.grads_gib + plan.optimizer_gib == pytest.approx(31.9, abs=0.2)
     assert plan.rollout_gib == pytest.approx(72.0, abs=0.5) and plan.fits
+    # 72 GiB + the 4 GiB headroom fit 80 GiB, not 75: "fits" keeps room for CUDA contexts and NCCL
+    assert not estimate(QWEN25_7B, **kw | {"gpu_gib": 75.0, "vllm_utilization": 40.0 / 75}).fits
     assert estimate(QWEN25_7B, **kw, offload_during_rollout=True).rollout_gib == pytest.approx(40.0)
     # without the distributed optimizer every rank holds all of Adam's 12 bytes/param: no longer fits
     assert not estimate(QWEN25_7B, **kw, distributed_optimizer=False).fits
@@ -82,3 +84,21 @@ def test_doctor_names_a_mismatched_package(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 1
     assert "megatron-core 0.16.1 is installed, the code is written for 0.0.1: pip install megatron-core" in out
+
+
+@pytest.mark.parametrize(
+    ("cc", "cubins", "ptx", "runs"),
+    [
+        (80, [80], [], True),
+        (86, [80], [], True),  # A10/A40/RTX 30xx on sm_80 cubins: same major, higher minor
+        (89, [80, 90], [], True),  # L40S / RTX 40xx
+        (90, [80], [], False),  # a new major needs its cubin or PTX
+        (90, [80], [80], True),  # ... PTX of an older arch is JIT-compiled
+        (103, [100], [], True),  # B300 on sm_100 cubins
+        (100, [90], [], False),
+        (120, [100], [], False),  # RTX 50xx is major 12, not 10
+        (75, [80], [80], False),  # an older GPU runs neither
+    ],
+)
+def test_arch_table(cc, cubins, ptx, runs):
+    assert doctor.arch_runs(cc, cubins, ptx) is runs

@@ -79,7 +79,6 @@ def layout_summary(cfg: RunConfig) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     init_logging()
-    apply_srun_env()  # srun started this rank directly (examples/slurm): RANK etc. from SLURM_*
     overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
     if args.dry_run:
         overrides.append("trainer.dry_run=true")
@@ -89,6 +88,12 @@ def main(args: argparse.Namespace) -> int:
         preflight(cfg)  # reward.fn, --resume, data files: before any rank or model starts
     except ConfigError as e:
         logger.error("config error: %s", e)
+        return 2
+    try:
+        if cfg.launcher.kind != "ray":  # a Ray driver inside a multi-task srun step is no rank
+            apply_srun_env()  # srun started this rank directly (examples/slurm): RANK etc. from SLURM_*
+    except RuntimeError as e:  # no MASTER_ADDR and scontrol cannot name the first node
+        logger.error("%s", e)
         return 2
     if cfg.trainer.dry_run:
         sys.stdout.write(to_yaml(cfg) + "\n# layout\n" + json.dumps(layout, indent=2) + "\n")

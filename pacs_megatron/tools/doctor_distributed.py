@@ -185,7 +185,11 @@ def run(dirs: list[str]) -> int:
 def main(args: argparse.Namespace) -> int:
     from pacs_megatron.launch.slurm import apply_srun_env
 
-    apply_srun_env()  # srun started the tasks: RANK, MASTER_ADDR (scontrol), MASTER_PORT (job id)
+    try:
+        apply_srun_env()  # srun started the tasks: RANK, MASTER_ADDR (scontrol), MASTER_PORT (job id)
+    except RuntimeError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
     if not under_launcher():
         sys.stderr.write(
             "error: doctor --distributed runs on every rank of a job: start it with srun, torchrun or the Ray "

@@ -2,6 +2,8 @@
 
 - strict_spread puts the two TP ranks of the CPU default on the two nodes (launch.json), and the
   metrics equal those of the same seed's local run bit for bit (timings excepted);
+- a rank on the second raylet sees a network variable set in the driver's shell (NCCL_DEBUG) and one
+  from ``launcher.env``;
 - a rank actor killed mid-run fails the job within seconds with an error naming the rank; a second
   launch resumes from the last checkpoint, and SIGTERM to its driver makes the ranks checkpoint and exit 143;
 - bad input: an unreachable ``launcher.ray_address`` and an unsatisfiable placement group each end in
@@ -133,11 +135,17 @@ def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
     out, log = tmp_path / "run", tmp_path / "driver.log"
     with log.open("w") as f:
         proc = subprocess.Popen(
-            _cmd(out, 1000, "trainer.save_freq=2", *_ray(ray_cluster)), env=_env(), stdout=f, stderr=subprocess.STDOUT
+            _cmd(out, 1000, "trainer.save_freq=2", "launcher.env={PROBE_FROM_CONFIG: yes}", *_ray(ray_cluster)),
+            env=_env() | {"NCCL_DEBUG": "WARN"},  # a network variable in the driver's shell only
+            stdout=f,
+            stderr=subprocess.STDOUT,
         )
     try:
         _wait_for(lambda: bool(_checkpoints(out)), 300, proc, log)
-        rank1 = json.loads((out / "launch.json").read_text())["ranks"][1]
+        rank0, rank1 = json.loads((out / "launch.json").read_text())["ranks"]
+        assert rank0["node_id"] != rank1["node_id"]  # rank 1 runs on the second raylet
+        environ = psutil.Process(rank1["pid"]).environ()
+        assert environ.get("NCCL_DEBUG") == "WARN" and environ.get("PROBE_FROM_CONFIG") == "yes", environ
         actor = psutil.Process(rank1["pid"]).parent()  # the Ray worker process that hosts rank 1
         assert "RankActor" in " ".join(actor.cmdline()), actor.cmdline()
         killed_at = time.monotonic()
@@ -235,3 +243,16 @@ def test_rank_order_and_env_pack_tp_groups_on_nodes(monkeypatch):
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,1", "3,1", "0,2", "0,2"]  # cuda:LOCAL_RANK is its GPU
     assert [e["PACS_RAY_NODE_ID"] for e in envs] == ["a", "a", "b", "b"]
     assert {e["OMP_NUM_THREADS"] for e in envs} == {"4"} and {e["RAY_ADDRESS"] for e in envs} == {"10.0.0.1:6379"}
+
+    # the driver's network / runtime variables travel, its machine-local paths do not; launcher.env wins
+    for k, v in {"NCCL_IB_HCA": "mlx5_0", "GLOO_SOCKET_IFNAME": "ib0", "TORCH_HOME": "/home/me/.torch"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    env = rank_envs(places, order, 4, "10.0.0.1:6379", extra_env={"NCCL_IB_HCA": "mlx5_1", "X_EXTRA": "1"})[0]
+    assert (env["NCCL_IB_HCA"], env["GLOO_SOCKET_IFNAME"], env["X_EXTRA"], env["OMP_NUM_THREADS"]) == (
+        "mlx5_1",
+        "ib0",
+        "1",
+        "3",
+    )
+    assert "TORCH_HOME" not in env

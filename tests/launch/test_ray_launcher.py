@@ -135,7 +135,7 @@ def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
     out, log = tmp_path / "run", tmp_path / "driver.log"
     with log.open("w") as f:
         proc = subprocess.Popen(
-            _cmd(out, 1000, "trainer.save_freq=2", "launcher.env={PROBE_FROM_CONFIG: yes}", *_ray(ray_cluster)),
+            _cmd(out, 1000, "trainer.save_freq=2", "launcher.env={PROBE_FROM_CONFIG: from-config}", *_ray(ray_cluster)),
             env=_env() | {"NCCL_DEBUG": "WARN"},  # a network variable in the driver's shell only
             stdout=f,
             stderr=subprocess.STDOUT,
@@ -145,7 +145,7 @@ def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
         rank0, rank1 = json.loads((out / "launch.json").read_text())["ranks"]
         assert rank0["node_id"] != rank1["node_id"]  # rank 1 runs on the second raylet
         environ = psutil.Process(rank1["pid"]).environ()
-        assert environ.get("NCCL_DEBUG") == "WARN" and environ.get("PROBE_FROM_CONFIG") == "yes", environ
+        assert environ.get("NCCL_DEBUG") == "WARN" and environ.get("PROBE_FROM_CONFIG") == "from-config", environ
         actor = psutil.Process(rank1["pid"]).parent()  # the Ray worker process that hosts rank 1
         assert "RankActor" in " ".join(actor.cmdline()), actor.cmdline()
         killed_at = time.monotonic()

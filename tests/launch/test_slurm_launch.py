@@ -97,6 +97,7 @@ def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_pa
     assert "TIMEOUT" not in states, states  # every run stopped before its limit
     assert "restart 1" in log and "2 node(s) x 1" in log
     assert "received SIGUSR1 while starting up" in log  # the early handler, not the default action
+    assert f"forwarding it to step {job}.0;" in log  # the rank step, not the extern step or the whole job
     assert slurm.job_field(job, "Restarts") == "1"  # the last step is not followed by a requeue
     assert "trainer.deadline_unix=" in log  # the job's end time reached the trainer's budget
     assert steps_of(out / "metrics.jsonl") == list(range(1, steps + 1))

@@ -2,7 +2,8 @@
 
     driver (pacs-megatron train, or the entrypoint of ``ray job submit``)
       connect (launcher.ray_address) -> placement group of world_size bundles, bounded wait
-      -> one RankActor per bundle (launch/ray_rank.py) -> ranks ordered by node, MASTER_ADDR = rank 0's node
+      -> one RankActor per bundle (launch/ray_rank.py) -> ranks ordered by node, MASTER_ADDR = rank 0's node,
+         MASTER_PORT = the rendezvous store rank 0's actor binds (a port the kernel gives it)
       -> every actor runs ``python -m pacs_megatron.launch`` with RANK, WORLD_SIZE, LOCAL_RANK, ... set
       -> supervise: stream logs, forward SIGINT/SIGTERM/SIGUSR1, first failure names its rank
       -> kill the actors, remove the placement group, return the trainer's exit code
@@ -143,6 +144,7 @@ def rank_envs(
             "LOCAL_WORLD_SIZE": str(len(local)),
             "MASTER_ADDR": master["ip"],
             "MASTER_PORT": str(master["port"]),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store is rank 0's actor's (ray_rank.host_store)
             "OMP_NUM_THREADS": forwarded.get("OMP_NUM_THREADS", str(cpus_per_rank)),
             "PACS_LAUNCHER_KIND": "ray",
             "PACS_RAY_NODE_ID": p["node_id"],
@@ -218,6 +220,7 @@ def launch_ray(cfg: RunConfig) -> int:
         ]
         places = ray.get([a.where.remote() for a in actors])
         order = _rank_order(places)
+        places[order[0]]["port"] = ray.get(actors[order[0]].host_store.remote())  # bound by rank 0's actor
         gcs = ray.get_runtime_context().gcs_address
         envs = rank_envs(places, order, cfg.launcher.cpus_per_rank, gcs, cfg.launcher.env)
         ranked = [actors[b] for b in order]

@@ -46,19 +46,27 @@ class RankActor:
         return f"rank{self.rank}"
 
     def where(self) -> dict:
-        """This actor's node: Ray node id, address, host name, assigned GPU ids, a free port there."""
+        """This actor's node: Ray node id, address, host name, assigned GPU ids."""
         import ray
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "host": socket.gethostname(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "port": port,
         }
+
+    def host_store(self) -> int:
+        """Rank 0's actor: start the job's rendezvous store (a TCPStore server) on a port the kernel
+        assigns as it binds, and return that port. The ranks connect to it as clients
+        (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun's agent): no port is picked by
+        bind-and-close and taken by someone else before rank 0 binds it. It lives with the actor."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30))
+        return self._store.port
 
     def run(self, rank: int, config_yaml: str, env: dict[str, str], cwd: str) -> tuple[int, list[str]]:
         """Run the trainer rank to completion; return its exit code and its last stderr lines."""

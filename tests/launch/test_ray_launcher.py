@@ -240,6 +240,7 @@ def test_rank_order_and_env_pack_tp_groups_on_nodes(monkeypatch):
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
     assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
     assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and {e["MASTER_PORT"] for e in envs} == {"1000"}
+    assert {e["TORCHELASTIC_USE_AGENT_STORE"] for e in envs} == {"True"}  # rank 0's actor hosts the store
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,1", "3,1", "0,2", "0,2"]  # cuda:LOCAL_RANK is its GPU
     assert [e["PACS_RAY_NODE_ID"] for e in envs] == ["a", "a", "b", "b"]
     assert {e["OMP_NUM_THREADS"] for e in envs} == {"4"} and {e["RAY_ADDRESS"] for e in envs} == {"10.0.0.1:6379"}

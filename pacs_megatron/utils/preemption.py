@@ -78,6 +78,7 @@ class PreemptionFlag:
         """After a stop: whether the job should be continued (SIGUSR1 or the time budget, no SIGTERM)."""
         self.reason = ""
         self._budget_hit = False
+        self._got_term = self.signum == signal.SIGTERM  # a later SIGTERM (scancel) overrides a warning
         self._sigint_at: float | None = None
         self._started = self._last_check = time.monotonic()
         self._longest = 0.0
@@ -98,6 +99,7 @@ class PreemptionFlag:
                 logger.warning("second Ctrl-C: stopping now, without a checkpoint")
                 os._exit(EXIT_INTERRUPTED)
             self._sigint_at = self._sigint_at or now
+        self._got_term = self._got_term or signum == signal.SIGTERM
         if self.signum is None:
             logger.warning(
                 "received %s: will checkpoint after the current step and exit%s",
@@ -131,7 +133,7 @@ class PreemptionFlag:
         code = self._local_code()
         wants_requeue = self._budget_hit or self.signum == signal.SIGUSR1
         # [exit code, some rank wants a requeue, some rank got SIGTERM]; MAX over ranks for each.
-        t = torch.tensor([code, int(wants_requeue), int(self.signum == signal.SIGTERM)], dtype=torch.int32)
+        t = torch.tensor([code, int(wants_requeue), int(self._got_term)], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized():
             # nccl reduces device tensors only; gloo takes the CPU tensor as is.
             if dist.get_backend() == "nccl":

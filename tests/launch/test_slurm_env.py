@@ -74,6 +74,10 @@ _CHILD = textwrap.dedent(
     out["term"] = [flag.should_stop(), flag.requeue, flag.reason, flag.exit_code]
     flag.write_requeue_marker(8)
     out["term_marker"] = os.path.exists(marker)
+    flag = PreemptionFlag()
+    os.kill(os.getpid(), signal.SIGUSR1)  # the time-limit warning, then the user's scancel
+    os.kill(os.getpid(), signal.SIGTERM)
+    out["usr1_then_term"] = [flag.should_stop(), flag.requeue, flag.reason]
     print(json.dumps(out))
     """
 )
@@ -87,4 +91,5 @@ def test_stop_decision_and_requeue_marker(tmp_path):
     assert out["early"] == [True, True, "SIGUSR1", 143]  # not killed by the early USR1; requeue
     assert out["marker"] == {"step": 7, "reason": "SIGUSR1", "job_id": ""}
     assert out["term"] == [True, False, "SIGTERM", 143] and out["term_marker"] is False
+    assert out["usr1_then_term"] == [True, False, "SIGTERM"]  # a cancel wins over the warning
     assert "while starting up" in res.stderr

@@ -7,7 +7,8 @@
   marker, the script requeues from it; the requeued run (warned again) does step 2 and completes.
   Each step is logged exactly once in metrics.jsonl and rollouts.jsonl, the job never reaches
   TIMEOUT. This run is also the plain 2-node completion check.
-- a user's ``scancel JOB``: the job ends CANCELLED and is not requeued.
+- a user's ``scancel JOB``: the ranks checkpoint within KillWait, the job ends CANCELLED and is not
+  requeued.
 - a rank that dies (SIGKILL) fails the job within seconds.
 - 2 tasks per node x 2 nodes: ``doctor --distributed`` under plain srun (no MASTER_ADDR / MASTER_PORT
   given: they come from scontrol and the job id), SLURM_LOCALID 1, "2(x2)" task counts.
@@ -119,6 +120,8 @@ def test_sbatch_scancel_cancels_without_requeue(slurm, tmp_path):
     log = _log(tmp_path, job)
     assert "batch shell got SIGTERM" in log and "requeueing" not in log, log[-3000:]
     assert not (tmp_path / "logs" / f".requeue-{job}").exists()
+    # the ranks had the time (KillWait=30 here) to checkpoint the step they were in
+    assert (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step_*/COMPLETE")), log[-3000:]
 
 
 def test_srun_two_tasks_per_node_doctor_distributed(slurm, tmp_path):

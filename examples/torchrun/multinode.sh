@@ -39,6 +39,9 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
   [[ "$NPROC_PER_NODE" -gt 0 ]] || NPROC_PER_NODE=1
 fi
+# Networks (docs/launch.md "Networks"): on nodes with several NICs name the one to use, e.g.
+#   export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0 NCCL_IB_HCA=mlx5_0,mlx5_1
+# (set here or before submitting; the ranks inherit them).
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # Megatron's TP overlap, pre-Blackwell
 if [[ "${RDZV_BACKEND:-c10d}" == static ]]; then
   [[ -n "${NODE_RANK:-}" ]] || { echo "$USAGE" >&2; exit 2; }

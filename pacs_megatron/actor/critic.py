@@ -33,7 +33,13 @@ from pacs_megatron.actor.actor import MegatronActor, _seed_for_init
 from pacs_megatron.actor.forward import run_schedule
 from pacs_megatron.actor.model import build_model_chunks, transformer_config
 from pacs_megatron.actor.offload import ActorOffload
-from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
+from pacs_megatron.actor.optimizer import (
+    apply_lr_config,
+    build_optimizer,
+    build_scheduler,
+    use_distributed_optimizer,
+    wrap_ddp,
+)
 from pacs_megatron.actor.train_step import _DENOM, _MAXLR
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.config import RunConfig, critic_enabled, critic_loss_agg
@@ -157,6 +163,13 @@ class MegatronCritic(MegatronActor):
         metrics = self._update(micro, loss)
         metrics.pop(_MAXLR, None)
         return {k.replace("actor/", "critic/"): v for k, v in metrics.items()}
+
+    def load_checkpoint(self, path: str) -> dict:
+        """As the actor's, but the lr applied after the load is the critic's (``critic.optim``): the
+        actor's method applies ``optimizer.lr``, which resumed the critic at the actor's lr."""
+        extra = super().load_checkpoint(path)
+        apply_lr_config(self.optimizer, self.scheduler, self.opt_cfg)
+        return extra
 
     @torch.no_grad()
     def copy_trunk_from(self, actor: MegatronActor) -> None:

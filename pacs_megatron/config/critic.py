@@ -22,8 +22,9 @@ class CriticConfig:
     """Learned value function; built only when the policy loss uses ``adv_estimator=gae``."""
 
     init: str = "actor"
-    """"actor": copy the policy's initial weights and add a zero-initialised scalar value head (as
-    verl); or a Hugging Face model directory of the same architecture (its LM head is ignored)."""
+    """"actor": copy the policy's weights (again after the format warm-up, so the critic starts from
+    the policy RL starts from) and add a zero-initialised value head w . h + b (verl: nn.Linear(H, 1));
+    or a Hugging Face model directory of the same architecture (its LM head is ignored)."""
     optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     """The critic's own optimizer and schedule (the reference: lr 1e-5)."""
     cliprange_value: float = 0.5

@@ -1,15 +1,23 @@
-"""The two stages of PPO with a learned critic (``algorithm.policy.adv_estimator=gae``); both are
-no-ops for runs without a critic, so ``train.py`` calls them unconditionally.
+"""The stages of PPO with a learned critic (``algorithm.policy.adv_estimator=gae``); every one is a
+no-op for runs without a critic, so ``train.py`` calls them unconditionally.
 
-    attach_values  (old-log-prob stage)  critic values of this DP rank's rows -> gathered over DP
-                   -> GAE over the step's whole batch (outcome reward on the last response token,
-                   advantages whitened over all its response tokens, as the reference) -> this
-                   rank's rows get per-token advantages, old values and returns
+    init_after_warmup  (after the format warm-up)  the critic's trunk re-copied from the actor, so the
+                   critic starts from the policy that RL starts from (``critic.init=actor``)
+    attach_values  (old-log-prob stage)  critic values of this DP rank's rows -> GAE per row (outcome
+                   reward on the last response token) -> advantages whitened over all response
+                   tokens of the step (the statistics all-reduced over DP, as the reference whitens
+                   the whole batch) -> this rank's rows get per-token advantages, old values, returns
     update_critic  (beside the actor update)  critic ppo_epochs x mini-batches of the clipped value
                    loss, one critic optimizer step each (before the actor's, as verl)
+
+Every row stays on its rank: with dynamic batching a rank holds a non-contiguous set of groups
+(data/packing.py ``dp_balanced_shard``), and GAE needs nothing from other rows but the whitening
+statistics.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -17,37 +25,44 @@ import torch.distributed as dist
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import TrainBatch, split_mini_batches
 from pacs_megatron.pacs import explained_variance, gae_advantages, outcome_token_rewards
+from pacs_megatron.pacs.gae import masked_mean_var
 
 
-def _gather_dp(x: torch.Tensor, groups) -> torch.Tensor:
-    """Concatenate the DP ranks' ``[B_local, T]`` tensors in rank order (every rank gets all)."""
+def _sum_dp(x: torch.Tensor, groups) -> torch.Tensor:
+    """``x`` summed over the DP ranks (float64, every rank gets the sum)."""
     if groups.dp_size == 1:
         return x
-    parts = [torch.empty_like(x, device=groups.device) for _ in range(groups.dp_size)]
-    dist.all_gather(parts, x.to(groups.device), group=groups.dp_group)
-    return torch.cat(parts).cpu()
+    y = x.to(groups.device)
+    dist.all_reduce(y, group=groups.dp_group)
+    return y.cpu()
 
 
-def attach_values(cfg: RunConfig, c, batch: TrainBatch, local: TrainBatch) -> tuple[TrainBatch, dict]:
-    """``local`` with GAE ``advantages [B, T]``, ``old_values`` and ``returns`` filled (collective);
-    unchanged when the run has no critic."""
+def init_after_warmup(cfg: RunConfig, c) -> None:
+    """After the format warm-up the policy RL starts from is the warmed-up actor: re-copy its trunk
+    into the critic (``critic.init=actor``; an HF ``critic.init`` is left as loaded)."""
+    critic = getattr(c, "critic", None)
+    if critic is not None and cfg.critic.init == "actor" and cfg.trainer.sft_warmup_steps:
+        critic.copy_trunk_from(c.actor)
+
+
+def attach_values(cfg: RunConfig, c, local: TrainBatch) -> tuple[TrainBatch, dict]:
+    """``local`` with GAE ``advantages [B, T]``, ``old_values`` and ``returns`` of its own rows filled
+    (collective over DP); unchanged when the run has no critic."""
     critic = getattr(c, "critic", None)
     if critic is None:
         return local, {}
-    groups = c.rt.groups
-    values = _gather_dp(critic.compute_values(local), groups)
+    reduce = partial(_sum_dp, groups=c.rt.groups)
+    values = critic.compute_values(local)
     pol = cfg.algorithm.loss_config()
-    rewards = outcome_token_rewards(batch.scores, batch.response_mask)
-    adv, returns = gae_advantages(rewards, values, batch.response_mask, pol.gamma, pol.lam, whiten=True)
-    per = len(local)
-    rows = slice(groups.dp_rank * per, (groups.dp_rank + 1) * per)
-    m = batch.response_mask.float()
+    mask = local.response_mask
+    rewards = outcome_token_rewards(local.scores, mask)
+    adv, returns = gae_advantages(rewards, values, mask, pol.gamma, pol.lam, whiten=True, reduce=reduce)
     metrics = {
-        "critic/values_mean": float((values * m).sum() / m.sum().clamp(min=1.0)),
-        "critic/returns_mean": float((returns * m).sum() / m.sum().clamp(min=1.0)),
-        "critic/explained_variance": float(explained_variance(values, returns, batch.response_mask)),
+        "critic/values_mean": float(masked_mean_var(values, mask, reduce)[0]),
+        "critic/returns_mean": float(masked_mean_var(returns, mask, reduce)[0]),
+        "critic/explained_variance": float(explained_variance(values, returns, mask, reduce)),
     }
-    return local.with_(advantages=adv[rows], old_values=values[rows], returns=returns[rows]), metrics
+    return local.with_(advantages=adv, old_values=values, returns=returns), metrics
 
 
 def update_critic(cfg: RunConfig, c, local: TrainBatch) -> dict:

@@ -52,6 +52,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     writer.truncate_after(start)  # metrics, rollouts and TensorBoard end at the resumed step
     if start == 0 and cfg.trainer.sft_warmup_steps:
         logger.info("format warm-up: %s", stages.format_warmup(cfg, rt, c))
+        critic_stages.init_after_warmup(cfg, c)  # the critic starts from the warmed-up policy
     c.sync.sync()  # the engine starts from the actor's weights, verified
     progress = Progress(cfg.trainer.total_steps, start, rt.is_rank0 and cfg.logging.progress_bar)
 
@@ -65,7 +66,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         with timer("old_logprob"):
             local, m = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size)
             metrics |= m
-            local, m = critic_stages.attach_values(cfg, c, batch, local)  # GAE (ppo + learned critic)
+            local, m = critic_stages.attach_values(cfg, c, local)  # GAE per row (ppo + learned critic)
             metrics |= m
         with timer("update"):
             metrics |= critic_stages.update_critic(cfg, c, local)

@@ -33,10 +33,16 @@ from pacs_megatron.actor.actor import MegatronActor, _seed_for_init
 from pacs_megatron.actor.forward import run_schedule
 from pacs_megatron.actor.model import build_model_chunks, transformer_config
 from pacs_megatron.actor.offload import ActorOffload
-from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
+from pacs_megatron.actor.optimizer import (
+    apply_lr_config,
+    build_optimizer,
+    build_scheduler,
+    use_distributed_optimizer,
+    wrap_ddp,
+)
 from pacs_megatron.actor.train_step import _DENOM, _MAXLR
 from pacs_megatron.actor.weights import unwrap
-from pacs_megatron.config import RunConfig, critic_enabled
+from pacs_megatron.config import RunConfig, critic_enabled, critic_loss_agg
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.pacs import value_loss
 from pacs_megatron.parallel import ParallelGroups
@@ -46,20 +52,25 @@ logger = get_logger(__name__)
 
 
 class ValueHead(torch.nn.Module):
-    """Scalar projection standing in for GPTModel's output layer (same call signature).
+    """Scalar projection ``V = w . h + b`` standing in for GPTModel's output layer (same call signature).
 
-    Zero-initialised, so the first values are 0 and the first critic step moves only the head.
+    verl's value head is ``nn.Linear(H, 1)`` (a token-classification head: weight and bias); so is
+    this one. Both are zero-initialised where verl draws the weight from N(0, 0.02): the first values
+    are exactly 0 (a known starting point, the same on every layout), the first critic step moves only
+    the head, and the bias learns the mean return without touching the trunk.
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, tp_group) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
         # Summed over TP by finalize_model_grads when each rank saw only its sequence shard.
         self.weight.sequence_parallel = sequence_parallel
+        self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):  # noqa: ARG002 - GPTModel's call
-        values = F.linear(hidden, self.weight)  # [s(/tp), b, 1]
+        values = F.linear(hidden, self.weight, self.bias)  # [s(/tp), b, 1]
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -147,21 +158,39 @@ class MegatronCritic(MegatronActor):
         if batch.old_values is None or batch.returns is None:
             raise ValueError("critic.train_step needs batch.old_values and batch.returns (GAE)")
         micro = split_micro_batches(batch, min(self.micro_batch_size, len(batch)))
-        metrics = self._update(micro, partial(_value_loss_func, clip=self.cfg.critic.cliprange_value))
+        mode, horizon = critic_loss_agg(self.cfg)
+        loss = partial(_value_loss_func, clip=self.cfg.critic.cliprange_value, mode=mode, horizon=horizon)
+        metrics = self._update(micro, loss)
         metrics.pop(_MAXLR, None)
         return {k.replace("actor/", "critic/"): v for k, v in metrics.items()}
 
+    def load_checkpoint(self, path: str) -> dict:
+        """As the actor's, but the lr applied after the load is the critic's (``critic.optim``): the
+        actor's method applies ``optimizer.lr``, which resumed the critic at the actor's lr."""
+        extra = super().load_checkpoint(path)
+        apply_lr_config(self.optimizer, self.scheduler, self.opt_cfg)
+        return extra
 
-def _value_loss_func(mb: TrainBatch, ids: torch.Tensor, dummy: bool, clip: float):  # noqa: ARG001
-    """megatron ``loss_func`` of one critic micro-batch: token-mean value loss times its token count
-    (the train step's gradient convention, see train_step.py); a padding micro-batch counts 0."""
+    @torch.no_grad()
+    def copy_trunk_from(self, actor: MegatronActor) -> None:
+        """Copy the actor's current trunk into the critic (the head is kept) and refresh the
+        optimizer's main parameters (bf16 / distributed optimizer keep fp32 copies)."""
+        _copy_trunk(actor.model, self.model)
+        self.optimizer.reload_model_params()
+
+
+def _value_loss_func(mb: TrainBatch, ids: torch.Tensor, dummy: bool, clip: float, mode: str, horizon: int):  # noqa: ARG001
+    """megatron ``loss_func`` of one critic micro-batch: the value loss aggregated by ``mode`` (a mean
+    over tokens or rows) times that unit count (the train step's gradient convention, see
+    train_step.py); a padding micro-batch counts 0."""
 
     def loss_func(out):
         values = aligned_values(out)
         dev = values.device
         mask = mb.response_mask.to(dev)
-        loss, clipfrac = value_loss(values, mb.returns.to(dev), mb.old_values.to(dev), mask, clip)
-        n = mask.sum().to(torch.float64) * (0.0 if dummy else 1.0)
+        loss, clipfrac = value_loss(values, mb.returns.to(dev), mb.old_values.to(dev), mask, clip, mode, horizon)
+        units = mask.sum() if mode == "token-mean" else torch.tensor(float(len(mb)), device=dev)
+        n = units.to(torch.float64) * (0.0 if dummy else 1.0)
         reported = {
             "critic/value_loss": loss.detach().double(),
             "critic/vf_clipfrac": clipfrac.double(),

@@ -9,7 +9,7 @@ the fix. Checks that need the model (TP divides the heads, ...) run at start-up 
 """
 
 from pacs_megatron.config.base import ConfigError
-from pacs_megatron.config.critic import CriticConfig, critic_enabled
+from pacs_megatron.config.critic import CriticConfig, critic_enabled, critic_loss_agg
 from pacs_megatron.config.data import ArithTaskConfig, DataConfig, RewardConfig
 from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig, TinyModelConfig
@@ -37,6 +37,7 @@ __all__ = [
     "VLLMConfig",
     "config_from_dict",
     "critic_enabled",
+    "critic_loss_agg",
     "load_config",
     "to_yaml",
 ]

@@ -3,16 +3,18 @@
 The critic is a second Megatron GPTModel, same architecture and TP/PP/DP layout as the actor and
 colocated with it, whose vocabulary head is replaced by a scalar value head. It has its own Adam
 optimizer and LR schedule (``critic.optim``, the same keys as ``optimizer``). The PACS reference's
-PPO (ritzz-ai/PACS scripts/baseline/ppo.sh, verl) uses critic lr 1e-5 and verl's defaults
-``cliprange_value=0.5``, grad clip 1.0, weight decay 0.01.
+PPO (ritzz-ai/PACS scripts/baseline/ppo.sh with its configs/ppo_trainer.yaml) uses critic lr 1e-5,
+``cliprange_value=0.5``, grad clip 1.0, weight decay 0.01, and aggregates the value loss with the
+actor's ``loss_agg_mode`` (``critic.loss_agg_mode: ${actor_rollout_ref.actor.loss_agg_mode}``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pacs_megatron.config.base import ConfigError, _positive
+from pacs_megatron.config.base import ConfigError, _choice, _positive
 from pacs_megatron.config.training import OptimizerConfig
+from pacs_megatron.pacs.config import LOSS_AGG_MODES
 
 
 @dataclass
@@ -20,8 +22,9 @@ class CriticConfig:
     """Learned value function; built only when the policy loss uses ``adv_estimator=gae``."""
 
     init: str = "actor"
-    """"actor": copy the policy's initial weights and add a zero-initialised scalar value head (as
-    verl); or a Hugging Face model directory of the same architecture (its LM head is ignored)."""
+    """"actor": copy the policy's weights (again after the format warm-up, so the critic starts from
+    the policy RL starts from) and add a zero-initialised value head w . h + b (verl: nn.Linear(H, 1));
+    or a Hugging Face model directory of the same architecture (its LM head is ignored)."""
     optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     """The critic's own optimizer and schedule (the reference: lr 1e-5)."""
     cliprange_value: float = 0.5
@@ -30,6 +33,9 @@ class CriticConfig:
     """Sequences per critic forward/backward per DP rank; 0 means algorithm.micro_batch_size."""
     ppo_epochs: int = 0
     """Passes of the critic over each step's rollouts; 0 means algorithm.ppo_epochs."""
+    loss_agg_mode: str = "auto"
+    """How the value loss is reduced: "auto" (the actor's ``algorithm.policy.loss_agg_mode`` and
+    ``loss_agg_horizon``, as the reference) or one of the actor's modes (token-mean, ...)."""
 
     def __post_init__(self) -> None:
         if not self.init:
@@ -38,9 +44,17 @@ class CriticConfig:
             raise ConfigError(f"critic.cliprange_value={self.cliprange_value} must be > 0 (verl's default: 0.5)")
         _positive("critic.micro_batch_size", self.micro_batch_size, allow_zero=True)
         _positive("critic.ppo_epochs", self.ppo_epochs, allow_zero=True)
+        _choice("critic.loss_agg_mode", self.loss_agg_mode, ("auto", *LOSS_AGG_MODES))
 
 
 def critic_enabled(cfg) -> bool:
     """Whether ``cfg`` (a RunConfig) trains a learned critic: a baseline loss with ``adv_estimator=gae``."""
     algo = cfg.algorithm
     return algo.loss in ("ppo", "grpo") and algo.loss_config().adv_estimator == "gae"
+
+
+def critic_loss_agg(cfg) -> tuple[str, int]:
+    """``(loss_agg_mode, horizon)`` of the value loss of ``cfg`` (a RunConfig): ``critic.loss_agg_mode``,
+    "auto" resolved to the actor's mode; the horizon is the actor's ``policy.loss_agg_horizon``."""
+    mode = cfg.critic.loss_agg_mode
+    return (cfg.algorithm.policy.loss_agg_mode if mode == "auto" else mode), cfg.algorithm.policy.loss_agg_horizon

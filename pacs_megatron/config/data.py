@@ -23,6 +23,9 @@ class ArithTaskConfig:
     """Share of the problems held out for validation (a seeded split by ``split_seed``): RL trains on
     the rest and validation runs on these only, so pass@1 measures generalisation; 0 trains and
     validates on every problem (memorisation)."""
+    val_fraction: float = 0.0
+    """Share of the problems kept out of training for a validation set ("arith_val", e.g. to tune the
+    lr on), disjoint from the held-out split; like it, drawn by unordered pair. Needs test_fraction > 0."""
     split_seed: int = 0
     """Seed of the held-out split (kept apart from data.seed so every training seed sees one split)."""
     answer_width: int = 0
@@ -42,6 +45,11 @@ class ArithTaskConfig:
             )
         if not 0.0 <= self.test_fraction < 1.0:
             raise ConfigError(f"data.arith.test_fraction={self.test_fraction} must be in [0, 1), e.g. 0.2")
+        if not 0.0 <= self.val_fraction < 1.0 - self.test_fraction or (self.val_fraction and not self.test_fraction):
+            raise ConfigError(
+                f"data.arith.val_fraction={self.val_fraction} must be in [0, 1 - test_fraction) and needs "
+                "data.arith.test_fraction > 0 (the validation split is cut from what the held-out split leaves)"
+            )
 
 
 @dataclass

@@ -6,7 +6,8 @@
 ``data.task="math"`` reads ``data.train_files`` / ``data.val_files`` (names of the shared sets or file
 paths) with the PACS instruction and ``data.chat_template``; ``"arith"`` builds the synthetic task
 (train and validation are its whole problem set, validation keyed ``"arith"``; with
-``data.arith.test_fraction`` the split's train part and held-out part, keyed ``"arith_heldout"``).
+``data.arith.test_fraction`` the split's train part and held-out part, keyed ``"arith_heldout"``, and with
+``data.arith.val_fraction`` a disjoint validation part, keyed ``"arith_val"``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pacs_megatron.data.prompts import build_records
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.data.sampler import PromptDataset
 from pacs_megatron.data.sources import load_problems, resolve_dataset
-from pacs_megatron.data.synthetic import arith_records, arith_split
+from pacs_megatron.data.synthetic import arith_records, arith_split, arith_splits
 from pacs_megatron.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -58,9 +59,12 @@ def build_val_datasets(cfg: RunConfig, tokenizer) -> dict[str, list[PromptRecord
     """Validation sets by name, each capped at ``trainer.val_max_problems`` (first rows; 0: all)."""
     data, limit = cfg.data, cfg.trainer.val_max_problems
     if data.task == "arith":
-        records = arith_records(arith_split(data.arith, data.seed)[1], tokenizer)
+        splits = arith_splits(data.arith, data.seed)
         name = "arith_heldout" if data.arith.test_fraction else "arith"  # held-out problems only
-        return {name: records[:limit] if limit else records}
+        sets = {name: arith_records(splits["test"], tokenizer)}
+        if splits["val"]:  # the validation split (tuning), disjoint from the held-out one
+            sets["arith_val"] = arith_records(splits["val"], tokenizer)
+        return {k: v[:limit] if limit else v for k, v in sets.items()}
     out: dict[str, list[PromptRecord]] = {}
     for f in data.val_files:
         name, recs = load_dataset(f, data, tokenizer, limit)

@@ -4,8 +4,11 @@ Problems are all pairs ``a, b in 0..max_operand`` (or a seeded subset of ``num_p
 ``(a + b) % modulo`` (``modulo=0``: no modulo). The CPU default (max_operand=4, modulo=0) has 25
 problems with answers 0..8. A prompt is the raw text ``"3+5="`` (no instruction, no template) and the
 correct response is ``"8"`` followed by EOS, scored by exact match (``reward.fn=arith``).
-``test_fraction > 0`` holds out a seeded share of the problems (:func:`arith_split`): larger operands
-(e.g. ``max_operand=9``: sums 0..18) give multi-token answers and a generalisation test.
+``test_fraction > 0`` holds out a seeded share of the problems (:func:`arith_splits`): larger operands
+(e.g. ``max_operand=9``: sums 0..18) give multi-token answers and a generalisation test. The split is
+by *unordered pair*: "3+5=" and "5+3=" always land in the same split, so no held-out problem has its
+commuted twin in training. ``val_fraction`` takes a validation split (for tuning, e.g. the lr) the
+same way from what is left: train, validation and held-out test are pairwise disjoint.
 
 The tokenizer is character level, built offline with ``tokenizers`` (WordLevel over single
 characters) and wrapped as a transformers ``PreTrainedTokenizerFast``; its 16 tokens fill the
@@ -58,25 +61,62 @@ def arith_problems(cfg: ArithTaskConfig, seed: int = 0) -> list[Problem]:
     return out
 
 
-def arith_split(cfg: ArithTaskConfig, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
-    """``(train, test)`` problems: a ``split_seed``-seeded ``test_fraction`` of them held out (both in
-    (a, b) order); with ``test_fraction=0`` both are all problems.
+def _operands(p: Problem) -> tuple[int, int]:
+    a, b = p.problem.rstrip("=").split("+")
+    return min(int(a), int(b)), max(int(a), int(b))
+
+
+def _take_pairs(problems: Sequence[Problem], candidates: Sequence[int], k: int, rng: random.Random) -> set[int]:
+    """Indices of ``k`` problems among ``candidates``, whole unordered pairs only (a pair that would
+    overshoot ``k`` is skipped; the one-problem pairs a+a fill the rest)."""
+    pairs: dict[tuple[int, int], list[int]] = {}
+    for i in candidates:
+        pairs.setdefault(_operands(problems[i]), []).append(i)
+    order = sorted(pairs)
+    rng.shuffle(order)
+    taken: list[int] = []
+    for key in order:
+        if len(taken) + len(pairs[key]) <= k:
+            taken += pairs[key]
+        if len(taken) == k:
+            break
+    return set(taken)
+
+
+def arith_splits(cfg: ArithTaskConfig, seed: int = 0) -> dict[str, list[Problem]]:
+    """``{"train", "val", "test"}`` problems (each in (a, b) order): a ``split_seed``-seeded
+    ``test_fraction`` held out, then a ``val_fraction`` for validation, both by unordered pair; with
+    ``test_fraction=0`` train and test are all problems and val is empty.
 
     Example:
-        >>> train, test = arith_split(ArithTaskConfig(max_operand=9, modulo=0, test_fraction=0.2))
-        >>> len(train), len(test), {p.id for p in train} & {p.id for p in test}
-        (80, 20, set())
+        >>> s = arith_splits(ArithTaskConfig(max_operand=9, modulo=0, test_fraction=0.2, val_fraction=0.2))
+        >>> [len(s[k]) for k in ("train", "val", "test")]
+        [60, 20, 20]
     """
     problems = arith_problems(cfg, seed)
     if not cfg.test_fraction:
-        return problems, problems
-    k = round(len(problems) * cfg.test_fraction)
-    if not 0 < k < len(problems):
+        return {"train": problems, "val": [], "test": problems}
+    n = len(problems)
+    k_test, k_val = round(n * cfg.test_fraction), round(n * cfg.val_fraction)
+    if not (0 < k_test and k_test + k_val < n and (k_val > 0 or not cfg.val_fraction)):
         raise ValueError(
-            f"data.arith.test_fraction={cfg.test_fraction} of {len(problems)} problems leaves an empty split"
+            f"data.arith.test_fraction={cfg.test_fraction} and val_fraction={cfg.val_fraction} of {n} problems "
+            "leave an empty split"
         )
-    held = set(random.Random(cfg.split_seed).sample(range(len(problems)), k))
-    return [p for i, p in enumerate(problems) if i not in held], [p for i, p in enumerate(problems) if i in held]
+    rng = random.Random(cfg.split_seed)
+    test = _take_pairs(problems, range(n), k_test, rng)
+    val = _take_pairs(problems, [i for i in range(n) if i not in test], k_val, rng) if k_val else set()
+    return {
+        "train": [p for i, p in enumerate(problems) if i not in test and i not in val],
+        "val": [p for i, p in enumerate(problems) if i in val],
+        "test": [p for i, p in enumerate(problems) if i in test],
+    }
+
+
+def arith_split(cfg: ArithTaskConfig, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
+    """``(train, test)`` of :func:`arith_splits` (the validation split is in neither)."""
+    s = arith_splits(cfg, seed)
+    return s["train"], s["test"]
 
 
 def arith_records(problems: Sequence[Problem], tokenizer) -> list[PromptRecord]:

@@ -63,6 +63,10 @@ class PolicyLossConfig:
     """Lower clip: ratios below 1 - clip_ratio_low stop contributing gradient for A < 0."""
     clip_ratio_high: float = 0.2
     """Upper clip: ratios above 1 + clip_ratio_high stop contributing gradient for A > 0."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip (Ye et al. 2019, arXiv 1912.09729; the reference's default 3.0): for A < 0 the token
+    loss is at most -A * clip_ratio_c, so a token whose ratio has grown past clip_ratio_c stops
+    pushing. Must be > 1; 0 turns dual-clip off."""
     loss_agg_mode: str = "token-mean"
     """"token-mean" (all tokens of the mini-batch equal), "seq-mean-token-sum", "seq-mean-token-mean",
     "seq-mean-token-sum-norm" (Dr.GRPO: token sums over a constant horizon; the PACS reference's)."""
@@ -84,6 +88,8 @@ class PolicyLossConfig:
         for name in ("clip_ratio_low", "clip_ratio_high"):
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"PolicyLossConfig.{name}={getattr(self, name)} must be in (0, 1), e.g. 0.2")
+        if not (self.clip_ratio_c == 0 or self.clip_ratio_c > 1):
+            raise ValueError(f"PolicyLossConfig.clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0) or 0 (off)")
         _check_choice("PolicyLossConfig", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_choice("PolicyLossConfig", "adv_estimator", self.adv_estimator, POLICY_ADV_ESTIMATORS)
         for name in ("gamma", "lam"):

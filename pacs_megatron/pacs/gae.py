@@ -13,16 +13,32 @@ where "next" skips prompt and padding positions, and the mean / variance of the 
 all response tokens of the batch (Bessel-corrected, as verl's ``masked_whiten``). With
 gamma = lam = 1 (the reference) every A_t is R - V_t before whitening.
 
-The value loss is verl's (from TRL): ``0.5 * token-mean over response tokens of
-max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``; ``clipfrac`` is the fraction of response
-tokens where the clipped term is the larger.
+**Terminal bootstrap: 0.** After a row's last response token, V_next = 0 and A_next = 0. The reference
+(verl's ``compute_gae_advantage_return``) runs the recursion over the whole padded response and
+bootstraps from the value at the first padding position, which its critic does not zero (its value
+mask is shifted by one token: volcengine/verl#1758). At gamma = lam = 1 the padding terms telescope
+away and both give A_t = R - V_t; at lam < 1 or gamma < 1 the reference's advantages depend on the
+value of a padding position, ours do not. So the two agree only at lam = gamma = 1 (the reference's
+setting).
+
+The value loss is the reference's ``compute_value_loss`` (verl, from TRL), no factor 0.5:
+``agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))`` with ``agg`` one of the actor's
+loss aggregations (policy_loss.aggregate; default token-mean, as the reference's function;
+the reference's config passes the actor's ``loss_agg_mode``); ``clipfrac`` is the fraction of
+response tokens where the clipped term is the larger.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from pacs_megatron.pacs.policy_loss import aggregate
+
 WHITEN_EPS = 1e-8
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a float64 tensor over the data-parallel ranks (e.g. an all-reduce); returns the sum."""
 
 
 def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -41,15 +57,32 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
     return out * m
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + 1e-8)`` with mean and unbiased variance over ``mask`` (needs >= 2)."""
-    m = mask.to(x.dtype)
-    n = m.sum()
+def _local_sum(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def masked_mean_var(
+    x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 ``(mean, unbiased variance, count)`` of ``x`` over ``mask``, two-pass. ``reduce`` sums a
+    float64 tensor over the ranks that hold the other rows (an all-reduce; None: this tensor is all),
+    so every rank gets the statistics of the whole batch without gathering its rows."""
+    reduce = reduce or _local_sum
+    m = mask.to(torch.float64)
+    xd = x.to(torch.float64)
+    total, n = reduce(torch.stack([(xd * m).sum(), m.sum()])).unbind()
+    mean = total / n.clamp(min=1.0)
+    var = reduce(((xd - mean) ** 2 * m).sum()) / (n - 1).clamp(min=1.0)
+    return mean, var, n
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + 1e-8)`` with mean and unbiased variance over ``mask`` (needs >= 2
+    tokens; over all ranks' rows with ``reduce``, see :func:`masked_mean_var`); in ``x``'s dtype."""
+    mean, var, n = masked_mean_var(x, mask, reduce)
     if n < 2:
         raise ValueError(f"whitening needs at least 2 response tokens in the batch, got {int(n)}")
-    mean = (x * m).sum() / n
-    var = ((x - mean) ** 2 * m).sum() / (n - 1)
-    return (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+    return ((x.to(torch.float64) - mean) * torch.rsqrt(var + WHITEN_EPS)).to(x.dtype)
 
 
 @torch.no_grad()
@@ -60,8 +93,12 @@ def gae_advantages(
     gamma: float,
     lam: float,
     whiten: bool = True,
+    reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE ``(advantages, returns)``, both ``[B, T]`` float32 and zero off the response tokens."""
+    """GAE ``(advantages, returns)``, both ``[B, T]`` float32 and zero off the response tokens.
+
+    GAE runs along each row on its own, so a data-parallel rank computes it for its rows alone; only
+    the whitening needs the whole batch: ``reduce`` sums its statistics over the ranks."""
     if not (token_rewards.shape == values.shape == response_mask.shape):
         raise ValueError(
             f"token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and response_mask "
@@ -81,7 +118,7 @@ def gae_advantages(
         adv[:, t] = a_t
     returns = (adv + v) * m
     if whiten:
-        adv = masked_whiten(adv, m)
+        adv = masked_whiten(adv, m, reduce)
     return adv * m, returns
 
 
@@ -91,24 +128,29 @@ def value_loss(
     old_values: torch.Tensor,
     response_mask: torch.Tensor,
     clip_range: float,
+    loss_agg_mode: str = "token-mean",
+    horizon: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss ``(loss, clipfrac)`` (see the module docstring); differentiable in ``vpreds``."""
+    """Clipped value loss ``(loss, clipfrac)`` (see the module docstring); differentiable in ``vpreds``.
+    ``loss_agg_mode`` / ``horizon``: as :func:`pacs_megatron.pacs.policy_loss.aggregate`."""
     m = response_mask.to(vpreds.dtype)
     n = m.sum().clamp(min=1.0)
     clipped = torch.maximum(torch.minimum(vpreds, old_values + clip_range), old_values - clip_range)
     l1 = (vpreds - returns) ** 2
     l2 = (clipped - returns) ** 2
-    loss = 0.5 * (torch.maximum(l1, l2) * m).sum() / n
+    loss = aggregate(torch.maximum(l1, l2), response_mask, loss_agg_mode, horizon)
     clipfrac = ((l2 > l1).to(vpreds.dtype) * m).sum() / n
     return loss, clipfrac.detach()
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``1 - Var(R - V) / Var(R)`` over the masked tokens (unbiased variances). nan when the returns do
-    not vary (Var(R) <= 1e-12, e.g. every response scored 0): there is nothing to explain, and the ratio
-    would be -inf or a huge negative number from round-off."""
-    m = mask.bool()
-    r, d = returns[m].double(), (returns - values)[m].double()
-    if r.numel() < 2 or not r.var() > 1e-12:
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
+    """``1 - Var(R - V) / Var(R)`` over the masked tokens (unbiased variances; of all ranks' rows with
+    ``reduce``). nan when the returns do not vary (Var(R) <= 1e-12, e.g. every response scored 0):
+    there is nothing to explain, and the ratio would be -inf or a huge negative number from round-off."""
+    _, var_r, n = masked_mean_var(returns, mask, reduce)
+    _, var_d, _ = masked_mean_var(returns.double() - values.double(), mask, reduce)
+    if n < 2 or not var_r > 1e-12:
         return torch.tensor(float("nan"))
-    return (1.0 - d.var() / r.var()).float()
+    return (1.0 - var_d / var_r).float()

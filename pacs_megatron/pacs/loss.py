@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from pacs_megatron.pacs.advantage import check_groups, group_advantage
 from pacs_megatron.pacs.config import PACSConfig
 from pacs_megatron.pacs.implicit_reward import implicit_reward
+from pacs_megatron.pacs.rollout_correction import kept_rows
 
 
 def _require_binary(scores: torch.Tensor, what: str) -> None:
@@ -83,7 +84,8 @@ def pacs_loss(
     is a function of the whole response (not a sum over its tokens), so the ratio is the sequence's:
     the row's BCE weight becomes rho_i * w_i, with rho_i truncated at C (tis) or the row dropped outside
     [1/C, C] (mis) to bound the variance (biased, by at most the mass beyond C). The group baseline
-    inside psi_i uses the other rows as drawn; only y_i's own distribution is reweighted.
+    inside psi_i uses the other rows as drawn; only y_i's own distribution is reweighted. A row that
+    mis drops (weight 0) also leaves the mean's denominator: the loss is the mean over kept rows.
 
     Args:
         logp: ``[B, T]`` log-probs of the current policy (differentiable).
@@ -109,7 +111,8 @@ def pacs_loss(
         if is_weights.numel() != weights.numel():
             raise ValueError(f"PACS takes sequence-level is_weights [B]={len(weights)}, got {tuple(is_weights.shape)}")
         weights = weights * is_weights.reshape(-1).to(psi.dtype).detach()
-    loss = F.binary_cross_entropy_with_logits(psi, target, weight=weights, reduction="mean")
+    kept = kept_rows(len(psi), is_weights, psi.device).sum().clamp(min=1).to(psi.dtype)
+    loss = F.binary_cross_entropy_with_logits(psi, target, weight=weights, reduction="sum") / kept
 
     with torch.no_grad():
         grouped = scores.reshape(-1, group_size).float()

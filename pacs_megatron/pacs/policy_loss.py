@@ -4,8 +4,9 @@ Shapes: ``[B, T]`` log-probs and mask, ``advantages [B]`` (outcome advantages br
 response tokens). With ratio_t = exp(logp_t - old_logp_t):
 
     l_t = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high))
+    l_t = min(l_t, -A * c)   where A < 0            (dual-clip, c = clip_ratio_c, the reference's 3.0)
 
-aggregated by ``loss_agg_mode``:
+aggregated by ``loss_agg_mode`` (B = rows with at least one token in the mask):
     token-mean          sum_{i,t} m l / sum_{i,t} m                (every token of the batch equal)
     seq-mean-token-sum  1/B sum_i sum_t m l
     seq-mean-token-mean 1/B sum_i (sum_t m l / sum_t m)
@@ -15,6 +16,9 @@ aggregated by ``loss_agg_mode``:
                         the same gradient up to the constant per-GPU micro-batch size)
 
 ``advantages`` may also be per token, ``[B, T]`` (GAE from a learned critic, see gae.py).
+
+Masked importance sampling (``is_weights`` with zeros, rollout_correction.py) rejects tokens or rows:
+they leave the mask, so they leave every denominator too (as verl #3915, slime #657).
 """
 
 from __future__ import annotations
@@ -23,19 +27,21 @@ import torch
 
 from pacs_megatron.pacs.advantage import group_advantage
 from pacs_megatron.pacs.config import PolicyLossConfig
+from pacs_megatron.pacs.rollout_correction import kept_mask
 
 
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, horizon: int = 0) -> torch.Tensor:
     """Reduce a ``[B, T]`` per-token loss to a scalar (see the module docstring)."""
     m = mask.to(loss_mat.dtype)
+    rows = (m.sum(dim=-1) > 0).to(loss_mat.dtype).sum().clamp(min=1.0)  # an empty row is no sequence
     if mode == "token-mean":
         return (loss_mat * m).sum() / m.sum().clamp(min=1.0)
     if mode == "seq-mean-token-sum":
-        return (loss_mat * m).sum(dim=-1).mean()
+        return (loss_mat * m).sum(dim=-1).sum() / rows
     if mode == "seq-mean-token-mean":
-        return ((loss_mat * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)).mean()
+        return ((loss_mat * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)).sum() / rows
     if mode == "seq-mean-token-sum-norm":
-        return (loss_mat * m).sum(dim=-1).mean() / float(horizon or loss_mat.shape[-1])
+        return (loss_mat * m).sum(dim=-1).sum() / rows / float(horizon or loss_mat.shape[-1])
     raise ValueError(
         f"loss_agg_mode={mode!r}: choose token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm"
     )
@@ -61,7 +67,7 @@ def clipped_policy_loss(
     ``is_weights`` (``[B, T]`` or ``[B, 1]``, no gradient): rollout-correction weights pi_old / pi_rollout
     (truncated or masked, pacs/rollout_correction.py) multiplying each token's surrogate l_t, as verl's
     rollout correction does: the clipped objective is an expectation under pi_old, the tokens were drawn
-    from pi_rollout."""
+    from pi_rollout. A weight of exactly 0 (masked IS) rejects the unit: it leaves the mask."""
     if advantages.shape not in ((logp.shape[0],), tuple(logp.shape)):
         raise ValueError(f"advantages must be [B] or [B, T]={tuple(logp.shape)}, got {tuple(advantages.shape)}")
     adv = advantages.to(logp.dtype)
@@ -72,15 +78,22 @@ def clipped_policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
     loss_mat = torch.maximum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(loss_mat, dtype=torch.bool)
+    if config.clip_ratio_c:
+        dual = -adv * config.clip_ratio_c
+        dual_clipped = (adv < 0) & (loss_mat > dual)
+        loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, dual), loss_mat)
+    mask = kept_mask(response_mask, is_weights)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.to(loss_mat.dtype).detach()
-    loss = aggregate(loss_mat, response_mask, config.loss_agg_mode, config.loss_agg_horizon)
+    loss = aggregate(loss_mat, mask, config.loss_agg_mode, config.loss_agg_horizon)
     with torch.no_grad():
-        m = response_mask.to(logp.dtype)
+        m = mask.to(logp.dtype)
         denom = m.sum().clamp(min=1.0)
         metrics = {
             "policy/loss": loss.detach(),
             "policy/clipfrac": ((clipped > unclipped).to(logp.dtype) * m).sum() / denom,
+            "policy/clipfrac_lower": (dual_clipped.to(logp.dtype) * m).sum() / denom,
             "policy/approx_kl": (0.5 * log_ratio.pow(2) * m).sum() / denom,
             "policy/advantage_mean": (
                 advantages.float().mean() if advantages.dim() == 1 else (advantages.float() * m).sum() / denom

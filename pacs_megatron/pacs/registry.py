@@ -26,6 +26,7 @@ import torch
 
 from pacs_megatron.pacs.loss import pacs_loss
 from pacs_megatron.pacs.policy_loss import clipped_policy_loss
+from pacs_megatron.pacs.rollout_correction import kept_mask, kept_rows
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,14 @@ class LossSpec:
     """What the returned mean averages over: "row", "token", or "agg" (the config's loss_agg_mode)."""
 
     def denominator(self, inputs: LossInputs, config: Any) -> torch.Tensor:
-        """How many units (response tokens or rows) this micro-batch's mean averages over."""
-        per_token = self.unit == "token" or (
-            self.unit == "agg" and getattr(config, "loss_agg_mode", None) == "token-mean"
-        )
-        if per_token:
-            return inputs.response_mask.sum().to(torch.float64)
-        return torch.tensor(float(inputs.logp.shape[0]), dtype=torch.float64)
+        """How many units (response tokens or rows) this micro-batch's mean averages over; units that
+        masked IS rejected (weight 0) are not counted, as the losses leave them out of their means."""
+        mask = kept_mask(inputs.response_mask, inputs.is_weights)
+        if self.unit == "token" or (self.unit == "agg" and getattr(config, "loss_agg_mode", None) == "token-mean"):
+            return mask.sum().to(torch.float64)
+        if self.unit == "agg":  # sequence-level aggregations average over rows that kept a token
+            return mask.any(dim=-1).sum().to(torch.float64)
+        return kept_rows(inputs.logp.shape[0], inputs.is_weights).sum().to(torch.float64)
 
 
 LOSSES: dict[str, LossSpec] = {}

@@ -10,6 +10,10 @@ response mask (``token_logp`` convention of data/batching.py), ``[B]`` per row.
     tis        : w = min(rho, C)                                       (truncated IS; only large ratios clipped)
     mis        : w = rho * 1[1/C <= rho <= C]                          (masked IS: units outside are dropped)
 
+A dropped unit has w = 0 exactly (a kept one has w >= 1/C > 0): the losses read w == 0 as "rejected"
+and take the unit out of their mask and denominators (:func:`kept_mask`, :func:`kept_rows`), so a
+rejected token or row does not dilute the others' mean (the bug verl #3915 and slime #657 fixed).
+
 Weights are constants (no gradient): they reweight the samples pi_rollout drew into pi_old's
 expectation; the losses multiply their per-token surrogate (GRPO/PPO, as verl's rollout correction
 does) or a row's BCE weight (PACS, see pacs/loss.py). Mismatch metrics (``rollout/logprob_diff_*``,
@@ -34,6 +38,21 @@ def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The response-token entries as a flat tensor (indexing, not multiplying: 0 * NaN would hide nothing,
     but padding positions may hold anything and must not enter)."""
     return values[mask.bool()]
+
+
+def kept_mask(response_mask: torch.Tensor, is_weights: torch.Tensor | None) -> torch.Tensor:
+    """``[B, T]`` bool: the response tokens masked IS kept (``is_weights`` ``[B, T]`` or ``[B, 1]``; 0 = dropped)."""
+    mask = response_mask.bool()
+    if is_weights is None:
+        return mask
+    return mask & (is_weights.detach() != 0)
+
+
+def kept_rows(num_rows: int, is_weights: torch.Tensor | None, device=None) -> torch.Tensor:
+    """``[B]`` bool: the rows a sequence-level masked IS kept (all rows without weights)."""
+    if is_weights is None:
+        return torch.ones(num_rows, dtype=torch.bool, device=device)
+    return is_weights.detach().reshape(num_rows, -1).ne(0).any(dim=-1)
 
 
 def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor) -> dict:

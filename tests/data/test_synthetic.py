@@ -120,6 +120,29 @@ def test_heldout_split_is_seeded_disjoint_and_complete():
     assert everything[0] == everything[1] == arith_problems(ArithTaskConfig(max_operand=4, modulo=0))
 
 
+def test_splits_hold_out_unordered_pairs_and_a_disjoint_validation_split():
+    """a+b and b+a always share a split: no held-out (or validation) problem has its commuted twin in
+    training; the validation split is disjoint from both others, and the three cover every problem."""
+    from pacs_megatron.data.synthetic import arith_split, arith_splits
+
+    def pair(p):
+        a, b = p.problem.rstrip("=").split("+")
+        return frozenset((a, b))
+
+    cfg = ArithTaskConfig(max_operand=9, modulo=0, test_fraction=0.2, val_fraction=0.2)
+    s = arith_splits(cfg)
+    assert [len(s[k]) for k in ("train", "val", "test")] == [60, 20, 20]
+    pairs = {k: {pair(p) for p in v} for k, v in s.items()}
+    assert pairs["train"].isdisjoint(pairs["test"]) and pairs["train"].isdisjoint(pairs["val"])
+    assert pairs["val"].isdisjoint(pairs["test"])
+    assert sorted(p.id for v in s.values() for p in v) == sorted(p.id for p in arith_problems(cfg))
+    # Without a validation split the held-out split is the same one, by pair too (the old split was not).
+    train, test = arith_split(ArithTaskConfig(max_operand=9, modulo=0, test_fraction=0.2))
+    assert test == s["test"] and {pair(p) for p in train}.isdisjoint({pair(p) for p in test})
+    with pytest.raises(ConfigError, match="val_fraction"):
+        ArithTaskConfig(max_operand=9, modulo=0, val_fraction=0.2)
+
+
 def test_format_warmup_does_not_reveal_the_answer_length():
     tok = build_arith_tokenizer()
     records = arith_records(arith_problems(ArithTaskConfig(max_operand=9, modulo=0)), tok) * 10  # 1000

@@ -94,7 +94,7 @@ def test_value_loss_matches_hand_computation():
             clipped += l2 > l1
     v = torch.tensor(vpred, requires_grad=True)
     loss, frac = value_loss(v, torch.tensor(ret), torch.tensor(old), torch.tensor(mask), c)
-    assert loss.item() == pytest.approx(0.5 * sum(terms) / len(terms))
+    assert loss.item() == pytest.approx(sum(terms) / len(terms))  # token-mean, no 0.5 (the reference)
     assert frac.item() == pytest.approx(clipped / len(terms))
     loss.backward()
     assert v.grad[1, 3] == 0 and v.grad[0, 0] == 0  # masked positions get no gradient

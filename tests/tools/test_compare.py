@@ -49,6 +49,7 @@ def test_compare_tiny_budget_writes_json_and_png(tmp_path):
         "2",
         "parallel.tp=1",
         "trainer.train_batch_size=4",
+        "algorithm.mini_batch_size=4",
         "rollout.n=4",
         "algorithm.micro_batch_size=16",
         "trainer.sft_warmup_steps=1",

@@ -14,6 +14,8 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
 - ``trainer.resume`` (``--resume``): a named checkpoint directory exists, and the checkpoint a resume
   would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
   shape (``utils/resume.py``);
+- ``trainer.output_dir``: not locked by a running run, and a fresh start does not land on an old run
+  (``utils/run_dir.py``; checked by the launcher and rank 0 only, since rank 0 takes the lock);
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
   under the data root and its first row parses.
 
@@ -23,6 +25,7 @@ launcher prints as one line and turns into exit code 2.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig
@@ -33,6 +36,7 @@ def preflight(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` for the first problem found (see the module docstring)."""
     check_reward(cfg)
     check_resume(cfg)
+    check_run_dir(cfg)
     preflight_resume(cfg)
     check_data(cfg)
 
@@ -56,6 +60,18 @@ def check_resume(cfg: RunConfig) -> None:
         f"trainer.resume={resume!r} (--resume): no such checkpoint directory; give an existing "
         f"{Path(cfg.trainer.output_dir) / 'checkpoints'}/step_N, or 'auto' / 'never'"
     )
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """trainer.output_dir: no live lock, and no old run under a fresh start (the other ranks of a job skip
+    it: by the time they look, their own rank 0 may hold the lock)."""
+    from pacs_megatron.utils.run_dir import RunDir
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    problem = RunDir.from_config(cfg).problem()
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_data(cfg: RunConfig) -> None:

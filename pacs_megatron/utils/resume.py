@@ -49,7 +49,7 @@ TINY_KEYS = {
     "tie_word_embeddings": "tie_word_embeddings",
 }
 # Keys that describe the launch, not the run: never reported as changes.
-LAUNCH_KEYS = ("trainer.resume", "trainer.dry_run")
+LAUNCH_KEYS = ("trainer.resume", "trainer.dry_run", "trainer.overwrite")
 
 
 @dataclass

@@ -43,6 +43,11 @@ def raising(prompt, response, ground_truth, extra):
     return 1.0
 
 
+def nan_on(prompt, response, ground_truth, extra):
+    """NaN or inf when the response says so (a numeric reward gone wrong)."""
+    return {"nan": float("nan"), "inf": float("inf")}.get(response, 1.0)
+
+
 def returns_str(prompt, response, ground_truth, extra):
     return "1.0"
 

@@ -95,5 +95,5 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
             return flag.exit_code
     progress.close()
     writer.close()
-    record.finish(step, ckpt.latest())  # the summary on rank 0, and final.json
-    return 0
+    summary = record.finish(step, ckpt.latest())  # the summary on rank 0, and final.json
+    return 1 if rt.is_rank0 and summary.get("status") == "no_update" else 0

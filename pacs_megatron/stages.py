@@ -37,11 +37,15 @@ def train_sampling(cfg: RunConfig) -> SamplingParams:
 
 
 def val_sampling(cfg: RunConfig) -> SamplingParams:
+    """trainer.val_*; ``val_temperature=0`` is greedy: the engines sample, and top_k=1 at T=1 is greedy
+    decoding (as the eval CLI does)."""
     t = cfg.trainer
+    greedy = t.val_temperature == 0
     return SamplingParams(
         n=t.val_n,
-        temperature=t.val_temperature,
+        temperature=1.0 if greedy else t.val_temperature,
         top_p=t.val_top_p,
+        top_k=1 if greedy else -1,
         max_tokens=cfg.rollout.max_response_length,
         seed=cfg.rollout.seed,
     )

@@ -150,9 +150,10 @@ class TrainerConfig:
     val_k: list[int] = field(default_factory=lambda: [1])
     """k values of the reported pass@k (each <= val_n)."""
     val_temperature: float = 0.6
-    """Validation sampling temperature."""
+    """Validation sampling temperature (>= 0); 0 is greedy decoding (as verl's val_kwargs and the eval CLI),
+    where the val_n samples of a problem are identical."""
     val_top_p: float = 0.95
-    """Validation nucleus sampling."""
+    """Validation nucleus sampling, in (0, 1]; 1 disables it."""
     val_max_problems: int = 0
     """Cap on problems per validation set (0: all)."""
     log_rollouts: int = 4
@@ -178,6 +179,9 @@ class TrainerConfig:
         _positive("trainer.save_freq", self.save_freq, allow_zero=True)
         _positive("trainer.test_freq", self.test_freq, allow_zero=True)
         _positive("trainer.val_n", self.val_n)
+        _positive("trainer.val_temperature", self.val_temperature, allow_zero=True)
+        if not 0 < self.val_top_p <= 1:
+            raise ConfigError(f"trainer.val_top_p={self.val_top_p} must be in (0, 1], e.g. 0.95 (1 disables it)")
         for key in ("stop_after_s", "deadline_unix", "stop_margin_s"):
             _positive(f"trainer.{key}", getattr(self, key), allow_zero=True)
         for k in self.val_k:

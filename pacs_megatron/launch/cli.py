@@ -89,8 +89,8 @@ def main(args: argparse.Namespace) -> int:
         overrides.append("trainer.dry_run=true")
     try:
         cfg = load_config(args.config, overrides)
+        preflight(cfg)  # model paths, reward.fn, --resume, run dir, data files: before any rank or model starts
         layout = layout_summary(cfg)
-        preflight(cfg)  # reward.fn, --resume, data files: before any rank or model starts
     except ConfigError as e:
         logger.error("config error: %s", e)
         return 2

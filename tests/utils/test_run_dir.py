@@ -92,3 +92,14 @@ def test_resume_from_an_older_checkpoint_moves_newer_ones_only_with_overwrite(tm
     d.claim()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004", "superseded_step_00000008"]
     d.release()
+
+
+def test_the_cpu_defaults_keep_their_tiny_model_inside_their_run_dir(tmp_path):
+    from pathlib import Path
+
+    from pacs_megatron.config import load_config
+
+    configs = Path(__file__).resolve().parents[2] / "examples" / "configs"
+    for name in ("cpu_tiny.yaml", "cpu_generalize.yaml"):
+        cfg = load_config(configs / name, [f"trainer.output_dir={tmp_path}/other"])
+        assert cfg.model.path == f"{tmp_path}/other/model", name  # another output dir: another tiny model

@@ -43,6 +43,7 @@ def preflight(cfg: RunConfig) -> None:
     check_run_dir(cfg)
     preflight_resume(cfg)
     check_data(cfg)
+    warn_unused(cfg)
 
 
 def check_reward(cfg: RunConfig) -> None:
@@ -149,3 +150,29 @@ def check_model_paths(cfg: RunConfig) -> None:
     if critic_enabled(cfg) and cfg.critic.init != "actor":
         read_hf_config("critic.init", cfg.critic.init)
         _check_weights("critic.init", cfg.critic.init)
+
+
+def unused_critic_settings(cfg: RunConfig) -> list[str]:
+    """``critic.*`` keys changed from their defaults while no learned critic is trained (they do nothing)."""
+    from dataclasses import asdict
+
+    from pacs_megatron.config.critic import CriticConfig, critic_enabled
+    from pacs_megatron.utils.resume import config_changes
+
+    if critic_enabled(cfg):
+        return []
+    return [f"critic.{c}" for c in config_changes(asdict(CriticConfig()), asdict(cfg.critic))]
+
+
+def warn_unused(cfg: RunConfig) -> None:
+    """One warning for settings this run ignores (the local launcher's ranks leave it to their parent)."""
+    from pacs_megatron.utils.logging import get_logger
+
+    unused = unused_critic_settings(cfg)
+    if unused and os.environ.get("PACS_LAUNCHER_KIND") != "local":
+        get_logger(__name__).warning(
+            "ignored: %s (algorithm.loss=%s trains no critic; the learned critic is used by loss=ppo/grpo with "
+            "algorithm.policy.adv_estimator=gae)",
+            ", ".join(unused),
+            cfg.algorithm.loss,
+        )

@@ -85,3 +85,13 @@ def test_every_model_path_is_checked_before_any_rank(tmp_path):
     (model / "config.json").write_text('{"model_type": "qwen2",\n "hidden_size": 128,,}')
     with pytest.raises(ConfigError, match=r"model.path='.*model': .*config.json is not valid JSON \(Expecting"):
         check_model_paths(tiny)
+
+
+def test_critic_settings_without_a_critic_are_named():
+    from pacs_megatron.launch.preflight import unused_critic_settings
+
+    cfg = load_config(CONFIG, ["critic.optim.lr=0.01", "critic.cliprange_value=0.2"])  # loss=pacs
+    assert unused_critic_settings(cfg) == ["critic.cliprange_value: 0.5 -> 0.2", "critic.optim.lr: 1e-05 -> 0.01"]
+    gae = ["algorithm.loss=ppo", "algorithm.policy.adv_estimator=gae", "critic.optim.lr=0.01"]
+    assert unused_critic_settings(load_config(CONFIG, gae)) == []
+    assert unused_critic_settings(load_config(CONFIG, [])) == []

@@ -139,8 +139,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"  best val      {v['set']} {v['metric']} = {v['value']:.3f} (step {v['step']})")
     lines += [
         f"  output dir    {s['output_dir']}",
-        f"  checkpoint    {s['last_checkpoint']}",
-        f"  export        {s['export_command']}",
+        f"  checkpoint    {s['last_checkpoint'] or '(none)'}",
+        f"  export        {s['export_command'] or '(no checkpoint to export)'}",
         f"  evaluate      {s['eval_command']}",
     ]
     return "\n".join(lines)

@@ -5,13 +5,17 @@
 - its reward returns NaN: each NaN is a counted reward error scored 0, and ``reward.max_failure_steps``
   stops the run naming ``reward.fn`` (exit 1), instead of skipping every update and ending "complete";
 - afterwards the lock is gone, and ``--resume never`` into the old run is refused, naming
-  ``--resume never --overwrite``.
+  ``--resume never --overwrite``;
+- ``--resume never --overwrite`` moves the old run aside whole and starts fresh: here with
+  ``trainer.total_steps=0`` after a warm-up (kept as a step-0 checkpoint, not discarded) and
+  ``trainer.val_before_train`` (a step-0 validation).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -42,7 +46,13 @@ def test_one_run_per_directory_and_a_nan_reward_stops_the_run(tmp_path):
         while not (out / ".lock").is_file() and first.poll() is None and time.monotonic() < end:
             time.sleep(0.1)
         holder = json.loads((out / ".lock").read_text())
-        second = subprocess.run(train_cmd(out, 4, *NAN_RUN), env=_env(), capture_output=True, text=True, timeout=120)
+        os.kill(holder["pid"], signal.SIGSTOP)  # hold the first run still (alive) while the second launches
+        try:
+            second = subprocess.run(
+                train_cmd(out, 4, *NAN_RUN), env=_env(), capture_output=True, text=True, timeout=120
+            )
+        finally:
+            os.kill(holder["pid"], signal.SIGCONT)
         log, _ = first.communicate(timeout=300)
     finally:
         first.kill()
@@ -63,3 +73,18 @@ def test_one_run_per_directory_and_a_nan_reward_stops_the_run(tmp_path):
     )
     lines = _lines(again.stdout + again.stderr)
     assert again.returncode == 2 and len(lines) == 1 and "--resume never --overwrite" in lines[0], lines
+
+    overrides = [*SHORT, "trainer.test_freq=1", "trainer.val_before_train=true", "trainer.val_n=1", "trainer.val_k=[1]"]
+    fresh = subprocess.run(
+        [*train_cmd(out, 0, *overrides), "--resume", "never", "--overwrite"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    old = list(tmp_path.glob("run.old-*"))
+    assert len(old) == 1 and metrics_rows(old[0])[1]["reward/errors"] == 40.0  # the old run, whole
+    assert list(metrics_rows(out)) == [0] and "val/arith/pass@1" in metrics_rows(out)[0]
+    final = json.loads((out / "final.json").read_text())
+    assert final["last_checkpoint"].endswith("step_00000000") and "None" not in fresh.stderr

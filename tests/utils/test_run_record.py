@@ -139,4 +139,7 @@ def test_a_run_whose_updates_were_all_skipped_is_not_complete(tmp_path):
     assert format_summary(s).startswith("run FAILED: 2 steps but no optimizer update was applied")
     rows[1]["actor/updates"] = 1.0  # one update applied: the run learnt something
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert RunRecord(cfg, tmp_path, True, None).finish(2, None)["status"] == "complete"
+    done = RunRecord(cfg, tmp_path, True, None).finish(2, None)
+    assert done["status"] == "complete"
+    text = format_summary(done)  # no checkpoint: said in words, never "None"
+    assert "None" not in text and "checkpoint    (none)" in text and "(no checkpoint to export)" in text

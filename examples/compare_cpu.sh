@@ -5,7 +5,7 @@ set -euo pipefail
 OUT=${OUT:-outputs/compare_cpu}
 for loss in pacs grpo; do
   pacs-megatron train --config examples/configs/cpu_tiny.yaml algorithm.loss=$loss \
-    trainer.output_dir=$OUT/$loss trainer.save_freq=0 trainer.resume=never "$@"
+    trainer.output_dir=$OUT/$loss trainer.save_freq=0 trainer.resume=never trainer.overwrite=true "$@"
 done
 pacs-megatron plot $OUT/pacs $OUT/grpo --labels PACS,GRPO --keys reward/mean,data/mixed_group_frac,response/length_mean \
   --out $OUT/pacs_vs_grpo.png --title "PACS vs GRPO, CPU arithmetic task"

@@ -101,7 +101,7 @@ def check_model_unchanged(saved_shape: dict | None, hf_config: dict, path: str |
         raise ConfigError(
             f"cannot resume from {path}: the model differs from the checkpoint's ({'; '.join(diff)}); the model "
             "shape and vocabulary cannot change on resume: point model.path (and model.tiny.*) back at the "
-            "checkpoint's model, or start a fresh run (a new trainer.output_dir, or trainer.resume=never)"
+            "checkpoint's model, or start a fresh run (a new trainer.output_dir, or --resume never --overwrite)"
         )
 
 

@@ -11,10 +11,10 @@ run's later checkpoints, which the next auto-resume then continues. So:
   gone (kill -9) is *stale*: on the same host the pid tells (a dead pid, or a pid reused by a process
   started later), and the lock is taken over with a warning; on another host nothing here can tell,
   so the error says how to clear it by hand.
-- **A fresh start** (``--resume never``, or ``auto`` that finds no checkpoint) needs an empty run
-  directory: a directory that already holds a run (``metrics.jsonl``, ``final.json``, checkpoints,
-  launch configs) is refused, naming ``--resume never --overwrite`` or a new directory. ``auto``
-  without a checkpoint restarts a run that never checkpointed, which is the same run from step 0.
+- **A fresh start** (``--resume never``) needs a run directory without a run: one that already holds
+  a run (``metrics.jsonl``, ``final.json``, checkpoints, launch configs, rollouts) is refused, naming
+  ``--resume never --overwrite`` or a new directory. ``auto`` without a checkpoint restarts a run
+  that never checkpointed, which is the same run from step 0 (its logs are cut back to step 0).
 - **An overwrite** (``trainer.overwrite`` / ``--overwrite``) moves the old run aside whole, to
   ``OUTPUT_DIR.old-YYYYmmdd-HHMMSS`` beside it (a rename: instant, nothing deleted), then starts fresh.
 - **A resume** (``auto`` with a checkpoint, or a named checkpoint) continues the run. Resuming from a

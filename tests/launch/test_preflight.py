@@ -47,6 +47,7 @@ def test_launcher_refuses_early_with_one_line(tmp_path):
         "data file": ([*math, f"data.train_files=[{tmp_path / 'missing.jsonl'}]"], "data.train_files has"),
         "first row": ([*math, f"data.train_files=[{bad_first_row}]"], "missing field 'answer'"),
         "yaml": (None, f"{bad_yaml}:3:1: YAML syntax error"),
+        "nvfp4 on CPU": (["rollout.quantization=nvfp4"], "rollout.quantization=nvfp4 needs CUDA"),
         "config.json": ([f"model.path={bad_model}", "model.init=random"], "config.json is not valid JSON"),
     }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(USER_FNS), os.environ.get("PYTHONPATH", "")]))

@@ -9,8 +9,9 @@ run's later checkpoints, which the next auto-resume then continues. So:
   spawn, torchrun, srun, Ray actors: none of them needs a parent launcher process), and removed when
   the run ends. A second launch is refused at once, naming the running one. A lock whose process is
   gone (kill -9) is *stale*: on the same host the pid tells (a dead pid, or a pid reused by a process
-  started later), and the lock is taken over with a warning; on another host nothing here can tell,
-  so the error says how to clear it by hand.
+  started later), and the lock is taken over with a warning; on another host only an earlier attempt
+  of the same scheduler job (a Slurm requeue, a torchrun restart) is known to be gone, otherwise the
+  error says how to clear it by hand.
 - **A fresh start** (``--resume never``) needs a run directory without a run: one that already holds
   a run (``metrics.jsonl``, ``final.json``, checkpoints, launch configs, rollouts) is refused, naming
   ``--resume never --overwrite`` or a new directory. ``auto`` without a checkpoint restarts a run
@@ -70,6 +71,9 @@ class LockInfo:
     """Its process creation time (Unix seconds): tells a reused pid from the holder."""
     command: str = ""
     """Its command line, for the user."""
+    job: str = ""
+    """The scheduler job it belongs to ("slurm:ID", "torchrun:RUN_ID"; "" when none): a requeued or
+    restarted attempt of the same job may take over its lock, even from another host."""
 
     def describe(self) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.start_time))
@@ -79,6 +83,8 @@ class LockInfo:
         """True/False on the holder's host; None on another host (cannot tell)."""
         if self.host != socket.gethostname():
             return None
+        if self.pid <= 0:
+            return False
         try:
             proc = psutil.Process(self.pid)
             return abs(proc.create_time() - self.start_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
@@ -86,8 +92,17 @@ class LockInfo:
             return False
 
 
+def job_id() -> str:
+    """This process's scheduler job, the same for every attempt of it (Slurm requeue, torchrun restart)."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm:{os.environ['SLURM_JOB_ID']}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"torchrun:{run_id}" if run_id and run_id != "none" else ""
+
+
 def this_process() -> LockInfo:
-    return LockInfo(socket.gethostname(), os.getpid(), psutil.Process().create_time(), " ".join(sys.argv)[:500])
+    argv = " ".join(sys.argv)[:500]
+    return LockInfo(socket.gethostname(), os.getpid(), psutil.Process().create_time(), argv, job_id())
 
 
 def _checkpoint_steps(root: Path) -> list[int]:
@@ -130,14 +145,16 @@ class RunDir:
             return LockInfo(**json.loads(self.lock_path.read_text()))
         except FileNotFoundError:
             return None
-        except (ValueError, TypeError):
-            return LockInfo("?", 0, 0.0, "unreadable lock file")
+        except (ValueError, TypeError):  # a launch that died between creating and writing it: stale
+            return LockInfo(socket.gethostname(), -1, 0.0, "unreadable lock file")
 
     def lock_problem(self) -> str | None:
         h = self.holder()
         if h is None or (self._held is not None and h == self._held):
             return None
         alive = h.alive()
+        if alive is None and h.job and h.job == job_id():
+            return None  # an earlier attempt of this same job on another node (requeued, restarted): stale
         if alive:
             return (
                 f"trainer.output_dir={self.path} is in use by another run ({h.describe()}): wait for it, stop it "

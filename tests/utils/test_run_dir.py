@@ -59,6 +59,21 @@ def test_second_launch_refused_naming_the_running_one_and_stale_locks_taken_over
         RunDir(run).claim()
 
 
+def test_a_requeued_job_takes_over_its_own_lock_from_another_host(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK).write_text(json.dumps({"host": "node7", "pid": 99, "start_time": 1.0, "job": "slurm:123"}))
+    monkeypatch.setenv("SLURM_JOB_ID", "456")
+    assert "another host" in RunDir(run).problem()  # another job: cannot tell, refused
+    monkeypatch.setenv("SLURM_JOB_ID", "123")  # the same job, requeued onto another node
+    d = RunDir(run)
+    d.claim()
+    assert json.loads((run / LOCK).read_text())["job"] == "slurm:123"
+    d.release()
+    (run / LOCK).write_text("")  # a launch killed between creating and writing its lock
+    assert RunDir(run).problem() is None
+
+
 def test_fresh_start_never_mixes_two_runs(tmp_path):
     run = tmp_path / "run"
     (run / "model").mkdir(parents=True)

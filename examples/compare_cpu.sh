@@ -18,7 +18,7 @@ CRITIC_LRS=${CRITIC_LRS:-3e-4,1e-3,3e-3}
 if [ "${QUICK:-0}" = 1 ]; then
   for loss in pacs grpo; do
     pacs-megatron train --config examples/configs/cpu_tiny.yaml algorithm.loss=$loss \
-      trainer.output_dir=$OUT/$loss trainer.save_freq=0 trainer.resume=never "$@"
+      trainer.output_dir=$OUT/$loss trainer.save_freq=0 trainer.resume=never trainer.overwrite=true "$@"
   done
   pacs-megatron plot $OUT/pacs $OUT/grpo --labels PACS,GRPO \
     --keys reward/mean,data/mixed_group_frac,response/length_mean \

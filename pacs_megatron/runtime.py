@@ -44,6 +44,8 @@ class Runtime:
     """The resolved config as plain data (saved with the run and sent to wandb)."""
     resume: ResumePlan | None = None
     """The checkpoint this launch continues (None: a fresh run)."""
+    run_dir: Any = None
+    """utils/run_dir.RunDir: the lock on output_dir, held by rank 0 until teardown."""
 
     @property
     def is_rank0(self) -> bool:
@@ -75,10 +77,41 @@ def check_shared_dirs(cfg: RunConfig, output_dir: Path, model_dir: Path) -> None
 def setup(cfg: RunConfig) -> Runtime:
     """Process groups, output dir, model dir, seeds, resume plan. Collective. The run's config files
     are written later, once the run has really started (utils/run_record.py)."""
-    from pacs_megatron.parallel import init_distributed, initialize_parallel
+    from pacs_megatron.parallel import init_distributed
 
     init_logging(cfg.logging.level)
     init_distributed(cfg.parallel)
+    run_dir = claim_run_dir(cfg)  # before anything is written or loaded: one run per output_dir
+    try:
+        rt = _setup(cfg)
+    except BaseException:
+        run_dir.release()
+        raise
+    rt.run_dir = run_dir
+    return rt
+
+
+def claim_run_dir(cfg: RunConfig):
+    """Collective: rank 0 takes the output dir's lock (utils/run_dir.py); every rank raises its refusal."""
+    from pacs_megatron.utils.run_dir import RunDir, RunDirError
+
+    run_dir = RunDir.from_config(cfg)
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            run_dir.claim()
+        except RunDirError as e:
+            problem = str(e)
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise RunDirError(box[0])
+    return run_dir
+
+
+def _setup(cfg: RunConfig) -> Runtime:
+    from pacs_megatron.parallel import initialize_parallel
+
     output_dir, model_dir = Path(cfg.trainer.output_dir), Path(cfg.model.path)
     if dist.get_rank() == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -105,6 +138,8 @@ def setup(cfg: RunConfig) -> Runtime:
 def teardown(rt: Runtime | None) -> None:
     from pacs_megatron.parallel import destroy_parallel
 
+    if rt is not None and rt.run_dir is not None:
+        rt.run_dir.release()
     destroy_parallel()
 
 

@@ -37,11 +37,15 @@ def train_sampling(cfg: RunConfig) -> SamplingParams:
 
 
 def val_sampling(cfg: RunConfig) -> SamplingParams:
+    """trainer.val_*; ``val_temperature=0`` is greedy: the engines sample, and top_k=1 at T=1 is greedy
+    decoding (as the eval CLI does)."""
     t = cfg.trainer
+    greedy = t.val_temperature == 0
     return SamplingParams(
         n=t.val_n,
-        temperature=t.val_temperature,
+        temperature=1.0 if greedy else t.val_temperature,
         top_p=t.val_top_p,
+        top_k=1 if greedy else -1,
         max_tokens=cfg.rollout.max_response_length,
         seed=cfg.rollout.seed,
     )
@@ -112,6 +116,7 @@ def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict
     """``ppo_epochs`` passes over mini-batches of whole groups, one optimizer step each."""
     per_rank_prompts = cfg.mini_batch_prompts // dp_size
     history: list[dict] = []
+    skipped_before = actor.skipped_steps
     for _ in range(cfg.algorithm.ppo_epochs):
         for mini in split_mini_batches(local, per_rank_prompts):
             history.append(actor.train_step(mini))
@@ -120,6 +125,7 @@ def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict
     # between the old-log-prob pass and the training forward, i.e. noise in PACS's reward.
     metrics["pacs/first_minibatch_max_logratio"] = history[0].get("actor/max_abs_logratio", float("nan"))
     metrics["actor/skipped_steps"] = history[-1].get("actor/skipped_steps", 0.0)
+    metrics["actor/updates"] = float(len(history) - (actor.skipped_steps - skipped_before))  # applied, not skipped
     metrics |= post_update_metrics(cfg, actor, local)  # pacs/post_*: the classifier after the update
     return metrics
 

@@ -9,9 +9,13 @@ then the end-of-run summary (final.json). A run resumed when already complete sa
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+
+import psutil
 
 from pacs_megatron import critic_stages, stages
 from pacs_megatron.config import RunConfig
+from pacs_megatron.config.training import stop_deadline
 from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
 from pacs_megatron.utils.checkpoint import CheckpointManager
 from pacs_megatron.utils.logging import get_logger
@@ -48,12 +52,17 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     writer = MetricsWriter(
         rt.output_dir, rt.is_rank0, cfg.logging.tensorboard, cfg.logging.wandb_project, config=rt.config_dict
     )
-    flag = PreemptionFlag(cfg.trainer)  # signals and the time budget (trainer.stop_after_s, deadline_unix)
+    # Signals and the time budget: trainer.stop_after_s counts from the launch, so it becomes a deadline.
+    launched = psutil.Process().create_time()
+    flag = PreemptionFlag(replace(cfg.trainer, stop_after_s=0.0, deadline_unix=stop_deadline(cfg.trainer, launched)))
     writer.truncate_after(start)  # metrics, rollouts and TensorBoard end at the resumed step
-    if start == 0 and cfg.trainer.sft_warmup_steps:
+    if rt.resume is None and cfg.trainer.sft_warmup_steps:
         logger.info("format warm-up: %s", stages.format_warmup(cfg, rt, c))
         critic_stages.init_after_warmup(cfg, c)  # the critic starts from the warmed-up policy
     c.sync.sync()  # the engine starts from the actor's weights, verified
+    if rt.resume is None and cfg.trainer.val_before_train:
+        writer.truncate_after(-1)  # a restarted fresh run's earlier step-0 validation
+        writer.log(0, stages.validate(cfg, c, 0))
     progress = Progress(cfg.trainer.total_steps, start, rt.is_rank0 and cfg.logging.progress_bar)
 
     step = start
@@ -95,7 +104,9 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
             progress.close()
             writer.close()
             return flag.exit_code
+    if step == 0 and rt.resume is None:  # total_steps=0: keep what the warm-up trained
+        ckpt.save(0, lambda d: c.save(d, 0))
     progress.close()
     writer.close()
-    record.finish(step, ckpt.latest())  # the summary on rank 0, and final.json
-    return 0
+    summary = record.finish(step, ckpt.latest())  # the summary on rank 0, and final.json
+    return 1 if rt.is_rank0 and summary.get("status") == "no_update" else 0

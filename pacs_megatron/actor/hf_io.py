@@ -72,6 +72,13 @@ class SafetensorsReader:
         self._open.clear()
 
 
+def _umask() -> int:
+    """The process umask (read by setting it, then put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_safetensors(
     items: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30
 ) -> list[str]:
@@ -88,6 +95,7 @@ def write_safetensors(
         if current:
             path = out / f".part-{len(parts):05d}.safetensors"
             save_file(current, str(path), metadata={"format": "pt"})
+            os.chmod(path, 0o666 & ~_umask())  # safetensors creates 0600 files: honour the umask as open() does
             parts.append((path, list(current)))
         current, size = {}, 0
 

@@ -6,9 +6,16 @@ calls :func:`check_rollout_quantization` with ``parallel.backend``. CPU-ness is 
 ``gloo`` means CPU; ``auto`` means CPU when ``torch.cuda.is_available()`` is False on the machine that
 checks the config (every rank checks it at start, so a job is judged where it runs; a dry run on a
 GPU-less login node judges that node). modelopt is imported here only for a quantized run.
+
+On CPU a recipe is accepted, and offered in error messages, only if its weight quantizer runs there:
+some FP8 recipes (the MX formats, e.g. ``MXFP8_DEFAULT_CFG``) need modelopt's CUDA extension and would
+fail inside the ranks after the model loaded. Whether one runs is found by quantizing one small
+matrix with it on CPU (:func:`cpu_problem`, ~ms, cached), not by a hand-kept list.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 
@@ -18,6 +25,26 @@ from pacs_megatron.config.base import ConfigError
 def runs_on_cpu(backend: str) -> bool:
     """Whether a run with ``parallel.backend=backend`` trains on CPU (see the module docstring)."""
     return backend == "gloo" or (backend == "auto" and not torch.cuda.is_available())
+
+
+@cache
+def cpu_problem(mode: str, recipe: str) -> str | None:
+    """Why modelopt's quantizer of ``recipe`` cannot run on CPU (its error), or None: one 128 x 128
+    quantize-dequantize, as the weight sync does every step."""
+    from pacs_megatron.weight_sync.quantize import WeightQuantizer
+
+    try:
+        WeightQuantizer(mode, recipe).fake_quantize(torch.ones(128, 128))
+    except Exception as e:  # noqa: BLE001 - any failure means the recipe cannot run here
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def runnable_recipes(mode: str, on_cpu: bool) -> list[str]:
+    """The recipes of ``mode`` this device can run (on CPU: those :func:`cpu_problem` accepts)."""
+    from pacs_megatron.weight_sync.quantize import recipes_for
+
+    return [r for r in recipes_for(mode) if not on_cpu or cpu_problem(mode, r) is None]
 
 
 def check_rollout_quantization(rollout, backend: str) -> None:
@@ -43,9 +70,22 @@ def check_rollout_quantization(rollout, backend: str) -> None:
             "rollout.quantization=nvfp4 with rollout.engine=vllm is not implemented: use rollout.quantization=fp8 "
             "(or rollout.engine=hf, which samples with modelopt's NVFP4 quantize-dequantize)"
         )
+    on_cpu = runs_on_cpu(backend)
     problem = check_recipe(mode, rollout.quant_recipe)
-    if problem:
-        raise ConfigError(problem)
+    if problem:  # its list of recipes becomes the ones this device can run
+        from pacs_megatron.weight_sync.quantize import recipes_for
+
+        raise ConfigError(problem.replace(str(recipes_for(mode)), str(runnable_recipes(mode, on_cpu))))
+    if on_cpu and mode == "fp8":
+        from pacs_megatron.weight_sync.quantize import resolve_recipe
+
+        name = resolve_recipe(mode, rollout.quant_recipe)
+        why = cpu_problem(mode, name)
+        if why:
+            raise ConfigError(
+                f"rollout.quant_recipe={name} cannot run on CPU (parallel.backend={backend}; modelopt: {why}): use "
+                f"one of {runnable_recipes(mode, True)}"
+            )
     if rollout.engine == "vllm":
         from pacs_megatron.weight_sync.quantize import resolve_recipe
 

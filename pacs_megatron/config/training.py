@@ -136,6 +136,9 @@ class TrainerConfig:
     """Validate (pass@k on data.val_files) every this many steps; 0 disables it."""
     resume: str = "auto"
     """"auto" (latest complete checkpoint in output_dir, if any), "never", or a checkpoint path."""
+    overwrite: bool = False
+    """With resume=never: move an old run found in output_dir aside (to OUTPUT_DIR.old-<time>) instead of
+    refusing to start; with a named older checkpoint: move the newer ones aside (utils/run_dir.py)."""
     seed: int = 42
     """Seed of everything not seeded elsewhere."""
     export_hf: bool = False
@@ -147,9 +150,10 @@ class TrainerConfig:
     val_k: list[int] = field(default_factory=lambda: [1])
     """k values of the reported pass@k (each <= val_n)."""
     val_temperature: float = 0.6
-    """Validation sampling temperature."""
+    """Validation sampling temperature (>= 0); 0 is greedy decoding (as verl's val_kwargs and the eval CLI),
+    where the val_n samples of a problem are identical."""
     val_top_p: float = 0.95
-    """Validation nucleus sampling."""
+    """Validation nucleus sampling, in (0, 1]; 1 disables it."""
     val_max_problems: int = 0
     """Cap on problems per validation set (0: all)."""
     log_rollouts: int = 4
@@ -157,14 +161,18 @@ class TrainerConfig:
     dry_run: bool = False
     """Validate the config and layout, print them, and exit before any heavy work."""
     stop_after_s: float = 0.0
-    """Time budget of one launch in seconds: checkpoint and exit 143 (requeue) before it runs out,
-    leaving room for the longest step seen plus stop_margin_s; 0: no budget."""
+    """Time budget of one launch in seconds, counted from the launch (the rank process's start, so model
+    loading and the warm-up count): checkpoint and exit 143 (requeue) before it runs out, leaving room
+    for the longest step seen plus stop_margin_s; 0: no budget."""
     deadline_unix: float = 0.0
     """Absolute end (Unix seconds) by which the run must have checkpointed and exited 143, e.g. the
     Slurm job's end time (examples/slurm/multinode.sbatch sets it); 0: none."""
     stop_margin_s: float = 60.0
     """Seconds kept free before stop_after_s / deadline_unix beyond the longest step (a checkpoint
     save must fit in them until a periodic save has been timed)."""
+    val_before_train: bool = False
+    """Validate once before the first RL step of a fresh run (after the format warm-up), logged as step 0
+    (as verl's trainer.val_before_train); needs test_freq > 0, which builds the validation sets."""
     keep_checkpoints: int = 2
     """Valid checkpoints kept (older ones are deleted; damaged ones are moved aside, never counted); 0 keeps all."""
 
@@ -175,11 +183,31 @@ class TrainerConfig:
         _positive("trainer.save_freq", self.save_freq, allow_zero=True)
         _positive("trainer.test_freq", self.test_freq, allow_zero=True)
         _positive("trainer.val_n", self.val_n)
+        _positive("trainer.val_temperature", self.val_temperature, allow_zero=True)
+        if not 0 < self.val_top_p <= 1:
+            raise ConfigError(f"trainer.val_top_p={self.val_top_p} must be in (0, 1], e.g. 0.95 (1 disables it)")
         for key in ("stop_after_s", "deadline_unix", "stop_margin_s"):
             _positive(f"trainer.{key}", getattr(self, key), allow_zero=True)
+        if self.val_before_train and not self.test_freq:
+            raise ConfigError(
+                "trainer.val_before_train=true needs validation: set trainer.test_freq > 0 (e.g. trainer.test_freq=50)"
+            )
         for k in self.val_k:
             if not 1 <= k <= self.val_n:
                 raise ConfigError(f"trainer.val_k has {k}: each k must be in 1..trainer.val_n={self.val_n}")
+
+
+def stop_deadline(trainer: TrainerConfig, launched_unix: float) -> float:
+    """The launch's absolute end (Unix seconds; 0: none): the earlier of ``deadline_unix`` and
+    ``launched_unix + stop_after_s``.
+
+    Example:
+        >>> stop_deadline(TrainerConfig(stop_after_s=60, deadline_unix=2000.0), launched_unix=1000.0)
+        1060.0
+    """
+    budget_end = launched_unix + trainer.stop_after_s if trainer.stop_after_s else 0.0
+    ends = [e for e in (trainer.deadline_unix, budget_end) if e]
+    return float(min(ends)) if ends else 0.0
 
 
 @dataclass

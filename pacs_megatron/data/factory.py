@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pacs_megatron.data.prompts import build_records
+from pacs_megatron.data.prompts import build_records, tokenize_prompts
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.data.sampler import PromptDataset
 from pacs_megatron.data.sources import load_problems, resolve_dataset
-from pacs_megatron.data.synthetic import arith_records, arith_split, arith_splits
+from pacs_megatron.data.synthetic import arith_split, arith_splits
 from pacs_megatron.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -40,11 +40,18 @@ def load_dataset(name_or_path: str, data: DataConfig, tokenizer, limit: int = 0)
     return name, records
 
 
+def arith_prompt_records(problems, data: DataConfig, tokenizer, name: str) -> list[PromptRecord]:
+    """The synthetic task's records (the raw problem text is the prompt), through the same
+    ``data.max_prompt_length`` / ``data.overlong_prompts`` check as every other source of prompts."""
+    texts = [p.problem for p in problems]
+    return tokenize_prompts(problems, texts, tokenizer, data.max_prompt_length, data.overlong_prompts, name)
+
+
 def build_train_dataset(cfg: RunConfig, tokenizer) -> PromptDataset:
     """The train stream of ``cfg.data`` (all train files concatenated, shuffled per epoch)."""
     data = cfg.data
     if data.task == "arith":
-        records = arith_records(arith_split(data.arith, data.seed)[0], tokenizer)
+        records = arith_prompt_records(arith_split(data.arith, data.seed)[0], data, tokenizer, "arith")
         return PromptDataset(records, data.seed, data.shuffle, name="arith")
     records: list[PromptRecord] = []
     names = []
@@ -61,9 +68,9 @@ def build_val_datasets(cfg: RunConfig, tokenizer) -> dict[str, list[PromptRecord
     if data.task == "arith":
         splits = arith_splits(data.arith, data.seed)
         name = "arith_heldout" if data.arith.test_fraction else "arith"  # held-out problems only
-        sets = {name: arith_records(splits["test"], tokenizer)}
+        sets = {name: arith_prompt_records(splits["test"], data, tokenizer, name)}
         if splits["val"]:  # the validation split (tuning), disjoint from the held-out one
-            sets["arith_val"] = arith_records(splits["val"], tokenizer)
+            sets["arith_val"] = arith_prompt_records(splits["val"], data, tokenizer, "arith_val")
         return {k: v[:limit] if limit else v for k, v in sets.items()}
     out: dict[str, list[PromptRecord]] = {}
     for f in data.val_files:

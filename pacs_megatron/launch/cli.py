@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML run config (examples/configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="config overrides as a.b.c=value")
     p.add_argument("--resume", default=None, help="'auto' (default), 'never', or a checkpoint dir (= trainer.resume)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="with --resume never: move an old run in the output dir aside"
+    )
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and layout, then exit")
 
 
@@ -80,12 +83,14 @@ def layout_summary(cfg: RunConfig) -> dict:
 def main(args: argparse.Namespace) -> int:
     init_logging()
     overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
+    if getattr(args, "overwrite", False):
+        overrides.append("trainer.overwrite=true")
     if args.dry_run:
         overrides.append("trainer.dry_run=true")
     try:
         cfg = load_config(args.config, overrides)
+        preflight(cfg)  # model paths, reward.fn, --resume, run dir, data files: before any rank or model starts
         layout = layout_summary(cfg)
-        preflight(cfg)  # reward.fn, --resume, data files: before any rank or model starts
     except ConfigError as e:
         logger.error("config error: %s", e)
         return 2

@@ -14,6 +14,11 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
 - ``trainer.resume`` (``--resume``): a named checkpoint directory exists, and the checkpoint a resume
   would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
   shape (``utils/resume.py``);
+- ``trainer.output_dir``: not locked by a running run, and a fresh start does not land on an old run
+  (``utils/run_dir.py``; checked by the launcher and rank 0 only, since rank 0 takes the lock);
+- every model path: ``model.path`` holds a ``config.json`` that parses (and, for ``init=pretrained``,
+  safetensors weights), ``model.tokenizer`` (or ``model.path``) holds a tokenizer, and ``critic.init``,
+  when the learned critic is on and it names a directory, holds a config.json and weights too;
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
   under the data root and its first row parses.
 
@@ -23,6 +28,7 @@ launcher prints as one line and turns into exit code 2.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig
@@ -31,10 +37,13 @@ from pacs_megatron.utils.resume import preflight_resume
 
 def preflight(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` for the first problem found (see the module docstring)."""
+    check_model_paths(cfg)
     check_reward(cfg)
     check_resume(cfg)
+    check_run_dir(cfg)
     preflight_resume(cfg)
     check_data(cfg)
+    warn_unused(cfg)
 
 
 def check_reward(cfg: RunConfig) -> None:
@@ -58,6 +67,18 @@ def check_resume(cfg: RunConfig) -> None:
     )
 
 
+def check_run_dir(cfg: RunConfig) -> None:
+    """trainer.output_dir: no live lock, and no old run under a fresh start (the other ranks of a job skip
+    it: by the time they look, their own rank 0 may hold the lock)."""
+    from pacs_megatron.utils.run_dir import RunDir
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    problem = RunDir.from_config(cfg).problem()
+    if problem:
+        raise ConfigError(problem)
+
+
 def check_data(cfg: RunConfig) -> None:
     if cfg.data.task != "math":
         return
@@ -74,3 +95,84 @@ def check_data(cfg: RunConfig) -> None:
             first_problem(path)
         except (FileNotFoundError, DataFormatError) as e:
             raise ConfigError(f"{key} has {name!r}: {e}") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any one of these makes a directory loadable by ``AutoTokenizer`` (fast, sentencepiece or BPE files)."""
+
+
+def read_hf_config(key: str, directory: str | Path) -> dict:
+    """``directory/config.json`` parsed, or ConfigError naming ``key`` and what is wrong."""
+    import json
+
+    path = Path(directory) / "config.json"
+    if not Path(directory).is_dir():
+        raise ConfigError(f"{key}={str(directory)!r}: no such directory; point it at a Hugging Face model directory")
+    if not path.is_file():
+        raise ConfigError(f"{key}={str(directory)!r} has no config.json: point it at a Hugging Face model directory")
+    try:
+        hf = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}={str(directory)!r}: {path} is not valid JSON ({e})") from None
+    if not isinstance(hf, dict) or "model_type" not in hf:
+        raise ConfigError(f"{key}={str(directory)!r}: {path} has no model_type: not a Hugging Face model config")
+    return hf
+
+
+def _check_weights(key: str, directory: str | Path) -> None:
+    d = Path(directory)
+    if not (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file()):
+        raise ConfigError(
+            f"{key}={str(directory)!r} holds no *.safetensors weights: download the model's weights there "
+            "(model.init=random trains from a random initialisation instead)"
+        )
+
+
+def check_model_paths(cfg: RunConfig) -> None:
+    """model.path (config.json parsed, weights), model.tokenizer, critic.init: before any rank loads them."""
+    from pacs_megatron.config.critic import critic_enabled
+
+    m = cfg.model
+    tiny_to_write = m.init == "tiny" and not (Path(m.path) / "config.json").is_file()
+    if not tiny_to_write:
+        read_hf_config("model.path", m.path)
+        if m.init == "pretrained":
+            _check_weights("model.path", m.path)
+    if m.tokenizer or not tiny_to_write:
+        key, tok = ("model.tokenizer", m.tokenizer) if m.tokenizer else ("model.path", m.path)
+        if not Path(tok).is_dir():
+            raise ConfigError(f"{key}={tok!r}: no such tokenizer directory")
+        if not any((Path(tok) / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(
+                f"{key}={tok!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): set model.tokenizer "
+                "to the model's tokenizer directory"
+            )
+    if critic_enabled(cfg) and cfg.critic.init != "actor":
+        read_hf_config("critic.init", cfg.critic.init)
+        _check_weights("critic.init", cfg.critic.init)
+
+
+def unused_critic_settings(cfg: RunConfig) -> list[str]:
+    """``critic.*`` keys changed from their defaults while no learned critic is trained (they do nothing)."""
+    from dataclasses import asdict
+
+    from pacs_megatron.config.critic import CriticConfig, critic_enabled
+    from pacs_megatron.utils.resume import config_changes
+
+    if critic_enabled(cfg):
+        return []
+    return [f"critic.{c}" for c in config_changes(asdict(CriticConfig()), asdict(cfg.critic))]
+
+
+def warn_unused(cfg: RunConfig) -> None:
+    """One warning for settings this run ignores (the local launcher's ranks leave it to their parent)."""
+    from pacs_megatron.utils.logging import get_logger
+
+    unused = unused_critic_settings(cfg)
+    if unused and os.environ.get("PACS_LAUNCHER_KIND") != "local":
+        get_logger(__name__).warning(
+            "ignored: %s (algorithm.loss=%s trains no critic; the learned critic is used by loss=ppo/grpo with "
+            "algorithm.policy.adv_estimator=gae)",
+            ", ".join(unused),
+            cfg.algorithm.loss,
+        )

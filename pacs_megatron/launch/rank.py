@@ -54,8 +54,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pacs_megatron.config import ConfigError
     from pacs_megatron.data.records import DataFormatError
     from pacs_megatron.reward import RewardFailureError, RewardFunctionError
+    from pacs_megatron.utils.checkpoint import CheckpointWriteError
 
-    return ConfigError, DataFormatError, RewardFunctionError, RewardFailureError, FileNotFoundError
+    errors = ConfigError, DataFormatError, RewardFunctionError, RewardFailureError, FileNotFoundError
+    return (*errors, CheckpointWriteError)
 
 
 def run_rank(fn: Callable[..., int], *args) -> int:

@@ -4,8 +4,9 @@ A backend (the local process pool in :mod:`.scorer`, or any other behind its fac
 *how* responses are scored; it reports *what* happened through one :class:`BatchCounts` per batch:
 
     counts = BatchCounts(fn="math", timeout_s=10)
-    counts.error(i, "ZeroDivisionError: ...")     # a response raised or its worker died: scored 0
+    counts.error(i, "ZeroDivisionError: ...")     # a response raised, returned NaN/inf, or its worker died: 0
     counts.timeout(i)                             # a response ran past reward.timeout_s: scored 0
+    counts.hung()                                 # two timeouts in a row: give up the batch's unscored ones
     counts.restart()                              # a worker was replaced
     counts.interrupt(k)                           # a stop signal cut the batch short: k responses unscored
     counts.metrics() -> {"reward/timeouts": ..., "reward/errors": ..., "reward/worker_restarts": ...}
@@ -15,10 +16,18 @@ message mean the same thing for every backend. :class:`FailureGuard` then looks 
 over ranks by :func:`pacs_megatron.reward.rollouts.score_rollouts`): ``reward.max_failure_steps``
 consecutive steps in which every response failed stop the run with :class:`RewardFailureError`,
 naming the function and its last error, instead of training on all-zero rewards.
+
+**One timeout per batch, not one per response.** A response gets ``reward.timeout_s`` from when it
+starts; one timeout may be one pathological answer, so the batch goes on. Two timeouts in a row with
+no answer between them mean the reward hangs: every response still unscored counts as a timeout at
+once (:meth:`BatchCounts.hung`). With several workers their first responses time out together, so a
+reward that hangs on everything costs one ``timeout_s`` per batch (two with a single worker),
+whatever the batch size, instead of ``responses / workers`` timeouts one after another.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pacs_megatron.utils.logging import get_logger
@@ -27,6 +36,9 @@ logger = get_logger(__name__)
 
 MAX_LOGGED = 3
 """Failures logged per batch; the rest are only counted."""
+
+STARTUP_TIMEOUT_S = 120.0
+"""Seconds a scoring worker (process or Ray actor) may take to import and load reward.fn."""
 
 
 class RewardFailureError(RuntimeError):
@@ -61,6 +73,24 @@ class BatchCounts:
     interrupted: int = 0
     last_error: str = ""
     """The last failure's ``"Type: message"`` (or the timeout), named when failures stop the run."""
+    timeouts_in_a_row: int = 0
+    """Timeouts since the last answer (an answer resets it; two mean the reward hangs)."""
+
+    def hung(self) -> bool:
+        """True after two timeouts with no answer between them (see the module docstring)."""
+        return self.timeouts_in_a_row >= 2
+
+    def give_up(self, unscored: int) -> None:
+        """The batch is hung: its ``unscored`` responses count as timeouts (scored 0), logged once."""
+        self.timeouts += unscored
+        self.last_error = f"hung: two responses in a row ran past reward.timeout_s={self.timeout_s:g}s"
+        logger.warning(
+            "reward %s hangs (two responses in a row ran past reward.timeout_s=%gs): the batch's %d unscored "
+            "responses count as timed out (scored 0)",
+            self.fn,
+            self.timeout_s,
+            unscored,
+        )
 
     @property
     def failed(self) -> int:
@@ -68,6 +98,7 @@ class BatchCounts:
         return self.timeouts + self.errors + self.interrupted
 
     def error(self, i: int, message: str) -> None:
+        self.timeouts_in_a_row = 0  # something came back
         self.errors += 1
         self.last_error = message
         if self.timeouts + self.errors <= MAX_LOGGED:
@@ -75,6 +106,7 @@ class BatchCounts:
 
     def timeout(self, i: int) -> None:
         self.timeouts += 1
+        self.timeouts_in_a_row += 1
         self.last_error = f"timed out after reward.timeout_s={self.timeout_s:g}s"
         if self.timeouts + self.errors <= MAX_LOGGED:
             logger.warning(
@@ -89,12 +121,25 @@ class BatchCounts:
 
     def answer(self, i: int, status: str, value, scores: list[float]) -> None:
         """Record a worker's ``(status, value)`` for response ``i`` (the protocol of every backend):
-        "ok" -> ``scores[i]``; "error" -> counted, scored 0; "bad_type" -> RewardFunctionError (a bug
-        in the reward: it returned a non-number), which the caller lets through after closing its workers."""
+        "ok" -> ``scores[i]``; "error", or a NaN / inf score -> counted, scored 0; "bad_type" ->
+        RewardFunctionError (a bug in the reward: it returned a non-number), which the caller lets
+        through after closing its workers.
+
+        Example:
+            >>> c, scores = BatchCounts("my:fn"), [0.0, 0.0]
+            >>> c.answer(0, "ok", float("nan"), scores); c.answer(1, "ok", 1, scores)
+            >>> scores, c.metrics()["reward/errors"], c.last_error
+            ([0.0, 1.0], 1.0, 'returned nan: a reward must be finite')
+        """
         from pacs_megatron.reward.registry import RewardFunctionError, check_score
 
+        self.timeouts_in_a_row = 0
         if status == "ok":
-            scores[i] = check_score(self.fn, value)
+            value = check_score(self.fn, value)
+            if math.isfinite(value):
+                scores[i] = value
+            else:  # a reward error, not a bug of the trainer: counted (max_failure_steps covers it), scored 0
+                self.error(i, f"returned {value}: a reward must be finite")
         elif status == "bad_type":
             raise RewardFunctionError(
                 f"reward.fn={self.fn!r} returned {value}: it must return a float (e.g. 1.0 or 0.0)"

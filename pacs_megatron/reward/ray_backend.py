@@ -30,9 +30,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pacs_megatron.reward.accounting import STARTUP_TIMEOUT_S as _STARTUP_TIMEOUT_S
 from pacs_megatron.reward.accounting import BatchCounts
 from pacs_megatron.reward.registry import RewardFunctionError
-from pacs_megatron.reward.scorer import _STARTUP_TIMEOUT_S
 from pacs_megatron.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -161,6 +161,13 @@ class RayRewardPool:
                     s.task = None
                     counts.timeout(i)
                     self._replace(k, counts)
+            busy = [k for k, s in enumerate(self._slots) if s.task is not None]
+            if counts.hung() and (pending or busy):  # the reward hangs: one timeout per batch (accounting.py)
+                for k in busy:
+                    self._slots[k].task = None
+                    self._replace(k, counts)
+                counts.give_up(len(pending) + len(busy))
+                return scores
         return scores
 
     def _loaded(self, s: _Slot) -> None:

@@ -11,7 +11,10 @@ anything. So rewards always run in worker processes, each response with a hard d
 - A response that raises scores 0 and counts in ``reward/errors`` (the first few are logged).
 - A response still running ``timeout_s`` after it started scores 0 and counts in ``reward/timeouts``;
   its worker is killed (SIGKILL) and replaced, so a hung worker costs one timeout, never the run. A
-  worker that dies mid-task counts as an error and is replaced.
+  worker that dies mid-task counts as an error and is replaced. Two timeouts in a row with no answer
+  between them mean the reward hangs: the rest of the batch counts as timed out at once (one timeout
+  per batch, not one per response; see accounting.py).
+- A score that is NaN or infinite is a reward error: counted in ``reward/errors``, scored 0.
 - A stop signal (SIGTERM / SIGUSR1) while a batch is still running gives it ``timeout_s`` more, then
   abandons it (:class:`~pacs_megatron.reward.accounting.RewardInterrupted` once every rank knows).
 - A reward that returns a non-number, or that cannot be loaded in a worker, raises
@@ -43,6 +46,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pacs_megatron.reward.accounting import STARTUP_TIMEOUT_S as _STARTUP_TIMEOUT_S
 from pacs_megatron.reward.accounting import BatchCounts, FailureGuard
 from pacs_megatron.reward.registry import RewardFunctionError, load_reward_fn
 from pacs_megatron.utils.logging import get_logger
@@ -52,7 +56,6 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-_STARTUP_TIMEOUT_S = 120.0
 _MAX_CHUNK = 256
 """Most responses handed to a worker at once (smaller chunks balance several workers better)."""
 
@@ -229,7 +232,20 @@ class ProcessPool:
                 elif not w.ready and now - w.started > _STARTUP_TIMEOUT_S:
                     self.close()
                     raise RuntimeError(f"reward worker for reward.fn={self.cfg.fn!r} did not start in time")
+            if counts.hung() and (pending or any(w.queue for w in self._workers)):
+                self._give_up(pending, counts)
+                return scores
         return scores
+
+    def _give_up(self, pending: deque, counts: BatchCounts) -> None:
+        """The reward hangs (accounting.py): replace the busy workers; every unscored response is a timeout."""
+        unscored = len(pending) + sum(len(w.queue) for w in self._workers)
+        pending.clear()
+        for k, w in enumerate(self._workers):
+            if w.queue:
+                w.queue.clear()
+                self._replace(k, counts)
+        counts.give_up(unscored)
 
     def _abandon(self, pending: deque, counts: BatchCounts) -> None:
         """A stop signal outlasted the batch: kill the busy workers; everything unscored is counted."""

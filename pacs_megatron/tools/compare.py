@@ -15,19 +15,27 @@ Protocol (fair by construction):
    with 95% t-intervals over seeds, the per-step curves), ``OUT/summary.md`` (the table) and
    ``OUT/curves.png`` (mean +- 95% interval of train reward and held-out pass@1 per method).
 
-Each run is ``pacs-megatron train`` in its own process and output dir (``OUT/runs/NAME``). A run
-with ``final.json`` is done; any other is (re)started and resumes from its own checkpoint, so the
-whole command is resumable: rerun it with the same arguments. At most ``--jobs`` runs at a time
-(default: CPU cores // ranks per run). ``OUT/progress.json`` and the log show progress;
+Each run is ``pacs-megatron train`` in its own process and output dir ``OUT/runs/NAME-KEY``, where KEY
+hashes the run's resolved config (config file, overrides, ``--steps``, seed, lr): a run with
+``final.json`` is done *for those settings*; any other is (re)started and resumes from its own
+checkpoint, so the whole command is resumable: rerun it with the same arguments; changed settings
+(``--steps 6`` after ``--steps 4``) get new runs, never the old ones' results. At most ``--jobs`` runs
+at a time (default: CPU cores // ranks per run). ``OUT/progress.json`` and the log show progress;
 ``--background`` detaches the command (log in ``OUT/compare.log``).
+
+Before any run starts, the config must validate (``trainer.test_freq`` > 0 and <= the steps): the
+comparison is scored on held-out validations. Runs die with the command: SIGTERM / Ctrl-C stop them
+(each checkpoints, so a rerun resumes), and SIGKILL kills them (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +43,7 @@ from pathlib import Path
 
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.plot import read_metrics
+from pacs_megatron.utils.proc import die_with_parent
 
 logger = get_logger(__name__)
 
@@ -97,40 +106,67 @@ class Runner:
         self.args, self.out = args, Path(args.out)
         self.done = 0
         self.total = 0
+        self._dirs: dict[tuple, Path] = {}
 
-    def command(self, method: str, lr: float, seed: int) -> list[str]:
-        d = self.out / "runs" / run_name(method, lr, seed)
+    def settings(self, method: str, lr: float, seed: int) -> list[str]:
+        """The overrides that make this run (all but its directories)."""
         return [
-            *TRAIN,
-            f"--config={self.args.config}",
             *METHODS[method],
             f"optimizer.lr={lr}",
             f"trainer.seed={seed}",
             f"model.seed={seed}",
             f"data.seed={seed}",
             f"rollout.seed={seed}",
-            f"trainer.output_dir={d}",
-            f"model.path={d}/model",
             "logging.progress_bar=false",
             "logging.tensorboard=false",
             *([f"trainer.total_steps={self.args.steps}"] if self.args.steps else []),
             *self.args.overrides,
         ]
 
+    def run_dir(self, method: str, lr: float, seed: int) -> Path:
+        """``OUT/runs/NAME-KEY``: KEY hashes the resolved config, so other settings never reuse this run."""
+        from pacs_megatron.config import load_config, to_yaml
+
+        spec = (method, lr, seed)
+        if spec not in self._dirs:
+            resolved = to_yaml(load_config(self.args.config, self.settings(*spec)))
+            key = hashlib.sha256(resolved.encode()).hexdigest()[:10]
+            self._dirs[spec] = self.out / "runs" / f"{run_name(*spec)}-{key}"
+        return self._dirs[spec]
+
+    def command(self, method: str, lr: float, seed: int) -> list[str]:
+        d = self.run_dir(method, lr, seed)
+        settings = self.settings(method, lr, seed)
+        return [*TRAIN, f"--config={self.args.config}", *settings, f"trainer.output_dir={d}", f"model.path={d}/model"]
+
     def run_all(self, specs: list[tuple[str, float, int]]) -> dict[tuple[str, float, int], list[dict] | None]:
         """Run every spec not yet done; return each spec's metrics rows (None when it failed)."""
-        todo = [s for s in specs if not (self.out / "runs" / run_name(*s) / "final.json").is_file()]
+        todo = [s for s in specs if not (self.run_dir(*s) / "final.json").is_file()]
         self.total += len(specs)
         self.done += len(specs) - len(todo)
         running: dict[tuple, tuple[subprocess.Popen, object]] = {}
         failed: set = set()
+        try:
+            self._run(todo, running, failed)
+        finally:  # stopped (SIGTERM, Ctrl-C) or failed: the runs stop with the command
+            _stop_runs(running)
+        out = {}
+        for spec in specs:
+            d = self.run_dir(*spec)
+            out[spec] = None if spec in failed or not (d / "metrics.jsonl").is_file() else read_metrics(d)
+        return out
+
+    def _run(self, todo: list, running: dict, failed: set) -> None:
         while todo or running:
             while todo and len(running) < self.args.jobs:
                 spec = todo.pop(0)
-                d = self.out / "runs" / run_name(*spec)
+                d = self.run_dir(*spec)
                 d.mkdir(parents=True, exist_ok=True)
                 log = (d / "train.log").open("a")
-                running[spec] = (subprocess.Popen(self.command(*spec), stdout=log, stderr=subprocess.STDOUT), log)
+                proc = subprocess.Popen(
+                    self.command(*spec), stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+                )
+                running[spec] = (proc, log)
                 logger.info("started %s", run_name(*spec))
             time.sleep(1.0)
             for spec, (proc, log) in list(running.items()):
@@ -144,15 +180,47 @@ class Runner:
                     logger.error("%s failed (exit %d): see its train.log", run_name(*spec), proc.returncode)
                 logger.info("progress: %d/%d runs done", self.done, self.total)
                 self._progress(list(running))
-        out = {}
-        for spec in specs:
-            d = self.out / "runs" / run_name(*spec)
-            out[spec] = None if spec in failed or not (d / "metrics.jsonl").is_file() else read_metrics(d)
-        return out
 
     def _progress(self, running: list[tuple]) -> None:
         state = {"done": self.done, "total": self.total, "running": [run_name(*s) for s in running]}
         (self.out / "progress.json").write_text(json.dumps(state, indent=1))
+
+
+def _stop_runs(running: dict, grace_s: float = 120.0) -> None:
+    """SIGTERM every run still going (each checkpoints and exits 143), SIGKILL what outlives grace_s."""
+    if not running:
+        return
+    logger.warning("stopping %d runs (each checkpoints; rerun the command to resume)", len(running))
+    for proc, _ in running.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    for proc, log in running.values():
+        try:
+            proc.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    running.clear()
+
+
+def check_validates(args: argparse.Namespace) -> str | None:
+    """Why the runs would never validate (the comparison's score), or None: checked before any run starts."""
+    from pacs_megatron.config import ConfigError, load_config
+
+    steps = [f"trainer.total_steps={args.steps}"] if args.steps else []
+    try:
+        cfg = load_config(args.config, [*args.overrides, *steps])
+    except ConfigError as e:
+        return str(e)
+    t = cfg.trainer
+    if not 0 < t.test_freq <= t.total_steps:
+        return (
+            f"compare scores held-out validations, but trainer.test_freq={t.test_freq} with trainer.total_steps="
+            f"{t.total_steps} never validates: add trainer.test_freq=N (1 <= N <= {t.total_steps}) to the overrides"
+        )
+    return None
 
 
 def _curves(results: dict[int, list[dict]], key: str) -> dict:
@@ -295,6 +363,10 @@ def main(args: argparse.Namespace) -> int:
         logger.error("--methods has %s: choose from %s", bad, sorted(METHODS))
         return 2
     args.lrs = [float(x) for x in str(args.lrs).split(",") if x]
+    problem = check_validates(args)
+    if problem:
+        logger.error("%s", problem)
+        return 2
     if args.background:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -310,5 +382,7 @@ def main(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         ranks = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
         args.jobs = max(1, (os.cpu_count() or 1) // ranks)
+    # SIGTERM (kill PID) unwinds like Ctrl-C, so Runner stops its runs: none is left going.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     compare(args)
     return 0

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -234,6 +235,7 @@ def _train(ctx: Context, name: str, extra: list[str]) -> Outcome:
         raise Skip(f"{CPU_TINY} not found (a source checkout has it)")
     steps = 3 if ctx.quick else 10
     run_dir = ctx.out / "work" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # scratch: a rerun starts fresh (--resume never refuses an old run)
     overrides = [
         f"trainer.output_dir={run_dir}",
         f"model.path={run_dir / 'model'}",

@@ -12,12 +12,21 @@ of shard sizes against megatron's ``.metadata``); damaged ones are moved aside a
 is used. Pruning keeps the newest ``keep_last`` *valid* checkpoints, so a damaged newest one never
 costs the last good one.
 
+A full disk is named, not buried: before writing, the free space of the checkpoint directory is
+compared with the size of the last checkpoint (the next one is as large) and a save that cannot fit is
+refused with one line; after each save a warning says when the *next* one will not fit, while there
+is still time to free space. A write that fails with an ``OSError`` anywhere in its exception chain
+(megatron's writers often re-raise ENOSPC as "unexpected pos ...") raises
+:class:`CheckpointWriteError` naming the directory and the errno, and the half-written ``.tmp`` dir is
+removed to give the space back.
+
 Every rank calls :meth:`CheckpointManager.save` (the actor's dist_checkpointing writes shards from all
 ranks); rank 0 alone finalises: marker, atomic rename, pruning.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -35,6 +44,37 @@ logger = get_logger(__name__)
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, quota, permissions): one line naming the directory."""
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """The first OSError in ``exc``'s chain (cause / context), if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _disk_free(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _gib(n: int) -> str:
+    """Bytes for people: "3.2 GiB", "4.9 KiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _barrier() -> None:
@@ -63,12 +103,15 @@ class CheckpointManager:
         output_dir: str | os.PathLike,
         keep_last: int = 2,
         validate: Callable[[Path], str | None] = checkpoint_problem,
+        disk_free: Callable[[Path], int] = _disk_free,
     ) -> None:
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
         """Valid checkpoints kept by pruning (0: all)."""
         self.validate = validate
         """Path -> what is wrong with it, or None."""
+        self.disk_free = disk_free
+        """Path -> free bytes on its file system (shutil.disk_usage)."""
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -134,17 +177,51 @@ class CheckpointManager:
         logger.warning("checkpoint %s is damaged: %s; moved to %s; %s", path, problem, target, then)
         return target
 
+    def space_problem(self) -> str | None:
+        """Why the next checkpoint will not fit (free space < the last checkpoint's size), or None."""
+        latest = self.latest()
+        if latest is None:
+            return None
+        need, free = _size(latest), self.disk_free(self.root)
+        if free >= need:
+            return None
+        return (
+            f"{self.root} has {_gib(free)} free but a checkpoint takes about {_gib(need)} (the size of {latest.name}):"
+            " free space there, lower trainer.keep_checkpoints, or point trainer.output_dir at a larger disk"
+        )
+
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """Collective: ``write(tmp_dir)`` on every rank, then rank 0 marks and renames atomically."""
         final = self.step_dir(step)
         tmp = self.root / f".tmp_step_{step:08d}"
+        problem = None
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            for p in self.root.glob(".tmp_step_*"):  # a failed save's leftovers take space too
+                shutil.rmtree(p, ignore_errors=True)
+            problem = self.space_problem()
+            if problem is None:
+                tmp.mkdir()
+        problem = _from_rank0(problem)
+        if problem:
+            raise CheckpointWriteError(errno.ENOSPC, f"checkpoint step {step} not written: {problem}")
         _barrier()
         start = time.perf_counter()
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as e:
+            cause = _os_error(e)
+            if cause is None:
+                raise
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            name = errno.errorcode.get(cause.errno, str(cause.errno))
+            raise CheckpointWriteError(
+                cause.errno,
+                f"checkpoint step {step} could not be written to {tmp}: {name} ({os.strerror(cause.errno)}); "
+                f"{_gib(self.disk_free(self.root))} free there",
+            ) from None
         _barrier()
         if _rank() == 0:
             (tmp / MARKER).write_text(json.dumps({"step": step, "time": time.time()}))
@@ -153,6 +230,9 @@ class CheckpointManager:
             os.replace(tmp, final)
             self._prune()
             logger.info("checkpoint step %d saved to %s in %.1fs", step, final, time.perf_counter() - start)
+            warning = self.space_problem()
+            if warning:
+                logger.warning("the next checkpoint will not fit: %s", warning)
         _barrier()
         return final
 

@@ -35,8 +35,48 @@ class _RankFilter(logging.Filter):
         return self.all_ranks or record.rank == 0 or record.levelno >= logging.ERROR
 
 
+IMPORT_NOISE = (
+    r".*(Apex|Transformer Engine) (is|are) not installed.*",
+    r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+    r".*cuda_graph_scope.*",
+    r".*is not tested with current version of modelopt.*",
+)
+"""Warnings that megatron-core and modelopt print when imported, saying nothing about the user's run
+(Apex / Transformer Engine absent, as always on CPU; modelopt's transformers version notice)."""
+DEPRECATION_NOISE = (
+    r".*`load_state_dict` is deprecated.*",
+    r".*Please use DTensor instead and we are deprecating ShardedTensor.*",
+)
+"""torch.distributed.checkpoint's FutureWarnings about the APIs megatron-core 0.16 calls (per rank, per load)."""
+
+
+def quiet_import_noise() -> None:
+    """Filter :data:`IMPORT_NOISE` and vLLM's "Triton ... CPU backend" notice, so an error or a command's
+    own output is not preceded by a screen of them. Process-wide; idempotent."""
+    import warnings
+
+    for pattern in IMPORT_NOISE:
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+    for pattern in DEPRECATION_NOISE:
+        warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
+    triton = logging.getLogger("vllm.triton_utils.importing")  # vLLM keeps existing loggers' filters
+    if not any(isinstance(f, _DropMessage) for f in triton.filters):
+        triton.addFilter(_DropMessage("doesn't include CPU backend"))
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
 def init_logging(level: str = "INFO", all_ranks: bool | None = None) -> logging.Logger:
-    """Configure the package logger (idempotent). Errors are shown on every rank."""
+    """Configure the package logger (idempotent) and quiet third-party import noise. Errors are shown on
+    every rank."""
+    quiet_import_noise()
     if all_ranks is None:
         all_ranks = os.environ.get("PACS_LOG_ALL_RANKS", "0") == "1"
     root = logging.getLogger(_ROOT)

@@ -49,7 +49,7 @@ TINY_KEYS = {
     "tie_word_embeddings": "tie_word_embeddings",
 }
 # Keys that describe the launch, not the run: never reported as changes.
-LAUNCH_KEYS = ("trainer.resume", "trainer.dry_run")
+LAUNCH_KEYS = ("trainer.resume", "trainer.dry_run", "trainer.overwrite")
 
 
 @dataclass
@@ -101,7 +101,7 @@ def check_model_unchanged(saved_shape: dict | None, hf_config: dict, path: str |
         raise ConfigError(
             f"cannot resume from {path}: the model differs from the checkpoint's ({'; '.join(diff)}); the model "
             "shape and vocabulary cannot change on resume: point model.path (and model.tiny.*) back at the "
-            "checkpoint's model, or start a fresh run (a new trainer.output_dir, or trainer.resume=never)"
+            "checkpoint's model, or start a fresh run (a new trainer.output_dir, or --resume never --overwrite)"
         )
 
 

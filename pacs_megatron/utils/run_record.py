@@ -7,7 +7,9 @@ earlier leaves nothing), headed by comments saying where it resumed from and wha
 already complete) rank 0 logs a summary and writes the same data to ``final.json``: steps, wall
 time, reward first -> last, best validation pass@k per set, the last checkpoint and the commands
 that export and evaluate it. Everything is read back from ``metrics.jsonl``, so the summary covers
-all launches of the run.
+all launches of the run. A run in which every optimizer update was skipped (``actor/updates`` is 0 on
+every step: non-finite losses or gradients) ends with status ``no_update``, not ``complete``, and the
+trainer exits 1: it learnt nothing.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class RunRecord:
         """The run's summary (also final.json), from metrics.jsonl."""
         rows = _read_rows(self.output_dir / "metrics.jsonl")
         rewards = [(r["step"], r["reward/mean"]) for r in rows if isinstance(r.get("reward/mean"), float)]
+        updates = [r["actor/updates"] for r in rows if "actor/updates" in r]
+        if status == "complete" and updates and sum(updates) == 0:
+            status = "no_update"  # every optimizer step was skipped: the run learnt nothing
         best: dict[str, dict] = {}
         for r in rows:
             for key, value in r.items():
@@ -73,6 +78,7 @@ class RunRecord:
             "last_step": last_step,
             "total_steps": self.cfg.trainer.total_steps,
             "launches": launches,
+            "optimizer_updates": int(sum(updates)) if updates else None,
             "wall_time_s": round(time.time() - self._t0, 3),
             "train_time_s": round(sum(r.get("timing/step_s", 0.0) for r in rows), 3),
             "reward_first": {"step": rewards[0][0], "value": rewards[0][1]} if rewards else None,
@@ -113,6 +119,9 @@ def format_summary(s: dict) -> str:
     """The summary as the multi-line text logged at the end of a run."""
     head = {
         "complete": f"run complete: step {s['last_step']}/{s['total_steps']}",
+        "no_update": f"run FAILED: {s['last_step']} steps but no optimizer update was applied (every update was "
+        "skipped: see actor/skipped_steps, actor/nan_skipped_steps and reward/errors in metrics.jsonl); nothing was "
+        "learnt",
         "already_complete": f"run already complete at step {s['last_step']} (trainer.total_steps="
         f"{s['total_steps']}): nothing to train; raise trainer.total_steps to continue it",
     }.get(s["status"], f"run {s['status']} at step {s['last_step']}")
@@ -130,8 +139,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"  best val      {v['set']} {v['metric']} = {v['value']:.3f} (step {v['step']})")
     lines += [
         f"  output dir    {s['output_dir']}",
-        f"  checkpoint    {s['last_checkpoint']}",
-        f"  export        {s['export_command']}",
+        f"  checkpoint    {s['last_checkpoint'] or '(none)'}",
+        f"  export        {s['export_command'] or '(no checkpoint to export)'}",
         f"  evaluate      {s['eval_command']}",
     ]
     return "\n".join(lines)

@@ -69,3 +69,20 @@ def test_default_runconfig_resolves_shared_sets(qwen_tok, data_root, monkeypatch
     cfg = RunConfig()
     train = build_prompt_dataset(cfg, qwen_tok, "train")  # deepscaler_subset803, max_prompt_length 512
     assert 700 <= len(train) <= 803
+
+
+def test_arith_prompts_go_through_the_same_length_check():
+    from pacs_megatron.data.factory import build_train_dataset, build_val_datasets
+    from pacs_megatron.data.records import DataFormatError
+    from pacs_megatron.data.synthetic import build_arith_tokenizer
+
+    tok = build_arith_tokenizer()
+    base = ["data.task=arith", "reward.fn=arith", "data.arith.max_operand=12", "data.arith.modulo=0"]
+    base.append("trainer.test_freq=1")
+    cfg = load_config(None, [*base, "data.max_prompt_length=5"])  # "1+2=" fits, "10+12=" does not
+    train = build_train_dataset(cfg, tok)
+    assert train.records and all(len(r.prompt_ids) <= 5 for r in train.records)
+    assert len(train.records) == 10 * 10 + 2 * 10 * 3  # both operands < 10, or one of them (3 + 0..9 long)
+    assert all(len(r.prompt_ids) <= 5 for r in build_val_datasets(cfg, tok)["arith"])
+    with pytest.raises(DataFormatError, match=r"dataset arith: problem .* prompt tokens > data.max_prompt_length=5"):
+        build_train_dataset(load_config(None, [*base, "data.max_prompt_length=5", "data.overlong_prompts=error"]), tok)

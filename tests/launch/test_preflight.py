@@ -33,6 +33,9 @@ def test_launcher_refuses_early_with_one_line(tmp_path):
     out = tmp_path / "run"
     bad_first_row = tmp_path / "bad.jsonl"
     bad_first_row.write_text('{"problem": "1+1?"}\n')
+    bad_model = tmp_path / "bad_model"
+    bad_model.mkdir()
+    (bad_model / "config.json").write_text('{"model_type": "qwen2",}')
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text(f"base: {CONFIG}\nrollout: {{n: 4\n")
     math = ["data.task=math", "reward.fn=math"]
@@ -44,6 +47,8 @@ def test_launcher_refuses_early_with_one_line(tmp_path):
         "data file": ([*math, f"data.train_files=[{tmp_path / 'missing.jsonl'}]"], "data.train_files has"),
         "first row": ([*math, f"data.train_files=[{bad_first_row}]"], "missing field 'answer'"),
         "yaml": (None, f"{bad_yaml}:3:1: YAML syntax error"),
+        "nvfp4 on CPU": (["rollout.quantization=nvfp4"], "rollout.quantization=nvfp4 needs CUDA"),
+        "config.json": ([f"model.path={bad_model}", "model.init=random"], "config.json is not valid JSON"),
     }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(USER_FNS), os.environ.get("PYTHONPATH", "")]))
     procs = {}
@@ -58,3 +63,36 @@ def test_launcher_refuses_early_with_one_line(tmp_path):
         assert len(lines) == 1 and "config error" in lines[0], (name, lines)
         assert cases[name][1] in lines[0], (name, lines[0])
     assert not out.exists()  # no rank started: nothing was written
+
+
+def test_every_model_path_is_checked_before_any_rank(tmp_path):
+    from pacs_megatron.data.synthetic import write_tiny_model_dir
+    from pacs_megatron.launch.preflight import check_model_paths
+
+    model = tmp_path / "model"
+    tiny = load_config(CONFIG, [f"model.path={model}", f"trainer.output_dir={tmp_path}/out"])
+    check_model_paths(tiny)  # the tiny model dir does not exist yet: the run writes it
+    write_tiny_model_dir(model, tiny.model.tiny)
+    check_model_paths(tiny)
+    gae = [f"model.path={model}", "algorithm.loss=ppo", "algorithm.policy.adv_estimator=gae"]
+    with pytest.raises(ConfigError, match=r"critic.init='/no/such/critic': no such directory"):
+        check_model_paths(load_config(CONFIG, [*gae, "critic.init=/no/such/critic"]))
+    with pytest.raises(ConfigError, match=r"critic.init='.*model' holds no \*.safetensors weights"):
+        check_model_paths(load_config(CONFIG, [*gae, f"critic.init={model}"]))
+    with pytest.raises(ConfigError, match=r"model.tokenizer='/no/tok': no such tokenizer directory"):
+        check_model_paths(load_config(CONFIG, [f"model.path={model}", "model.tokenizer=/no/tok"]))
+    with pytest.raises(ConfigError, match=r"model.path='.*model' holds no \*.safetensors weights"):
+        check_model_paths(load_config(CONFIG, [f"model.path={model}", "model.init=pretrained"]))
+    (model / "config.json").write_text('{"model_type": "qwen2",\n "hidden_size": 128,,}')
+    with pytest.raises(ConfigError, match=r"model.path='.*model': .*config.json is not valid JSON \(Expecting"):
+        check_model_paths(tiny)
+
+
+def test_critic_settings_without_a_critic_are_named():
+    from pacs_megatron.launch.preflight import unused_critic_settings
+
+    cfg = load_config(CONFIG, ["critic.optim.lr=0.01", "critic.cliprange_value=0.2"])  # loss=pacs
+    assert unused_critic_settings(cfg) == ["critic.cliprange_value: 0.5 -> 0.2", "critic.optim.lr: 1e-05 -> 0.01"]
+    gae = ["algorithm.loss=ppo", "algorithm.policy.adv_estimator=gae", "critic.optim.lr=0.01"]
+    assert unused_critic_settings(load_config(CONFIG, gae)) == []
+    assert unused_critic_settings(load_config(CONFIG, [])) == []

@@ -43,6 +43,16 @@ def raising(prompt, response, ground_truth, extra):
     return 1.0
 
 
+def nan_on(prompt, response, ground_truth, extra):
+    """NaN or inf when the response says so (a numeric reward gone wrong)."""
+    return {"nan": float("nan"), "inf": float("inf")}.get(response, 1.0)
+
+
+def always_nan(prompt, response, ground_truth, extra):
+    """A numeric reward that went wrong everywhere."""
+    return float("nan")
+
+
 def returns_str(prompt, response, ground_truth, extra):
     return "1.0"
 

@@ -57,10 +57,14 @@ def test_pool_timeout_error_hang_and_crash_never_stop_the_batch():
     with RewardScorer(cfg) as s:
         _score(s, ["warm"])  # start the workers outside the timed part
         t0 = time.monotonic()
-        scores, m = _score(s, ["ok", "sleep", "ok", "ok", "sleep", "ok"])
+        scores, m = _score(s, ["ok", "sleep", "ok", "ok", "ok", "ok"])
         took = time.monotonic() - t0
-        assert scores == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
-        assert m["reward/timeouts"] == 2.0 and m["reward/errors"] == 0.0
+        assert scores == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+        assert m["reward/timeouts"] == 1.0 and m["reward/errors"] == 0.0
+        # Two hangs at once and nothing else moving for timeout_s after them: the reward hangs, and the
+        # rest of the batch is given up at once (one timeout per batch, see accounting.py).
+        scores, m = _score(s, ["ok", "sleep", "ok", "ok", "sleep", "ok"])
+        assert scores == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0] and m["reward/timeouts"] == 3.0
         assert took < 15.0, f"timed-out samples held the batch for {took:.1f}s"
         scores, m = _score(s, ["ok"] * 3)  # replaced workers serve the next batch
         assert scores == [1.0] * 3 and m["reward/timeouts"] == 0.0
@@ -79,6 +83,25 @@ def test_pool_timeout_error_hang_and_crash_never_stop_the_batch():
     with RewardScorer(RewardConfig(fn="reward_user_fns:raising", num_workers=1)) as s:
         scores, m = _score(s, ["raise", "ok", "raise"])
         assert scores == [0.0, 1.0, 0.0] and m["reward/errors"] == 2.0
+
+
+def test_nan_and_inf_scores_are_counted_reward_errors():
+    with RewardScorer(RewardConfig(fn="reward_user_fns:nan_on", num_workers=1)) as s:
+        scores, m = _score(s, ["nan", "ok", "inf"])
+        assert scores == [0.0, 1.0, 0.0] and m["reward/errors"] == 2.0
+        assert "returned inf: a reward must be finite" in s.last_error
+
+
+def test_a_hanging_reward_costs_one_timeout_per_batch_not_one_per_response():
+    for workers, budget in ((2, 4.0), (1, 7.0)):  # one worker: the first timeout may be one bad answer
+        with RewardScorer(RewardConfig(fn="reward_user_fns:sleepy", num_workers=workers, timeout_s=1.0)) as s:
+            _score(s, ["warm"])
+            t0 = time.monotonic()
+            scores, m = _score(s, ["sleep"] * 16)
+            took = time.monotonic() - t0
+            assert scores == [0.0] * 16 and m["reward/timeouts"] == 16.0
+            assert took < budget, f"{workers} worker(s): 16 hanging responses took {took:.1f}s"
+            assert _score(s, ["ok"] * 2)[0] == [1.0, 1.0]  # replaced workers serve the next batch
 
 
 def test_pool_wrong_return_type_raises():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pacs_megatron.tools.compare import interval, run_score
+from pacs_megatron.tools.compare import Runner, interval, run_score
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,3 +72,63 @@ def test_compare_tiny_budget_writes_json_and_png(tmp_path):
     stamp = {p: p.stat().st_mtime for p in out.glob("runs/*/metrics.jsonl")}
     assert main(argv) == 0
     assert {p: p.stat().st_mtime for p in out.glob("runs/*/metrics.jsonl")} == stamp
+
+
+GENERALIZE = REPO / "examples" / "configs" / "cpu_generalize.yaml"
+SMALL = ["parallel.tp=1", "trainer.train_batch_size=4", "rollout.n=4", "algorithm.micro_batch_size=16"]
+
+
+def test_runs_are_keyed_on_their_resolved_settings(tmp_path):
+    import argparse
+
+    def runner(steps, *extra):
+        args = argparse.Namespace(config=str(GENERALIZE), out=str(tmp_path), steps=steps, overrides=[*SMALL, *extra])
+        return Runner(args)
+
+    spec = ("pacs", 1e-3, 0)
+    four = runner(4).run_dir(*spec)
+    assert four.parent == tmp_path / "runs" and four.name.startswith("pacs_lr0.001_s0-")
+    assert runner(4).run_dir(*spec) == four  # same settings: the same run, resumed or reused
+    assert runner(6).run_dir(*spec) != four  # --steps 6 after --steps 4: new runs
+    assert runner(4, "trainer.val_temperature=0.5").run_dir(*spec) != four
+    assert runner(4).run_dir("pacs", 1e-3, 1) != four
+
+
+def test_compare_refuses_before_any_run_when_nothing_validates(tmp_path, capfd):
+    from pacs_megatron.cli import main
+
+    out = tmp_path / "cmp"
+    argv = ["compare", "--config", str(GENERALIZE), "--out", str(out), "--steps", "4", *SMALL, "trainer.test_freq=0"]
+    assert main(argv) == 2
+    assert "trainer.test_freq=0 with trainer.total_steps=4 never validates" in capfd.readouterr().err
+    assert not (out / "runs").exists()
+
+
+@pytest.mark.distributed
+def test_killing_compare_by_its_pid_stops_its_runs(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "pacs_megatron", "compare", "--config", str(GENERALIZE), "--out", str(out)]
+    cmd += ["--methods", "pacs", "--seeds", "1", "--lrs", "1e-3", "--steps", "500", "--jobs", "1", *SMALL]
+    cmd += ["trainer.test_freq=100"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        parent, end = psutil.Process(proc.pid), time.monotonic() + 120
+        while not parent.children() and time.monotonic() < end:
+            time.sleep(0.2)
+        runs = parent.children(recursive=True)
+        assert runs, "compare started no run"
+        time.sleep(2.0)  # let the run get under way
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=180) != 0
+        _, alive = psutil.wait_procs(runs, timeout=30)
+        assert not alive, f"runs left going after compare was killed: {alive}"
+    finally:
+        proc.kill()

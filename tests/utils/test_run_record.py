@@ -128,3 +128,18 @@ def test_doctests():
 
     for module in (checkpoint_check, metrics, resume):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_a_run_whose_updates_were_all_skipped_is_not_complete(tmp_path):
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "trainer.total_steps=2"])
+    rows = [{"step": s, "reward/mean": 0.0, "actor/updates": 0.0, "actor/skipped_steps": float(s)} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = RunRecord(cfg, tmp_path, True, None).finish(2, None)
+    assert s["status"] == "no_update" and s["optimizer_updates"] == 0
+    assert format_summary(s).startswith("run FAILED: 2 steps but no optimizer update was applied")
+    rows[1]["actor/updates"] = 1.0  # one update applied: the run learnt something
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = RunRecord(cfg, tmp_path, True, None).finish(2, None)
+    assert done["status"] == "complete"
+    text = format_summary(done)  # no checkpoint: said in words, never "None"
+    assert "None" not in text and "checkpoint    (none)" in text and "(no checkpoint to export)" in text

@@ -1,0 +1,272 @@
+"""The one owner of ``trainer.output_dir``: a lock, and the rules of a fresh start, a resume and an overwrite.
+
+One run owns a run directory at a time. Two launches into one directory interleave ``metrics.jsonl``
+and rollouts and fight over checkpoints; a fresh start into an old run's directory keeps the old
+run's later checkpoints, which the next auto-resume then continues. So:
+
+- **The lock** ``OUTPUT_DIR/.lock`` (JSON: host, pid, process start time, command) is taken by rank 0
+  right after the process groups exist, before any heavy work, whatever started the ranks (local
+  spawn, torchrun, srun, Ray actors: none of them needs a parent launcher process), and removed when
+  the run ends. A second launch is refused at once, naming the running one. A lock whose process is
+  gone (kill -9) is *stale*: on the same host the pid tells (a dead pid, or a pid reused by a process
+  started later), and the lock is taken over with a warning; on another host only an earlier attempt
+  of the same scheduler job (a Slurm requeue, a torchrun restart) is known to be gone, otherwise the
+  error says how to clear it by hand.
+- **A fresh start** (``--resume never``) needs a run directory without a run: one that already holds
+  a run (``metrics.jsonl``, ``final.json``, checkpoints, launch configs, rollouts) is refused, naming
+  ``--resume never --overwrite`` or a new directory. ``auto`` without a checkpoint restarts a run
+  that never checkpointed, which is the same run from step 0 (its logs are cut back to step 0).
+- **An overwrite** (``trainer.overwrite`` / ``--overwrite``) moves the old run aside whole, to
+  ``OUTPUT_DIR.old-YYYYmmdd-HHMMSS`` beside it (a rename: instant, nothing deleted), then starts fresh.
+- **A resume** (``auto`` with a checkpoint, or a named checkpoint) continues the run. Resuming from a
+  named checkpoint older than the newest one would leave the newer ones behind for the next
+  auto-resume: it is refused unless ``--overwrite``, which moves the newer ones aside
+  (``checkpoints/superseded_step_N``).
+
+:meth:`RunDir.problem` answers all of this without changing anything, so the launcher's preflight
+refuses before any rank starts; :meth:`RunDir.claim` (rank 0, inside the job) takes the lock and
+applies the overwrite. Neither imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from pacs_megatron.config.base import ConfigError
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+LOCK = ".lock"
+RUN_FILES = ("metrics.jsonl", "final.json", "configs", "rollouts.jsonl")
+"""Entries whose presence means a run has written here (checkpoints are checked separately)."""
+
+
+class RunDirError(ConfigError):
+    """The run directory belongs to another run, or a fresh start would mix two runs."""
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """Who holds a run directory.
+
+    Example:
+        >>> LockInfo("n1", 42, 1700000000.0, "train").describe()[:23]
+        'host n1, pid 42, start '
+    """
+
+    host: str
+    """socket.gethostname() of the holder."""
+    pid: int
+    """Its process id on that host."""
+    start_time: float
+    """Its process creation time (Unix seconds): tells a reused pid from the holder."""
+    command: str = ""
+    """Its command line, for the user."""
+    job: str = ""
+    """The scheduler job it belongs to ("slurm:ID", "torchrun:RUN_ID"; "" when none): a requeued or
+    restarted attempt of the same job may take over its lock, even from another host."""
+
+    def describe(self) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.start_time))
+        return f"host {self.host}, pid {self.pid}, start {started}"
+
+    def alive(self) -> bool | None:
+        """True/False on the holder's host; None on another host (cannot tell)."""
+        if self.host != socket.gethostname():
+            return None
+        if self.pid <= 0:
+            return False
+        try:
+            proc = psutil.Process(self.pid)
+            return abs(proc.create_time() - self.start_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+
+
+def job_id() -> str:
+    """This process's scheduler job, the same for every attempt of it (Slurm requeue, torchrun restart)."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm:{os.environ['SLURM_JOB_ID']}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"torchrun:{run_id}" if run_id and run_id != "none" else ""
+
+
+def this_process() -> LockInfo:
+    argv = " ".join(sys.argv)[:500]
+    return LockInfo(socket.gethostname(), os.getpid(), psutil.Process().create_time(), argv, job_id())
+
+
+def _checkpoint_steps(root: Path) -> list[int]:
+    from pacs_megatron.utils.checkpoint import CheckpointManager
+
+    return [step for step, _ in CheckpointManager(root).complete()]
+
+
+class RunDir:
+    """Owns ``trainer.output_dir`` for one launch (see the module docstring).
+
+    Example:
+        >>> import tempfile
+        >>> d = RunDir(tempfile.mkdtemp(), resume="never")
+        >>> d.problem() is None, d.claim() is not None, d.release()
+        (True, True, None)
+    """
+
+    def __init__(self, path: str | os.PathLike, resume: str = "auto", overwrite: bool = False, keep: tuple = ()):
+        self.path = Path(path)
+        self.resume = resume
+        """trainer.resume: "auto", "never" or a checkpoint directory."""
+        self.overwrite = overwrite
+        """trainer.overwrite: move the old run (or newer checkpoints) aside instead of refusing."""
+        self.keep = tuple(Path(p).resolve() for p in keep)
+        """Paths inside the run dir that an overwrite leaves in place (a model.path written there)."""
+        self._held: LockInfo | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> RunDir:
+        return cls(cfg.trainer.output_dir, cfg.trainer.resume, cfg.trainer.overwrite, keep=(cfg.model.path,))
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path / LOCK
+
+    def holder(self) -> LockInfo | None:
+        """The lock's holder, or None when there is no lock (an unreadable lock counts as stale)."""
+        try:
+            return LockInfo(**json.loads(self.lock_path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError):  # a launch that died between creating and writing it: stale
+            return LockInfo(socket.gethostname(), -1, 0.0, "unreadable lock file")
+
+    def lock_problem(self) -> str | None:
+        h = self.holder()
+        if h is None or (self._held is not None and h == self._held):
+            return None
+        alive = h.alive()
+        if alive is None and h.job and h.job == job_id():
+            return None  # an earlier attempt of this same job on another node (requeued, restarted): stale
+        if alive:
+            return (
+                f"trainer.output_dir={self.path} is in use by another run ({h.describe()}): wait for it, stop it "
+                "(kill -TERM that pid checkpoints it), or use another trainer.output_dir"
+            )
+        if alive is None:
+            return (
+                f"trainer.output_dir={self.path} is locked by a run on another host ({h.describe()}); if that run "
+                f"is gone (node lost), delete {self.lock_path} and launch again"
+            )
+        return None  # stale on this host: claim() takes it over
+
+    def fresh_problem(self) -> str | None:
+        """Why this launch would mix two runs, or None."""
+        steps = _checkpoint_steps(self.path)
+        if self.resume not in ("auto", "never"):
+            named = self._named_step()
+            newer = [s for s in steps if named is not None and s > named]
+            if newer and not self.overwrite:
+                return (
+                    f"--resume {self.resume} is older than this run's newest checkpoint step {max(newer)}: the "
+                    "next auto-resume would continue the newer one; add --overwrite to move the newer checkpoints "
+                    "aside (checkpoints/superseded_step_N), or resume with --resume auto"
+                )
+            return None
+        if self.resume == "auto" and steps:
+            return None  # a resume
+        old = self.old_run()
+        if old and self.resume == "never" and not self.overwrite:
+            return (
+                f"trainer.output_dir={self.path} already holds a run ({', '.join(old)}): --resume never would mix two "
+                "runs; use a new trainer.output_dir, or --resume never --overwrite to move the old run aside "
+                f"(to {self.path}.old-<time>), or --resume auto to continue it"
+            )
+        return None
+
+    def _named_step(self) -> int | None:
+        """The step of a ``--resume step_N`` directory of this run (None: elsewhere, or not a step dir)."""
+        named = Path(self.resume)
+        if named.resolve().parent != (self.path / "checkpoints").resolve():
+            return None
+        digits = named.name.removeprefix("step_")
+        return int(digits) if named.name.startswith("step_") and digits.isdigit() else None
+
+    def old_run(self) -> list[str]:
+        """What of an earlier run this directory holds (empty: nothing)."""
+        found = [name for name in RUN_FILES if (self.path / name).exists()]
+        steps = _checkpoint_steps(self.path)
+        if steps:
+            found.append(f"checkpoints up to step {max(steps)}")
+        return found
+
+    def problem(self) -> str | None:
+        """The first reason this launch may not use the directory, or None. Changes nothing."""
+        return self.lock_problem() or self.fresh_problem()
+
+    def claim(self) -> LockInfo:
+        """Take the lock (rank 0, before heavy work), then apply an overwrite. Raises RunDirError."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        me = this_process()
+        for _ in range(2):
+            try:
+                fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                problem = self.lock_problem()
+                if problem:
+                    raise RunDirError(problem) from None
+                stale = self.holder()
+                logger.warning("taking over the stale lock of a run that is gone (%s)", stale and stale.describe())
+                self.lock_path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as fh:
+                json.dump(me.__dict__, fh)
+            self._held = me
+            break
+        else:
+            raise RunDirError(f"could not take the lock {self.lock_path} (another launch took it at the same time)")
+        problem = self.fresh_problem()
+        if problem:
+            self.release()
+            raise RunDirError(problem)
+        if self.overwrite:
+            self._move_old_run_aside()
+        return me
+
+    def _move_old_run_aside(self) -> None:
+        if self.resume not in ("auto", "never"):
+            self._supersede_newer_checkpoints()
+            return
+        if not self.old_run() or (self.resume == "auto" and _checkpoint_steps(self.path)):
+            return
+        target = self.path.with_name(f"{self.path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        target.mkdir()
+        for entry in self.path.iterdir():
+            if entry.name == LOCK or any(entry.resolve() == k or entry.resolve() in k.parents for k in self.keep):
+                continue
+            os.replace(entry, target / entry.name)
+        logger.warning("--overwrite: moved the old run of %s to %s (delete it when unneeded)", self.path, target)
+
+    def _supersede_newer_checkpoints(self) -> None:
+        named = self._named_step()
+        if named is None:
+            return
+        root = self.path / "checkpoints"
+        for step in _checkpoint_steps(self.path):
+            if step > named:
+                src = root / f"step_{step:08d}"
+                os.replace(src, root / f"superseded_step_{step:08d}")
+                logger.warning("--overwrite: moved %s aside (resuming from the older %s)", src, self.resume)
+
+    def release(self) -> None:
+        """Remove the lock if this process holds it."""
+        if self._held is not None and self.holder() == self._held:
+            self.lock_path.unlink(missing_ok=True)
+        self._held = None

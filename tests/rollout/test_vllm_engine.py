@@ -19,8 +19,8 @@ from pacs_megatron.config import ConfigError, TinyModelConfig, load_config
 from pacs_megatron.data.synthetic import write_tiny_model_dir
 from pacs_megatron.launch.preflight import check_vllm_context
 from pacs_megatron.rollout.types import SamplingParams
-from pacs_megatron.rollout.vllm_engine import (
-    VLLMEngine,
+from pacs_megatron.rollout.vllm_engine import VLLMEngine
+from pacs_megatron.rollout.vllm_params import (
     colocated_memory_utilization,
     llm_kwargs,
     prompt_logprob_kwargs,

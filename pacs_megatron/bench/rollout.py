@@ -13,7 +13,9 @@ response length is reported too (both engines stop on the same tokens).
 
 Sync: ``VLLMEngine.update_weights`` of the model's HF state (vLLM's layerwise reload, the tied-head fix,
 the prefix-cache reset) against ``p.copy_(src)`` of the same tensors into a same-shaped set, median of
-``--repeat``. vLLM's external launcher runs as a world of one rank (no torchrun needed).
+``--repeat``; for the CPU default's model (1.2 MB: fixed costs dominate) and, with ``--sync-100m``, for
+bench/sync.py's ~100M-parameter Qwen2 (0.4 GB fp32: the bytes dominate). vLLM's external launcher runs
+as a world of one rank (no torchrun needed).
 """
 
 from __future__ import annotations
@@ -40,19 +42,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="default,long", help=f"comma-separated of {sorted(SHAPES)}")
     p.add_argument("--repeat", type=int, default=3, help="timed calls after one warm-up (median)")
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--sync-100m", action="store_true", help="also time the sync of a ~100M-parameter model")
 
 
-def _model_dir(root: Path) -> Path:
+SYNC_100M = dict(hidden_size=768, num_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=2048)
+"""bench/sync.py's default ~100M-parameter Qwen2 (tied, vocab 32000), for a sync whose bytes dominate."""
+
+
+def _model_dir(root: Path, vocab: int | None = None, **shape) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pacs_megatron.config import TinyModelConfig
     from pacs_megatron.data.synthetic import write_tiny_model_dir
 
-    shape = TinyModelConfig(max_position_embeddings=128, tie_word_embeddings=True)  # the CPU default's shape
-    model_dir = write_tiny_model_dir(root / "model", shape)
+    tiny = TinyModelConfig(max_position_embeddings=128, tie_word_embeddings=True, **shape)  # default: CPU default's
+    model_dir = write_tiny_model_dir(root, tiny)
+    if vocab is not None:  # vLLM runs without a tokenizer here: a larger embedding than the task's vocabulary
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir))).save_pretrained(str(model_dir))
     return model_dir
+
+
+def _sync(engine, model_dir: Path, repeat: int) -> dict:
+    """``engine.update_weights`` of the model's HF state vs ``copy_`` of the same tensors."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    state = [(k, v.detach().clone()) for k, v in hf.state_dict().items() if k != "lm_head.weight" or not _tied(hf)]
+    nbytes = sum(t.numel() * t.element_size() for _, t in state)
+    sync_s, _ = _time(lambda: engine.update_weights([state]), repeat)
+    dst = [torch.empty_like(t) for _, t in state]
+    memcpy_s, _ = _time(lambda: [d.copy_(t) for d, (_, t) in zip(dst, state)], repeat)
+    return {"bytes": nbytes, "vllm_s": sync_s, "memcpy_s": memcpy_s, "ratio": sync_s / memcpy_s}
+
+
+def _tied(hf) -> bool:
+    return bool(getattr(hf.config, "tie_word_embeddings", False))
 
 
 def _time(fn, repeat: int) -> tuple[float, object]:
@@ -87,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
     from pacs_megatron.rollout.vllm_engine import VLLMEngine, single_rank_launcher_env
 
     with tempfile.TemporaryDirectory() as tmp, single_rank_launcher_env():
-        model_dir = _model_dir(Path(tmp))
+        model_dir = _model_dir(Path(tmp) / "model")
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         longest = max(SHAPES[s][2] for s in args.shapes.split(","))
         cfg = load_config(
@@ -111,14 +138,17 @@ def run(args: argparse.Namespace) -> dict:
                 row["shape"] = {"prompts": count, "n": n, "max_tokens": max_tokens}
                 report["rollout"][name] = row
                 logger.info("%s: %s", name, {e: round(row[e]["tokens_per_s"], 1) for e in ("hf", "vllm")})
-            state = [(k, v.detach().clone()) for k, v in hf.model.state_dict().items()]
-            nbytes = sum(t.numel() * t.element_size() for k, t in state if k != "lm_head.weight")
-            sync_s, _ = _time(lambda: vllm_engine.update_weights([state]), args.repeat)
-            dst = [torch.empty_like(t) for _, t in state]
-            memcpy_s, _ = _time(lambda: [d.copy_(t) for d, (_, t) in zip(dst, state)], args.repeat)
-            report["sync"] = {"bytes": nbytes, "vllm_s": sync_s, "memcpy_s": memcpy_s, "ratio": sync_s / memcpy_s}
+            report["sync"] = {"cpu_default": _sync(vllm_engine, model_dir, args.repeat)}
         finally:
             vllm_engine.close()
+        if args.sync_100m:
+            big = _model_dir(Path(tmp) / "m100", vocab=32000, **SYNC_100M)
+            big_cfg = load_config(None, [f"model.path={big}", "rollout.engine=vllm", "data.max_prompt_length=8"])
+            engine = VLLMEngine(cfg=big_cfg, model_dir=big, tokenizer=tok, device="cpu")
+            try:
+                report["sync"]["qwen2_100m"] = _sync(engine, big, args.repeat)
+            finally:
+                engine.close()
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
     report["date"] = dt.date.today().isoformat()
     return report
@@ -127,6 +157,8 @@ def run(args: argparse.Namespace) -> dict:
 def main(args: argparse.Namespace) -> int:
     init_logging()
     report = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     for name, row in report["rollout"].items():
         s = row["shape"]
         logger.info(
@@ -136,13 +168,12 @@ def main(args: argparse.Namespace) -> int:
             row["vllm"]["tokens_per_s"], row["vllm"]["mean_len"],
             row["vllm"]["tokens_per_s"] / row["hf"]["tokens_per_s"],
         )  # fmt: skip
-    sync = report["sync"]
-    logger.info(
-        "sync into vLLM %.1f MB: %.3f s (reload) vs memcpy %.4f s: %.0fx; vLLM engine start %.1f s",
-        sync["bytes"] / 1e6, sync["vllm_s"], sync["memcpy_s"], sync["ratio"], report["vllm_start_s"],
-    )  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    for name, sync in report["sync"].items():
+        logger.info(
+            "sync into vLLM, %s, %.1f MB: %.3f s (reload) vs memcpy %.4f s: %.1fx",
+            name, sync["bytes"] / 1e6, sync["vllm_s"], sync["memcpy_s"], sync["ratio"],
+        )  # fmt: skip
+    logger.info("vLLM engine start: %.1f s", report["vllm_start_s"])
     return 0
 
 

@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> dict:
             vllm_engine.close()
         if args.sync_100m:
             big = _model_dir(Path(tmp) / "m100", vocab=32000, **SYNC_100M)
-            big_cfg = load_config(None, [f"model.path={big}", "rollout.engine=vllm", "data.max_prompt_length=8"])
+            lengths = ["data.max_prompt_length=8", "rollout.max_response_length=8"]
+            big_cfg = load_config(None, [f"model.path={big}", "rollout.engine=vllm", *lengths])
             engine = VLLMEngine(cfg=big_cfg, model_dir=big, tokenizer=tok, device="cpu")
             try:
                 report["sync"]["qwen2_100m"] = _sync(engine, big, args.repeat)

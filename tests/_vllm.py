@@ -4,7 +4,6 @@ launcher (a world of one rank). Skip cleanly where vllm is not installed (``make
 from __future__ import annotations
 
 import importlib.util
-import socket
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,11 +38,8 @@ def cpu_engine(model_dir: Path, *overrides: str):
     from transformers import AutoTokenizer
 
     from pacs_megatron.rollout.hf_engine import HFEngine
-    from pacs_megatron.rollout.vllm_engine import VLLMEngine
+    from pacs_megatron.rollout.vllm_engine import VLLMEngine, single_rank_launcher_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     cfg = load_config(
         None,
@@ -55,10 +51,7 @@ def cpu_engine(model_dir: Path, *overrides: str):
             *overrides,
         ],
     )
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-            mp.setenv(k, v)
-        mp.setenv("MASTER_PORT", str(port))
+    with single_rank_launcher_env():
         engine = VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tok, device="cpu")
         try:
             yield engine, HFEngine(model_dir, tok, device="cpu", dtype=torch.float32, seed=0)

@@ -201,6 +201,7 @@ class Components:
 
     def close(self) -> None:
         self.scorer.close()
+        getattr(self.engine, "close", lambda: None)()  # vLLM: tear its groups down while they still exist
 
 
 def build_components(cfg: RunConfig, rt: Runtime) -> Components:

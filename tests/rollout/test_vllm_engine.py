@@ -1,29 +1,26 @@
-"""vLLM engine: everything that does not need a GPU, on fakes of vLLM's objects; plus one GPU test.
+"""vLLM engine, pure translation (no vllm needed): config -> ``LLM`` kwargs on CPU and GPU, seeds, replica
+layout, vLLM outputs -> :class:`Response`, the sync stream's name checks, the vLLM preflight check.
 
-The fakes follow vLLM 0.32's shapes: ``RequestOutput.outputs`` (``CompletionOutput`` with ``index``,
-``token_ids``, ``finish_reason``, ``logprobs`` = one ``{token: Logprob}`` dict per generated token),
-``RequestOutput.prompt_logprobs`` (None at position 0), and a Qwen2 model whose ``load_weights`` fuses
-q/k/v and gate/up into vLLM's parameter names and returns the names it loaded.
-
-GPU (never run so far): ``pytest -m gpu tests/rollout/test_vllm_engine.py`` on a machine with vllm 0.32.
+The output records follow vLLM 0.32's shapes: ``RequestOutput.outputs`` (``CompletionOutput`` with
+``index``, ``token_ids``, ``finish_reason``, ``logprobs`` = one ``{token: Logprob}`` dict per generated
+token) and ``RequestOutput.prompt_logprobs`` (None at position 0). The real engine runs on CPU in
+tests/rollout/test_vllm_cpu.py and tests/weight_sync/test_vllm_reload.py; GPU (never run):
+``pytest -m gpu tests/rollout/test_vllm_engine.py`` on a machine with vllm 0.32.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import re
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from pacs_megatron.config import TinyModelConfig, load_config
+from pacs_megatron.config import ConfigError, TinyModelConfig, load_config
 from pacs_megatron.data.synthetic import write_tiny_model_dir
-from pacs_megatron.rollout import build_engine
+from pacs_megatron.launch.preflight import check_vllm_context
 from pacs_megatron.rollout.types import SamplingParams
-from pacs_megatron.rollout.vllm_engine import (
-    VLLMEngine,
+from pacs_megatron.rollout.vllm_engine import VLLMEngine
+from pacs_megatron.rollout.vllm_params import (
     colocated_memory_utilization,
     llm_kwargs,
     prompt_logprob_kwargs,
@@ -34,7 +31,7 @@ from pacs_megatron.rollout.vllm_engine import (
     vllm_replica,
 )
 from pacs_megatron.weight_sync import iter_buckets
-from pacs_megatron.weight_sync.vllm_push import VLLMWeightLoader, expected_hf_names
+from pacs_megatron.weight_sync.vllm_push import SyncStream, expected_hf_names
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
 
@@ -88,6 +85,49 @@ def test_llm_kwargs_translate_the_run_config(model_dir, tmp_path):
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
     assert llm_kwargs(cfg_for(model_dir), model_dir, weights_on_disk=True)["load_format"] == "auto"
     assert llm_kwargs(cfg_for(model_dir, "model.dtype=auto"), model_dir, True)["dtype"] == "bfloat16"
+    assert "kv_cache_memory_bytes" not in kw
+
+
+def test_llm_kwargs_on_cpu_float32_eager_no_sleep(model_dir):
+    """Issue 19 item 2: vLLM refuses sleep mode on CPU; float32 by default there, bf16 allowed."""
+    cfg = cfg_for(model_dir, "rollout.vllm.cpu_kv_cache_gib=0.5", "rollout.max_response_length=3")
+    kw = llm_kwargs(cfg, model_dir, True, device_type="cpu")
+    assert (kw["dtype"], kw["enable_sleep_mode"], kw["enforce_eager"]) == ("float32", False, True)
+    assert kw["kv_cache_memory_bytes"] == 2**29
+    assert kw["max_model_len"] == 512 + 3
+    short = cfg_for(model_dir, "data.max_prompt_length=8", "rollout.max_response_length=3")
+    assert llm_kwargs(short, model_dir, True, device_type="cpu")["max_model_len"] == 25  # the 24-token probe fits
+    assert (
+        llm_kwargs(cfg_for(model_dir, "model.dtype=bfloat16"), model_dir, True, device_type="cpu")["dtype"]
+        == "bfloat16"
+    )
+    with pytest.raises(ValueError, match="FP8 kernels"):
+        VLLMEngine(
+            cfg=cfg_for(model_dir, "rollout.quantization=fp8"), model_dir=model_dir, tokenizer=None, device="cpu"
+        )
+    with pytest.raises(ConfigError, match="cpu_kv_cache_gib"):
+        cfg_for(model_dir, "rollout.vllm.cpu_kv_cache_gib=0")
+
+
+def test_preflight_names_both_lengths_and_the_model_limit(model_dir, tmp_path):
+    """Issue 19 item 3: vLLM refuses max_model_len above max_position_embeddings (a pydantic error at
+    engine start); preflight says it in one line first."""
+    bad = cfg_for(model_dir, "data.max_prompt_length=100", "rollout.max_response_length=40")
+    with pytest.raises(ConfigError) as e:
+        check_vllm_context(bad)
+    msg = str(e.value)
+    assert "data.max_prompt_length (100)" in msg and "rollout.max_response_length (40)" in msg
+    assert "max_position_embeddings (128)" in msg and "\n" not in msg
+    check_vllm_context(cfg_for(model_dir, "data.max_prompt_length=100", "rollout.max_response_length=28"))
+    check_vllm_context(load_config(None, [f"model.path={model_dir}", "data.max_prompt_length=100"]))  # hf engine
+    tiny = [
+        f"model.path={tmp_path}/none",
+        "model.init=tiny",
+        "rollout.engine=vllm",
+        "model.tiny.max_position_embeddings=32",
+    ]
+    with pytest.raises(ConfigError, match="max_position_embeddings \\(32\\)"):
+        check_vllm_context(load_config(None, [*tiny, "data.max_prompt_length=30"]))
 
 
 def test_sampling_kwargs():
@@ -180,205 +220,40 @@ def test_prompt_logprobs_tensor_picks_the_prompt_token():
         prompt_logprobs_tensor(tokens, plp[:3])
 
 
-# ------------------------------------------------------------------------------------- weight loading (fake)
-
-_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
-_STACKED |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-class FakeVLLMQwen2:
-    """vLLM's Qwen2 parameter names (fused qkv / gate_up; tied LM head not a separate parameter)."""
-
-    def __init__(self, hf_names, drop_param: str | None = None):
-        self.params = set()
-        for name in hf_names:
-            if name == "lm_head.weight":
-                continue
-            self.params.add(self._vllm_name(name))
-        self.drop_param = drop_param  # a parameter load_weights "forgets" to report
-        self.calls: list[list[tuple[str, torch.Tensor]]] = []
-
-    @staticmethod
-    def _vllm_name(name):
-        for part, (fused, _) in _STACKED.items():
-            if f".{part}." in name:
-                return name.replace(part, fused)
-        return name
-
-    def load_weights(self, weights):
-        bucket = list(weights)
-        self.calls.append(bucket)
-        if any(n == "lm_head.weight" for n, _ in bucket):
-            raise ValueError("'lm_head.weight' was skipped because it is tied to 'model.embed_tokens.weight'")
-        return {self._vllm_name(n) for n, _ in bucket} - {self.drop_param}
-
-    def named_parameters(self):
-        return [(n, None) for n in sorted(self.params)]
+# ------------------------------------------------------------------------------- the sync stream's checks
 
 
 def _hf_stream(required, optional):
-    return [(n, torch.full((2,), float(i))) for i, n in enumerate(sorted(required | optional))]
+    return [(n, torch.zeros(1)) for n in [*sorted(required), *sorted(optional)]]
 
 
 def test_expected_hf_names_of_tied_model(model_dir):
     required, optional = expected_hf_names(model_dir)
     assert optional == {"lm_head.weight"}
-    assert "model.embed_tokens.weight" in required and "model.layers.1.self_attn.k_proj.bias" in required
-    assert len(required) == 1 + TINY.num_layers * 12 + 1
+    assert "model.embed_tokens.weight" in required and "model.layers.1.mlp.down_proj.weight" in required
+    assert not any("rotary" in n for n in required)
 
 
-def test_loader_streams_buckets_without_copies_and_drops_tied_alias(model_dir):
-    required, optional = expected_hf_names(model_dir)
-    model = FakeVLLMQwen2(required)
-    stream = _hf_stream(required, optional)
-    loader = VLLMWeightLoader(lambda fn: [fn(model)], (required, optional))
-    count = loader.load(iter_buckets(iter(stream), bucket_bytes=24))  # 8 bytes per tensor: 3 per bucket
-    assert count == len(required)
-    chunks = [[n for n, _ in stream[i : i + 3] if n not in optional] for i in range(0, len(stream), 3)]
-    assert [[n for n, _ in c] for c in model.calls] == [c for c in chunks if c]  # one load_weights per bucket
-    sent = {n: t for c in model.calls for n, t in c}
-    assert "lm_head.weight" not in sent and set(sent) == required
-    originals = dict(stream)
-    assert all(sent[n] is originals[n] for n in sent)  # handed over as they came: no copy, no host round trip
-
-
-def test_loader_catches_missing_unknown_and_unwritten(model_dir):
+def test_sync_stream_drops_the_tied_alias_and_catches_unknown_repeated_missing(model_dir):
     required, optional = expected_hf_names(model_dir)
     stream = _hf_stream(required, optional)
-    k1 = "model.layers.1.self_attn.k_proj.weight"
-    model = FakeVLLMQwen2(required)
-    loader = VLLMWeightLoader(lambda fn: [fn(model)], (required, optional))
-    # qkv_proj is still reported loaded (q and v arrived): only the HF-name check sees the hole
-    with pytest.raises(RuntimeError, match=re.escape(f"1 HF tensors never arrived: ['{k1}']")):
-        loader.load([[(n, t) for n, t in stream if n != k1]])
-    model.calls.clear()
+    s = SyncStream((required, optional))
+    names = [n for n, _ in s.tensors(iter_buckets(iter(stream), 1 << 6))]
+    assert sorted(names) == sorted(required) and s.finish() == len(required)
+    t = stream[0][1]
+    assert next(SyncStream((required, optional)).tensors([[stream[0]]]))[1] is t  # no copy
     with pytest.raises(KeyError, match="model.layers.9.mlp.up_proj.weight"):
-        loader.load([stream[:2], [("model.layers.9.mlp.up_proj.weight", torch.zeros(2))]])
-    assert len(model.calls) == 1  # the bad bucket was refused before loading
-    lost = "model.norm.weight"
-    forgetful = FakeVLLMQwen2(required, drop_param=lost)
-    two_workers = VLLMWeightLoader(lambda fn: [fn(FakeVLLMQwen2(required)), fn(forgetful)], (required, optional))
-    with pytest.raises(RuntimeError, match=f"worker 1 left 1 parameters unwritten: \\['{lost}'\\]"):
-        two_workers.load([stream])
-    # without HF names (unknown architecture) the vLLM-parameter check alone still catches a dropped tensor
-    vllm_only = VLLMWeightLoader(lambda fn: [fn(FakeVLLMQwen2(required))], None)
-    with pytest.raises(RuntimeError, match="unwritten: \\['model.norm.weight'\\]"):
-        vllm_only.load([[(n, t) for n, t in stream if n not in optional and n != lost]])
-
-
-# ------------------------------------------------------------------------------------ engine on a fake vllm
-
-
-class FakeLLM:
-    instances: list[FakeLLM] = []
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.calls = kwargs, []
-        self.model = None
-        FakeLLM.instances.append(self)
-
-    def apply_model(self, fn):
-        return [fn(self.model)]
-
-    def generate(self, prompts, params, use_tqdm=True):
-        self.calls.append(("generate", prompts, params))
-        if isinstance(params, dict) and params.get("prompt_logprobs") == 0:
-            return [
-                SimpleNamespace(
-                    prompt_logprobs=[None] + [_lp({t: -0.5 * i}) for i, t in enumerate(p["prompt_token_ids"][1:], 1)]
-                )
-                for p in prompts
-            ]
-        return [
-            SimpleNamespace(outputs=[_completion(j, [3 + j, 2], "stop", [-1.0, -2.0]) for j in range(sp["n"])])
-            for sp in params
-        ]
-
-    def sleep(self, level):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-
-    def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache",))
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    FakeLLM.instances.clear()
-    module = SimpleNamespace(__version__="0.32.0", LLM=FakeLLM, SamplingParams=lambda **kw: kw)
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    for k, v in {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    return module
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-
-
-def test_engine_wiring_on_fake_vllm(fake_vllm, model_dir, tok):
-    engine = VLLMEngine(cfg=cfg_for(model_dir, "rollout.seed=3"), model_dir=model_dir, tokenizer=tok, device="cuda")
-    llm = FakeLLM.instances[-1]
-    assert (engine.dp_rank, engine.dp_size) == (0, 1)
-    assert llm.kwargs["load_format"] == "dummy" and llm.kwargs["seed"] == 3  # config.json only: dummy weights
-    groups = engine.generate([[5, 6], [7]], SamplingParams(n=2, max_tokens=4, seed=10))
-    _, prompts, params = llm.calls[-1]
-    assert prompts == [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}]
-    assert [p["seed"] for p in params] == [request_seed(10, 0), request_seed(10, 1)]
-    assert all(p["stop_token_ids"] == [tok.eos_token_id] and p["ignore_eos"] for p in params)
-    assert [[r.token_ids for r in g] for g in groups] == [[(3, 2), (4, 2)]] * 2
-    assert groups[0][0].text == tok.decode([3, 2], skip_special_tokens=True)
-    lps = engine.logprobs([[1, 2, 3]])
-    assert lps[0].tolist() == [-0.5, -1.0]
-    with pytest.raises(ValueError, match="temperature"):
-        engine.logprobs([[1, 2, 3]], temperature=0.5)
-    # weights: asleep -> only the weights wake; the KV cache wakes at the next generate
-    required, optional = expected_hf_names(model_dir)
-    llm.model = FakeVLLMQwen2(required)
-    engine.sleep()
-    assert engine.update_weights([_hf_stream(required, optional)]) == len(required)
-    assert llm.calls[-2:] == [("sleep", 2), ("wake_up", ["weights"])]
-    engine.generate([[5]], SamplingParams(n=1, max_tokens=2, seed=1))
-    assert llm.calls[-2][:2] == ("wake_up", ["kv_cache"])
-    engine.update_weights([_hf_stream(required, optional)])  # awake: stale prefix KV must go
-    assert llm.calls[-1] == ("reset_prefix_cache",)
-
-
-def test_engine_sleep_is_a_noop_without_sleep_mode(fake_vllm, model_dir, tok):
-    cfg = cfg_for(model_dir, "rollout.vllm.enable_sleep_mode=false")
-    engine = VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tok, device="cuda")
-    engine.sleep()
-    engine.wake()
-    assert FakeLLM.instances[-1].calls == []
-
-
-def test_clear_errors_without_gpu_vllm_or_launcher(monkeypatch, fake_vllm, model_dir, tok):
-    cfg = cfg_for(model_dir)
-    with pytest.raises(ValueError, match="needs a CUDA device, got cpu: use rollout.engine=hf"):
-        VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tok, device="cpu")
-    monkeypatch.delenv("MASTER_PORT")
-    with pytest.raises(RuntimeError, match="MASTER_PORT"):
-        VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tok, device="cuda")
-    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    with pytest.raises(ImportError, match="rollout.engine=vllm needs vllm"):
-        VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tok, device="cuda")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(RuntimeError, match="vllm is not installed"):
-        build_engine(cfg, model_dir, tok, "cuda")
-
-
-# ------------------------------------------------------------------------------------------------------ GPU
+        list(SyncStream((required, optional)).tensors([[("model.layers.9.mlp.up_proj.weight", t)]]))
+    with pytest.raises(ValueError, match="sent twice"):
+        list(SyncStream((required, optional)).tensors([[stream[0]], [stream[0]]]))
+    partial = SyncStream((required, optional))
+    list(partial.tensors([stream[1:]]))
+    with pytest.raises(RuntimeError, match=f"1 HF tensors never arrived.*{stream[0][0]}"):
+        partial.finish()
+    fp8 = SyncStream((required, optional), ("_scale",))
+    list(fp8.tensors([[("model.layers.0.mlp.up_proj.weight_scale", t)]]))
+    unchecked = SyncStream(None)
+    assert len(list(unchecked.tensors([stream]))) == len(stream) and unchecked.finish() == len(stream)
 
 
 def _free_port() -> int:
@@ -390,8 +265,10 @@ def _free_port() -> int:
 
 
 @pytest.mark.gpu
-def test_real_engine_matches_transformers(tmp_path, monkeypatch):
-    """Written for GPU, never run here: vLLM log-probs vs transformers, a weight round trip, sleep/wake."""
+def test_real_engine_matches_transformers_on_gpu(tmp_path, monkeypatch):
+    """Written for GPU, never run (vLLM's CUDA wheel was never on a GPU machine with this project): bf16
+    log-probs vs transformers, a reload sync after a level-2 sleep, a partial sync. The same engine runs
+    on CPU in tests/rollout/test_vllm_cpu.py."""
     pytest.importorskip("vllm")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -418,32 +295,18 @@ def test_real_engine_matches_transformers(tmp_path, monkeypatch):
         return max(float(((x - y).abs() / y.abs().clamp(min=1.0)).max()) for x, y in zip(a, b))
 
     assert worst(engine.logprobs(seqs), ref.logprobs(seqs)) < 5e-2
-    groups = engine.generate([seqs[0]], SamplingParams(n=3, max_tokens=5, seed=1))
-    assert len(groups[0]) == 3 and all(1 <= len(r.token_ids) <= 5 for r in groups[0])
-    assert groups == engine.generate([seqs[0]], SamplingParams(n=3, max_tokens=5, seed=1))
     with torch.no_grad():  # new weights: the engine must follow them after a sleep
         for p in ref.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     engine.sleep()
+    with pytest.raises(RuntimeError, match="without a weight sync"):
+        engine.generate([[5]], SamplingParams(n=1, max_tokens=2, seed=1))
     state = [(n, t.to("cuda", torch.bfloat16)) for n, t in ref.model.state_dict().items() if n != "lm_head.weight"]
     assert engine.update_weights(iter_buckets(iter(state), 1 << 16)) == len(state)
     assert worst(engine.logprobs(seqs), ref.logprobs(seqs)) < 5e-2
     with pytest.raises(RuntimeError, match="never arrived"):
         engine.update_weights([state[1:]])
-
-
-def test_level2_sleep_needs_a_sync_before_waking(fake_vllm, model_dir, tok):
-    """Defect 5: level-2 sleep drops the weights, so waking without update_weights must fail loudly."""
-    engine = VLLMEngine(cfg=cfg_for(model_dir), model_dir=model_dir, tokenizer=tok, device="cuda")
-    llm = FakeLLM.instances[-1]
-    engine.sleep()
-    with pytest.raises(RuntimeError, match="without a weight sync"):
-        engine.generate([[5]], SamplingParams(n=1, max_tokens=2, seed=1))
-    required, optional = expected_hf_names(model_dir)
-    llm.model = FakeVLLMQwen2(required)
-    engine.update_weights([_hf_stream(required, optional)])
-    engine.generate([[5]], SamplingParams(n=1, max_tokens=2, seed=1))
-    assert [c[0] for c in llm.calls].count("sleep") == 1
+    engine.close()
 
 
 def test_kv_cache_sized_from_memory_free_after_offload(model_dir):

@@ -1,0 +1,203 @@
+"""Pure translation for the vLLM engine (no vllm import): run config -> ``vllm.LLM`` kwargs on CPU and GPU,
+sampling -> ``vllm.SamplingParams`` kwargs and per-request seeds, replica layout, and vLLM's outputs ->
+:class:`Response` / log-prob tensors. Unit-tested without vllm (tests/rollout/test_vllm_engine.py); the
+engine itself is rollout/vllm_engine.py."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pacs_megatron.rollout.types import Response, SamplingParams
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_VLLM_DTYPES = {"bfloat16": "bfloat16", "float32": "float32"}
+_FINISH = {"stop": "stop", "length": "length"}
+
+
+def vllm_replica(rank: int, world_size: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """``(dp_rank, dp_size)``: which vLLM replica (TP group of consecutive ranks) ``rank`` is in.
+
+    Example:
+        >>> vllm_replica(5, 8, 2), vllm_replica(5, 8, 4), vllm_replica(0, 1, 1)
+        ((2, 4), (1, 2), (0, 1))
+    """
+    if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+        raise ValueError(
+            f"rollout.vllm.tensor_parallel_size={tensor_parallel_size} must divide the job's {world_size} ranks "
+            "(each vLLM replica is a group of consecutive trainer ranks)"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside a world of {world_size}")
+    return rank // tensor_parallel_size, world_size // tensor_parallel_size
+
+
+def has_weights(model_dir: str | Path) -> bool:
+    return any((Path(model_dir) / f).exists() for f in _WEIGHT_FILES)
+
+
+def colocated_memory_utilization(free_bytes: int, total_bytes: int, fraction: float) -> float:
+    """vLLM's ``gpu_memory_utilization`` (a fraction of the WHOLE GPU) that gives vLLM ``fraction`` of the
+    memory free right now, i.e. after the actor offloaded its optimizer state and grad buffer. vLLM then
+    subtracts its own weights and activation peak and makes the rest KV cache.
+
+    Example:
+        >>> round(colocated_memory_utilization(60 * 2**30, 80 * 2**30, 0.9), 4)
+        0.675
+    """
+    if total_bytes <= 0 or not 0 < free_bytes <= total_bytes:
+        raise ValueError(f"GPU memory: {free_bytes} free of {total_bytes} bytes makes no sense")
+    return fraction * free_bytes / total_bytes
+
+
+def llm_kwargs(
+    cfg,
+    model_dir: str | Path,
+    weights_on_disk: bool,
+    gpu_free_total: tuple[int, int] | None = None,
+    device_type: str = "cuda",
+) -> dict[str, Any]:
+    """``vllm.LLM(**kwargs)`` for this run: colocated (external launcher), seeded; sleepable on GPU.
+
+    A model directory without weights (``model.init=random|tiny``) loads vLLM's dummy weights; the first
+    weight sync replaces them.
+
+    Example:
+        >>> from pacs_megatron.config import load_config
+        >>> kw = llm_kwargs(load_config(None, ["model.path=/m", "rollout.engine=vllm"]), "/m", True)
+        >>> kw["distributed_executor_backend"], kw["dtype"], kw["max_model_len"], kw["load_format"]
+        ('external_launcher', 'bfloat16', 1536, 'auto')
+        >>> kw = llm_kwargs(load_config(None, ["model.path=/m", "rollout.engine=vllm"]), "/m", True, device_type="cpu")
+        >>> kw["dtype"], kw["enable_sleep_mode"], kw["enforce_eager"], kw["kv_cache_memory_bytes"]
+        ('float32', False, True, 1073741824)
+    """
+    from pacs_megatron.weight_sync.sync import PROBE_LEN
+    from pacs_megatron.weight_sync.vllm_push import fp8_llm_kwargs
+
+    v = cfg.rollout.vllm
+    cpu = device_type == "cpu"
+    util = v.gpu_memory_utilization
+    if gpu_free_total is not None and cfg.actor.offload_during_rollout:
+        util = colocated_memory_utilization(*gpu_free_total, cfg.actor.rollout_memory_fraction)
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if cpu else "bfloat16")
+    kwargs = {
+        "model": str(model_dir),
+        "skip_tokenizer_init": True,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "distributed_executor_backend": "external_launcher",
+        "dtype": _VLLM_DTYPES[dtype],
+        "seed": cfg.rollout.seed,
+        "gpu_memory_utilization": util,
+        "enforce_eager": v.enforce_eager or cpu,
+        "enable_sleep_mode": v.enable_sleep_mode and not cpu,  # vLLM refuses sleep mode on CPU
+        "max_num_seqs": v.max_num_seqs,
+        # the post-sync probe scores PROBE_LEN-token sequences (+1 token vLLM generates and we drop)
+        "max_model_len": max(cfg.data.max_prompt_length + cfg.rollout.max_response_length, PROBE_LEN + 1),
+        "load_format": "auto" if weights_on_disk else "dummy",
+        "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm",  # stop only on what we pass, as the HF engine does
+        "enable_prefix_caching": True,  # n samples share their prompt's KV; reset after every weight update
+    }
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * 2**30)
+    return kwargs | fp8_llm_kwargs(cfg.rollout)
+
+
+def request_seed(seed: int, prompt_index: int) -> int:
+    """Seed of one prompt's request. vLLM seeds the ``n`` samples of a request ``seed + j``, so prompts
+    get well-separated seeds (a 56-bit hash of ``(seed, prompt_index)``) rather than ``seed`` each, which
+    would draw the same random numbers for every prompt.
+
+    Example:
+        >>> request_seed(7, 0) == request_seed(7, 0), request_seed(7, 0) != request_seed(7, 1)
+        (True, True)
+    """
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+def sampling_kwargs(sampling: SamplingParams, stop_token_ids: Sequence[int], seed: int) -> dict[str, Any]:
+    """``vllm.SamplingParams(**kwargs)`` of one prompt's request (``seed`` from :func:`request_seed`).
+
+    Example:
+        >>> kw = sampling_kwargs(SamplingParams(n=4, top_k=-1, stop_token_ids=(5,)), [2], seed=9)
+        >>> kw["n"], kw["top_k"], kw["stop_token_ids"], kw["ignore_eos"], kw["logprobs"], kw["detokenize"]
+        (4, 0, [2, 5], True, 0, False)
+    """
+    if sampling.temperature <= 0:
+        raise ValueError(f"SamplingParams.temperature={sampling.temperature} must be > 0 (greedy: top_k=1)")
+    if sampling.max_tokens <= 0:
+        raise ValueError(f"SamplingParams.max_tokens={sampling.max_tokens} must be > 0")
+    return {
+        "n": sampling.n,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else 0,  # vLLM: 0 disables top-k
+        "max_tokens": sampling.max_tokens,
+        "seed": seed,
+        "stop_token_ids": sorted({*stop_token_ids, *sampling.stop_token_ids}),
+        "ignore_eos": True,  # the stop set above is the whole rule (no model / generation-config EOS added)
+        "logprobs": 0,  # the sampled token's log-prob only
+        "detokenize": False,
+    }
+
+
+def prompt_logprob_kwargs() -> dict[str, Any]:
+    """``vllm.SamplingParams`` that score a sequence: prompt log-probs, one greedy (deterministic on every
+    TP rank) token that is thrown away."""
+    return {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False}
+
+
+def _token_logprob(position: dict | None, token: int, where: str) -> float:
+    if position is None or token not in position:
+        raise RuntimeError(f"vLLM returned no log-prob for token {token} at {where}")
+    return float(position[token].logprob)
+
+
+def to_responses(
+    outputs: Sequence[Any], n: int, decode: Callable[[list[list[int]]], list[str]]
+) -> list[list[Response]]:
+    """vLLM ``RequestOutput``s (one per prompt, in prompt order) -> ``n`` :class:`Response` per prompt.
+
+    ``decode`` turns token lists into texts (the trainer's tokenizer, special tokens skipped). A finish
+    reason other than "stop"/"length" (vLLM's "abort"/"error"/"repetition") is an error: it would train
+    on a response the sampler never finished.
+    """
+    flat: list[tuple[list[int], str, tuple[float, ...] | None]] = []
+    for p, out in enumerate(outputs):
+        completions = sorted(out.outputs, key=lambda c: c.index)
+        if len(completions) != n:
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {p}, expected n={n}")
+        for c in completions:
+            reason = _FINISH.get(c.finish_reason)
+            if reason is None:
+                raise RuntimeError(f"vLLM finished prompt {p} sample {c.index} with {c.finish_reason!r}")
+            tokens = list(c.token_ids)
+            lps = None
+            if c.logprobs is not None:
+                lps = tuple(
+                    _token_logprob(c.logprobs[t], tok, f"prompt {p} output {t}") for t, tok in enumerate(tokens)
+                )
+            flat.append((tokens, reason, lps))
+    texts = decode([t for t, _, _ in flat])
+    responses = [
+        Response(token_ids=tuple(tok), text=text, finish_reason=reason, logprobs=lps)
+        for (tok, reason, lps), text in zip(flat, texts)
+    ]
+    return [responses[i * n : (i + 1) * n] for i in range(len(outputs))]
+
+
+def prompt_logprobs_tensor(token_ids: Sequence[int], prompt_logprobs: Sequence[dict | None] | None) -> torch.Tensor:
+    """``[len-1]`` float32: log p(token t | tokens < t) for t = 1..len-1 from vLLM's ``prompt_logprobs``
+    (a list, or FlatLogprobs, with None at position 0)."""
+    if len(token_ids) < 2:
+        return torch.zeros(0)
+    if prompt_logprobs is None or len(prompt_logprobs) != len(token_ids):
+        got = None if prompt_logprobs is None else len(prompt_logprobs)
+        raise RuntimeError(f"vLLM returned {got} prompt log-prob positions for a {len(token_ids)}-token sequence")
+    values = [_token_logprob(prompt_logprobs[t], tok, f"position {t}") for t, tok in enumerate(token_ids) if t > 0]
+    return torch.tensor(values, dtype=torch.float32)

@@ -5,7 +5,6 @@ receives, and the config-time errors."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch
 from pacs_megatron.config import ConfigError, SyncConfig, load_config
 from pacs_megatron.config.rollout import RolloutConfig
 from pacs_megatron.weight_sync import WeightSync
-from pacs_megatron.weight_sync.vllm_push import VLLMWeightLoader
+from pacs_megatron.weight_sync.vllm_push import SyncStream
 
 pytest.importorskip("modelopt.torch.quantization")
 
@@ -112,17 +111,17 @@ def test_hf_engine_gets_the_dequantized_stream_vllm_gets_fp8_and_scales():
     assert vllm.got["model.norm.weight"].dtype == torch.float32
 
 
-def test_vllm_loader_accepts_scales_of_known_weights_only():
-    loaded = []
-    loader = VLLMWeightLoader(
-        lambda fn: [fn(SimpleNamespace(load_weights=lambda ws: [n for n, _ in ws], named_parameters=lambda: []))],
-        (frozenset({"a.weight"}), frozenset()),
-        ("_scale", "_scale_inv"),
-    )
-    loaded.append(loader.load([[("a.weight", torch.zeros(1)), ("a.weight_scale", torch.ones(()))]]))
-    assert loaded == [2]  # the weight and its scale
+def test_vllm_sync_stream_accepts_scales_of_known_weights_only():
+    stream = SyncStream((frozenset({"a.weight"}), frozenset()), ("_scale", "_scale_inv"))
+    sent = [("a.weight", torch.zeros(1)), ("a.weight_scale", torch.ones(()))]
+    assert [n for n, _ in stream.tensors([sent])] == ["a.weight", "a.weight_scale"]
+    assert stream.finish() == 2  # the weight and its scale
     with pytest.raises(KeyError, match="b.weight_scale"):
-        loader.load([[("a.weight", torch.zeros(1)), ("b.weight_scale", torch.ones(()))]])
+        list(
+            SyncStream((frozenset({"a.weight"}), frozenset()), ("_scale",)).tensors(
+                [[("b.weight_scale", torch.ones(()))]]
+            )
+        )
 
 
 @pytest.mark.parametrize(

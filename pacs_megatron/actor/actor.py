@@ -95,7 +95,13 @@ class MegatronActor:
         self.param_dtype = resolve_dtype(cfg.model.dtype, on_gpu)
         self.distributed_optimizer = use_distributed_optimizer(cfg, groups)
         self.config = transformer_config(
-            self.spec, groups, self.param_dtype, cfg.parallel.sequence_parallel, cfg.model.recompute_activations
+            self.spec,
+            groups,
+            self.param_dtype,
+            cfg.parallel.sequence_parallel,
+            cfg.model.recompute_activations,
+            moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+            routing_replay=cfg.actor.routing_replay == "rollout",
         )
         # A fixed seed for initialisation only; the caller's RNG streams are left as they were.
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):

@@ -1,19 +1,21 @@
 """``pacs-megatron parity``: Megatron log-probs vs Hugging Face transformers on the same sequences.
 
-    pacs-megatron parity --hf-model DIR --tp 2 --pp 2 [--data FILE] [--out FILE] [--tolerance 1e-4]
+    pacs-megatron parity --hf-model DIR --tp 2 --pp 2 [--ep 2] [--data FILE] [--out FILE] [--tolerance 1e-4]
 
 Loads the HF checkpoint into the Megatron actor with the given layout, computes per-token log-probs
 of sample sequences (``--data``: JSONL rows with ``prompt_ids`` and ``response_ids``; else built-in
 pseudo-random ones), computes the same with transformers (fp32, CPU, on rank 0) and reports the max
 absolute difference per token (response tokens) and per sequence (sum over the response). Exit code
 1 when a difference exceeds ``--tolerance``. Under torchrun the ranks exist; started by hand it
-spawns ``tp * pp`` local ranks itself.
+spawns ``tp * pp * dp`` local ranks itself, dp the smallest data-parallel size that EP fits in
+(``--ep 2 --tp 1``: two ranks; EP ranks are drawn from the TP x DP ranks).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -33,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-model", required=True, help="Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--data", default=None, help="JSONL with prompt_ids and response_ids per row (default: built-in)")
     p.add_argument("--out", default=None, help="write one JSONL row per input with both models' log-probs")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max allowed |megatron - hf| (per token and sequence)")
@@ -41,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _argv(args: argparse.Namespace) -> list[str]:
     argv = ["pacs_megatron", "parity", "--hf-model", args.hf_model, "--tp", str(args.tp), "--pp", str(args.pp)]
+    argv += ["--ep", str(args.ep)]
     argv += ["--tolerance", repr(args.tolerance), "--dtype", args.dtype]
     for flag, value in (("--data", args.data), ("--out", args.out)):
         if value:
@@ -128,6 +132,11 @@ def _report(rows, batch, meg: torch.Tensor, ref: torch.Tensor, tolerance: float,
     return ok
 
 
+def min_dp(tp: int, ep: int) -> int:
+    """Smallest data-parallel size with ep dividing tp * dp."""
+    return ep // math.gcd(tp, ep)
+
+
 def run(args: argparse.Namespace) -> int:
     """One rank's work (under a launcher)."""
     from pacs_megatron.actor.actor import MegatronActor
@@ -138,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     hf = json.loads((Path(args.hf_model) / "config.json").read_text())
     init_distributed(ParallelConfig(tp=args.tp, pp=args.pp))
     # Extra ranks (world > tp * pp) become data-parallel replicas that compute the same rows.
-    par = ParallelConfig(tp=args.tp, pp=args.pp, dp=max(1, dist.get_world_size() // (args.tp * args.pp)))
+    dp = max(1, dist.get_world_size() // (args.tp * args.pp))
+    par = ParallelConfig(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep)
     cfg = RunConfig(model=ModelConfig(path=args.hf_model, dtype=args.dtype), parallel=par)
     groups = initialize_parallel(cfg.parallel, hf)
     try:
@@ -159,8 +169,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     init_logging()
-    if not under_launcher() and args.tp * args.pp > 1:
-        return spawn_local(_argv(args), args.tp * args.pp)
+    world = args.tp * args.pp * min_dp(args.tp, args.ep)
+    if not under_launcher() and world > 1:
+        return spawn_local(_argv(args), world)
     return run(args)
 
 

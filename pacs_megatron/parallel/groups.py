@@ -6,7 +6,9 @@ it, which megatron-core 0.16.1 accepts as ``pg_collection=`` in GPTModel, DDP, t
 schedules), so model and loss code never asks a global for its groups.
 
 Rank layout is megatron's default order "tp-cp-ep-dp-pp": TP ranks are adjacent (fast links inside
-a node), then DP, then PP.
+a node), then DP, then PP. Expert parallelism (MoE) does not add ranks: the EP ranks of an expert
+layer are drawn from the TP x DP ranks of one pipeline stage (experts are not tensor-parallel,
+``expert_tensor_parallel_size=1``), so EP must divide TP x DP.
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ class ParallelGroups:
     """megatron.core.process_groups_config.ProcessGroupCollection of these groups."""
     device: torch.device
     """Where this rank's tensors live (cuda:LOCAL_RANK or cpu)."""
+    ep_group: Any = None
+    """Expert-parallel group (MoE: the ranks that split one layer's experts); None when ep=1."""
+    ep_rank: int = 0
+    ep_size: int = 1
+    expert_dp_group: Any = None
+    """Ranks holding the same experts (expert gradients are reduced over it); None when ep=1."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -134,11 +142,23 @@ def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = N
         raise ConfigError(
             f"parallel.pp * parallel.vpp = {cfg.pp}*{cfg.vpp} must divide the model's num_hidden_layers={layers}"
         )
+    check_expert_layout(cfg, get)
     if cfg.sequence_parallel and not _have_te_or_apex():
         raise ConfigError(
             "parallel.sequence_parallel=true needs Transformer Engine or NVIDIA Apex (fused norms): "
             "install one, or set parallel.sequence_parallel=false"
         )
+
+
+def check_expert_layout(cfg: ParallelConfig, get) -> None:
+    """parallel.ep against the model's experts (ConfigError naming the fields)."""
+    # transformers 5 writes "num_local_experts" (an attribute_map alias); the Qwen checkpoints "num_experts"
+    n = get("num_experts", None) or get("num_local_experts", None) or 0
+    experts = int(n) if get("model_type", None) == "qwen3_moe" else 0
+    if cfg.ep > 1 and experts == 0:
+        raise ConfigError(f"parallel.ep={cfg.ep} needs a MoE model (model_type qwen3_moe): set parallel.ep=1")
+    if experts and experts % cfg.ep:
+        raise ConfigError(f"parallel.ep={cfg.ep} must divide the model's num_experts={experts}")
 
 
 def _have_te_or_apex() -> bool:
@@ -164,6 +184,8 @@ def initialize_parallel(cfg: ParallelConfig, hf_config: Any) -> ParallelGroups:
         tensor_model_parallel_size=cfg.tp,
         pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=cfg.vpp if cfg.vpp > 1 else None,
+        expert_model_parallel_size=cfg.ep,
+        expert_tensor_parallel_size=1,
     )
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     groups = ParallelGroups(
@@ -182,14 +204,19 @@ def initialize_parallel(cfg: ParallelConfig, hf_config: Any) -> ParallelGroups:
         world_size=dist.get_world_size(),
         pg_collection=pgc,
         device=device,
+        ep_group=pgc.ep if cfg.ep > 1 else None,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=cfg.ep,
+        expert_dp_group=pgc.expt_dp if cfg.ep > 1 else None,
     )
     logger.info(
-        "parallel layout: world=%d tp=%d pp=%d vpp=%d dp=%d (%s)",
+        "parallel layout: world=%d tp=%d pp=%d vpp=%d dp=%d ep=%d (%s)",
         groups.world_size,
         cfg.tp,
         cfg.pp,
         cfg.vpp,
         groups.dp_size,
+        cfg.ep,
         dist.get_backend(),
     )
     return groups

@@ -6,9 +6,11 @@
 Mapping: RMSNorm (``rms_norm_eps``), SwiGLU (``gated_linear_unit`` + silu), grouped-query attention
 (``num_query_groups`` = KV heads), qkv bias (Qwen2), RoPE with ``rope_theta`` (and Llama-3 "llama3"
 frequency scaling, computed exactly as transformers does and written over megatron's inv_freq, since
-megatron hard-codes three of its four parameters), tied or untied embeddings. Qwen3 adds per-head q/k RMSNorm (megatron's ``qk_layernorm``), no qkv bias
-and an explicit ``head_dim`` (hidden != heads x head_dim is allowed: megatron's ``kv_channels``).
-Qwen3-MoE replaces the MLP of its sparse layers by megatron's MoELayer: a softmax top-k router
+megatron hard-codes three of its four parameters), tied or untied embeddings.
+
+Qwen3 adds per-head q/k RMSNorm (megatron's ``qk_layernorm``), no qkv bias and an explicit
+``head_dim`` (hidden != heads x head_dim is allowed: megatron's ``kv_channels``). Qwen3-MoE
+replaces the MLP of its sparse layers by megatron's MoELayer: a softmax top-k router
 (``norm_topk_prob`` -> top-k softmax; without it -> softmax over all experts, then top-k), the
 non-grouped ``SequentialMLP`` experts, and the allgather token dispatcher (it runs on gloo).
 

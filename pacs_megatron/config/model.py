@@ -118,8 +118,9 @@ class ParallelConfig:
             _positive(f"parallel.{k}", getattr(self, k))
         if (self.tp * self.dp) % self.ep:
             raise ConfigError(
-                f"parallel.ep={self.ep} must divide parallel.tp * parallel.dp = {self.tp}*{self.dp} (EP x TP x PP x DP: "
-                f"experts are split over the tp*dp ranks of a stage): set parallel.dp={self.ep * self.dp} or parallel.ep=1"
+                f"parallel.ep={self.ep} must divide parallel.tp * parallel.dp = {self.tp}*{self.dp} (EP x TP x PP x "
+                f"DP: experts are split over the tp*dp ranks of a stage): set parallel.dp={self.ep * self.dp} or "
+                "parallel.ep=1"
             )
         _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         if self.vpp > 1 and self.pp == 1:

@@ -18,6 +18,7 @@ positions and attention it would see alone; results match an unpadded forward to
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -31,6 +32,26 @@ from pacs_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# transformers 5 keeps a MoE layer's experts fused ([E, 2I, H] gate_up_proj, [E, H, I] down_proj);
+# checkpoints (and the actor's export) name them one expert at a time.
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fused_expert_slice(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor] | None:
+    """(fused parameter name, the view of it that HF tensor ``name`` fills), or None when ``name`` is
+    not a per-expert tensor of a fused-experts model."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, g, proj = m.group(1), int(m.group(2)), m.group(3)
+    fused = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+    p = params.get(fused)
+    if p is None or g >= p.shape[0]:
+        return None
+    if proj == "down_proj":
+        return fused, p[g]
+    half = p.shape[1] // 2
+    return fused, p[g, :half] if proj == "gate_proj" else p[g, half:]
 
 
 def _has_weights(model_dir: Path) -> bool:
@@ -256,10 +277,15 @@ class HFEngine:
         """
         self.wake()
         written: set[str] = set()
+        slices: dict[str, int] = {}  # fused expert parameter -> elements written so far
         for bucket in buckets:
             for name, tensor in bucket:
                 target = self._tied.get(name, name)
                 param = self._params.get(target) if target is not None else None
+                fused = fused_expert_slice(self._params, name) if param is None else None
+                if fused is not None:
+                    target, param = fused
+                    slices[target] = slices.get(target, 0) + param.numel()
                 if param is None:
                     raise KeyError(f"HF engine: weight {name!r} matches no parameter of {type(self.model).__name__}")
                 if tuple(param.shape) != tuple(tensor.shape):
@@ -268,6 +294,7 @@ class HFEngine:
                     )
                 param.copy_(tensor)  # one pass: copy_ converts device and dtype itself (no temporary)
                 written.add(target)
+        written -= {n for n, count in slices.items() if count != self._params[n].numel()}  # some experts unsent
         missing = sorted(set(self._params) - written)
         if missing:
             raise RuntimeError(f"HF engine: weight sync left {len(missing)} parameters unwritten: {missing}")

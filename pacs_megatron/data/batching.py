@@ -56,6 +56,9 @@ class TrainBatch:
     """``[B, T]`` float32 values of the learned critic before its update (``adv_estimator=gae``)."""
     returns: torch.Tensor | None = None
     """``[B, T]`` float32 GAE returns, the critic's regression targets (``adv_estimator=gae``)."""
+    routed_experts: torch.Tensor | None = None
+    """``[B, T, L, k]`` int64 MoE routing replay (actor.routing_replay=rollout): the experts the rollout
+    engine chose for the token at each position, per layer; padding positions hold 0..k-1."""
 
     def __post_init__(self) -> None:
         check_groups(self.input_ids.shape[0], self.group_size, self.group_ids)
@@ -78,7 +81,7 @@ class TrainBatch:
         """Rows ``rows`` (whole groups, each contiguous) cut to the first ``length`` columns (default all)."""
         T = self.input_ids.shape[1]
         width = T if length is None else length
-        return self._map(lambda t: t[rows, :width] if t.dim() == 2 and t.shape[1] == T else t[rows])
+        return self._map(lambda t: t[rows, :width] if t.dim() >= 2 and t.shape[1] == T else t[rows])
 
     def with_(self, **kw) -> TrainBatch:
         return replace(self, **kw)

@@ -178,3 +178,20 @@ def response_values(batch: TrainBatch, values: Sequence[Sequence[float] | None])
             raise ValueError(f"row {b}: {len(v)} values for {k} response tokens")
     out[batch.response_mask] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
     return out
+
+
+def routed_experts_tensor(batch: TrainBatch, rows: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """``[B, T, L, k]`` int64 MoE routing replay from each row's recorded ``[len_b, L, k]`` experts
+    (rollout Response.routed_experts, prompt + response tokens); padding positions hold 0..k-1 (any
+    k distinct experts: the router must get a valid choice, and causality keeps it from mattering).
+    None when any row has none."""
+    if not rows or any(r is None for r in rows):
+        return None
+    L, k = rows[0].shape[1:]
+    B, T = batch.input_ids.shape
+    out = torch.arange(k, dtype=torch.long).expand(B, T, L, k).clone()
+    for b, r in enumerate(rows):
+        if r.shape[0] != int(batch.seq_lens[b]):
+            raise ValueError(f"row {b}: routed experts for {r.shape[0]} tokens, the row has {int(batch.seq_lens[b])}")
+        out[b, : r.shape[0]] = r.long()
+    return out

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _actor_helpers import make_qwen2
+from _actor_helpers import make_qwen2, make_qwen3
 
 from pacs_megatron.actor.parity import _report, load_samples
 from pacs_megatron.data.batching import build_train_batch
@@ -56,6 +56,14 @@ def test_parity_tool_pp2_builtin_samples(model_dir):
     proc = _parity("--hf-model", model_dir, "--tp", "1", "--pp", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "parity OK" in proc.stderr
+
+
+@pytest.mark.distributed
+def test_parity_tool_ep2_qwen3_moe(tmp_path):
+    moe = make_qwen3(tmp_path / "moe", vocab=255, layers=2, moe=True)
+    proc = _parity("--hf-model", moe, "--ep", "2", "--tolerance", "1e-5")  # spawns 2 ranks: tp=1 x dp=2, ep=2
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "parity OK" in proc.stderr and "ep=2" in proc.stderr
 
 
 def test_report_fails_above_tolerance(tmp_path):

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     dp = max(1, dist.get_world_size() // (args.tp * args.pp))
     par = ParallelConfig(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep)
     cfg = RunConfig(model=ModelConfig(path=args.hf_model, dtype=args.dtype), parallel=par)
-    groups = initialize_parallel(cfg.parallel, hf)
+    groups = initialize_parallel(cfg.parallel, hf, training=False)  # forward passes only
     try:
         actor = MegatronActor(cfg, groups, args.hf_model)
         rows = load_samples(args.data, actor.spec.vocab_size)

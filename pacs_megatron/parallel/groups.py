@@ -117,10 +117,11 @@ def init_distributed(cfg: ParallelConfig) -> torch.device:
     return device
 
 
-def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = None) -> None:
+def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = None, training: bool = True) -> None:
     """Start-up checks of the layout against the world and the model; ConfigError names the fix.
 
-    ``hf_config`` is a transformers config or its config.json dict.
+    ``hf_config`` is a transformers config or its config.json dict. ``training=False`` (the parity
+    tool: forward passes only) allows MoE with TP > 1 without sequence parallelism.
     """
     get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
     if world_size is not None and world_size != cfg.world_size:
@@ -142,7 +143,7 @@ def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = N
         raise ConfigError(
             f"parallel.pp * parallel.vpp = {cfg.pp}*{cfg.vpp} must divide the model's num_hidden_layers={layers}"
         )
-    check_expert_layout(cfg, get)
+    check_expert_layout(cfg, get, training)
     if cfg.sequence_parallel and not _have_te_or_apex():
         raise ConfigError(
             "parallel.sequence_parallel=true needs Transformer Engine or NVIDIA Apex (fused norms): "
@@ -150,8 +151,8 @@ def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = N
         )
 
 
-def check_expert_layout(cfg: ParallelConfig, get) -> None:
-    """parallel.ep against the model's experts (ConfigError naming the fields)."""
+def check_expert_layout(cfg: ParallelConfig, get, training: bool = True) -> None:
+    """parallel.ep / tp against the model's experts (ConfigError naming the fields)."""
     # transformers 5 writes "num_local_experts" (an attribute_map alias); the Qwen checkpoints "num_experts"
     n = get("num_experts", None) or get("num_local_experts", None) or 0
     experts = int(n) if get("model_type", None) == "qwen3_moe" else 0
@@ -159,6 +160,13 @@ def check_expert_layout(cfg: ParallelConfig, get) -> None:
         raise ConfigError(f"parallel.ep={cfg.ep} needs a MoE model (model_type qwen3_moe): set parallel.ep=1")
     if experts and experts % cfg.ep:
         raise ConfigError(f"parallel.ep={cfg.ep} must divide the model's num_experts={experts}")
+    if experts and training and cfg.tp > 1 and not cfg.sequence_parallel:
+        # megatron-core's MoELayer raises in training mode under TP without sequence parallelism
+        raise ConfigError(
+            f"parallel.tp={cfg.tp} with a MoE model needs parallel.sequence_parallel=true (megatron-core trains MoE "
+            "under TP only with it; it needs Transformer Engine or Apex): on CPU set parallel.tp=1 and split the "
+            "experts with parallel.ep"
+        )
 
 
 def _have_te_or_apex() -> bool:
@@ -171,13 +179,14 @@ def _have_te_or_apex() -> bool:
     return False
 
 
-def initialize_parallel(cfg: ParallelConfig, hf_config: Any) -> ParallelGroups:
-    """Check the layout, then build megatron's TP/PP/DP groups (initialises torch.distributed if needed)."""
+def initialize_parallel(cfg: ParallelConfig, hf_config: Any, training: bool = True) -> ParallelGroups:
+    """Check the layout, then build megatron's TP/PP/DP/EP groups (initialises torch.distributed if needed).
+    ``training=False``: the model only runs forward passes (see :func:`check_layout`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     device = init_distributed(cfg)
-    check_layout(cfg, hf_config, dist.get_world_size())
+    check_layout(cfg, hf_config, dist.get_world_size(), training)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(

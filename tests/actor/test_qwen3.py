@@ -57,6 +57,9 @@ def test_expert_parallel_validation():
     with pytest.raises(ConfigError, match="needs a MoE model"):
         check_layout(ParallelConfig(tp=1, dp=2, ep=2), {"model_type": "qwen3", "num_attention_heads": 4}, 2)
     check_layout(ParallelConfig(tp=1, dp=2, ep=2), {**moe, "num_local_experts": 4}, 2)  # transformers 5's spelling
+    with pytest.raises(ConfigError, match="parallel.tp=2 with a MoE model needs parallel.sequence_parallel=true"):
+        check_layout(ParallelConfig(tp=2, dp=1, ep=2), moe, 2)
+    check_layout(ParallelConfig(tp=2, dp=1, ep=2), moe, 2, training=False)  # the parity tool's forward passes
 
 
 def test_tiny_architectures():

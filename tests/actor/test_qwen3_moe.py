@@ -23,7 +23,7 @@ EXTRA = {"step": 2}
 pytestmark = pytest.mark.distributed
 
 
-def _actor(model_dir, tp=1, pp=1, ep=2, world=2, replay="none", seed=0):
+def _actor(model_dir, tp=1, pp=1, ep=2, world=2, replay="none"):
     from pacs_megatron.actor import MegatronActor
     from pacs_megatron.parallel import initialize_parallel
 
@@ -34,7 +34,8 @@ def _actor(model_dir, tp=1, pp=1, ep=2, world=2, replay="none", seed=0):
         model=replace(cfg.model, moe_aux_loss_coeff=0.01),
         actor=replace(cfg.actor, routing_replay=replay),
     )
-    return MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+    # TP > 1 trains MoE only with sequence parallelism (TE/Apex): forward passes only there
+    return MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir), training=tp == 1), model_dir)
 
 
 def _export(actor) -> dict:

@@ -78,3 +78,8 @@ def test_report_fails_above_tolerance(tmp_path):
     assert not _report(rows, batch, meg, ref, 1e-4, str(tmp_path / "o.jsonl"))
     rec = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[b])
     assert rec["max_abs_diff_token"] == pytest.approx(1e-3, rel=1e-3)
+    # per sequence: small token differences that add up pass on the relative test (--rtol) only
+    ref = meg.clone()
+    ref[batch.response_mask] += 3e-5
+    assert not _report(rows, batch, meg, ref, 1e-4, None)
+    assert _report(rows, batch, meg - 100.0, ref - 100.0, 1e-4, None, rtol=1e-5)

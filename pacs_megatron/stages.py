@@ -13,7 +13,14 @@ import random
 import torch
 
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import TrainBatch, build_train_batch, dp_shard, response_values, split_mini_batches
+from pacs_megatron.data.batching import (
+    TrainBatch,
+    build_train_batch,
+    dp_shard,
+    response_values,
+    routed_experts_tensor,
+    split_mini_batches,
+)
 from pacs_megatron.data.packing import dp_balanced_shard
 from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.eval.runner import evaluate
@@ -69,6 +76,8 @@ def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, di
         [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8
     )
     batch = batch.with_(rollout_logp=response_values(batch, [resp.logprobs for _, resp in flat]))
+    if cfg.actor.routing_replay == "rollout":  # MoE: the actor replays the engine's experts (actor/moe.py)
+        batch = batch.with_(routed_experts=routed_experts_tensor(batch, [resp.routed_experts for _, resp in flat]))
     lengths = torch.tensor([len(resp.token_ids) for _, resp in flat], dtype=torch.float32)
     s = batch.scores.reshape(-1, cfg.rollout.n)
     metrics = {

@@ -23,6 +23,7 @@ import torch
 from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, run_schedule
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
+from pacs_megatron.actor.moe import MoeStats
 from pacs_megatron.actor.offload import ActorOffload
 from pacs_megatron.actor.optimizer import (
     apply_lr_config,
@@ -35,7 +36,7 @@ from pacs_megatron.actor.optimizer import (
 from pacs_megatron.actor.thd import use_thd
 from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, train_loss_func
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights
-from pacs_megatron.config import RunConfig
+from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.data.packing import pack_micro_batches, token_budget
 from pacs_megatron.pacs import get_loss
@@ -91,11 +92,22 @@ class MegatronActor:
         self.cfg, self.groups, self.model_dir = cfg, groups, str(model_dir)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.spec = model_spec_from_hf(self.hf_config, groups.tp_size)
+        if cfg.actor.routing_replay == "rollout" and cfg.model.recompute_activations:
+            raise ConfigError(
+                "actor.routing_replay=rollout with model.recompute_activations=true: the recomputed forward "
+                "would not replay the same experts; turn one of them off"
+            )
         on_gpu = groups.device.type == "cuda"
         self.param_dtype = resolve_dtype(cfg.model.dtype, on_gpu)
         self.distributed_optimizer = use_distributed_optimizer(cfg, groups)
         self.config = transformer_config(
-            self.spec, groups, self.param_dtype, cfg.parallel.sequence_parallel, cfg.model.recompute_activations
+            self.spec,
+            groups,
+            self.param_dtype,
+            cfg.parallel.sequence_parallel,
+            cfg.model.recompute_activations,
+            moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+            routing_replay=cfg.actor.routing_replay == "rollout",
         )
         # A fixed seed for initialisation only; the caller's RNG streams are left as they were.
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
@@ -104,6 +116,12 @@ class MegatronActor:
         if cfg.model.init == "pretrained":
             load_hf_weights(chunks, self.spec, self.model_dir, groups)
         self.model = wrap_ddp(chunks, self.config, cfg, groups)
+        self.moe_stats = (
+            MoeStats(chunks, self.spec.num_layers, self.spec.num_experts, self.spec.num_experts_per_tok)
+            if self.spec.is_moe
+            else None
+        )
+        """Router statistics of each train step (MoE models), logged as moe/*."""
         self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device)
         """THD-packed micro-batches (GPU + Transformer Engine; unverified, actor/thd.py)."""
         self.optimizer = build_optimizer(self.model, cfg, groups, self.param_dtype)
@@ -192,8 +210,12 @@ class MegatronActor:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.moe_stats is not None:
+            self.moe_stats.start()
         store = run_schedule(self.model, micro, make, self.groups, forward_only=False, thd=self.thd)
         metrics = reduce_metrics(store, self.groups)
+        if self.moe_stats is not None:
+            metrics.update(self.moe_stats.finish(self.groups, self.spec.moe_layers))
         metrics.update(self._optimizer_step(metrics))
         return metrics
 

@@ -13,6 +13,9 @@ kinds (one per megatron parameter):
     "qkv_b"  the same for the qkv bias (Qwen2)
     "fc1"    SwiGLU fc1 [2*I/tp, H] = [gate rows of r; up rows of r] (megatron chunks the local output
              in two: act(first half) * second half)
+    "expert_fc1", "expert"   Qwen3-MoE experts, whole on the EP rank that holds them (convert_moe.py)
+
+Qwen3's q/k RMSNorm weights ([hd], shared by all heads) are "rep".
 
 Every conversion here is slicing and concatenation, so HF -> Megatron -> HF is bit-exact.
 """
@@ -25,6 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pacs_megatron.actor.convert_moe import (
+    EXPERT_KINDS,
+    expert_hf_from_shard,
+    expert_shard_from_hf,
+    moe_export_rules,
+    moe_hf_shapes,
+    moe_layer_rule,
+)
 from pacs_megatron.actor.model import ModelSpec
 
 _LAYER = "model.layers.{l}."
@@ -40,6 +51,8 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
         "qkv_b",
         ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     ),
+    "self_attention.q_layernorm.weight": ("rep", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("rep", ("self_attn.k_norm.weight",)),
     "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
     "pre_mlp_layernorm.weight": ("rep", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.layer_norm_weight": ("rep", ("post_attention_layernorm.weight",)),  # TE fused norm
@@ -59,6 +72,8 @@ class ParamMap:
     """Layout kind (module docstring)."""
     hf_names: tuple[str, ...]
     """HF tensors, in the order the kind expects (q, k, v / gate, up)."""
+    expert: int = -1
+    """Global expert index of a MoE expert parameter; -1 otherwise."""
 
 
 # --------------------------------------------------------------------------- pure layout functions
@@ -74,6 +89,8 @@ def _qkv_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelS
 
 def shard_from_hf(kind: str, hf: list[torch.Tensor], spec: ModelSpec, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's megatron shard of one parameter from its full HF tensors."""
+    if kind in EXPERT_KINDS:
+        return expert_shard_from_hf(kind, hf)
     if kind == "rep":
         return hf[0]
     if kind == "vocab":
@@ -103,6 +120,8 @@ def hf_from_shards(kind: str, shards: list[torch.Tensor], spec: ModelSpec) -> li
     def cat(dim: int) -> torch.Tensor:
         return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
 
+    if kind in EXPERT_KINDS:  # never TP-split: any shard is the whole tensor
+        return expert_hf_from_shard(kind, shards[0])
     if kind == "rep":
         return [shards[0]]
     if kind == "vocab":
@@ -139,8 +158,14 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             out[p + "self_attn.q_proj.bias"] = (q,)
             out[p + "self_attn.k_proj.bias"] = (kv,)
             out[p + "self_attn.v_proj.bias"] = (kv,)
+        if spec.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (hd,)
+            out[p + "self_attn.k_norm.weight"] = (hd,)
         out[p + "self_attn.o_proj.weight"] = (H, q)
         out[p + "post_attention_layernorm.weight"] = (H,)
+        if layer in spec.moe_layers:
+            out.update(moe_hf_shapes(spec, p))
+            continue
         out[p + "mlp.gate_proj.weight"] = (I, H)
         out[p + "mlp.up_proj.weight"] = (I, H)
         out[p + "mlp.down_proj.weight"] = (H, I)
@@ -155,15 +180,20 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 def chunk_param_maps(chunk, spec: ModelSpec) -> list[ParamMap]:
     """Map every parameter of a GPTModel chunk to its HF tensors (ValueError on an unknown name)."""
-    layer_numbers = [layer.layer_number - 1 for layer in chunk.decoder.layers]
+    layers = list(chunk.decoder.layers)
     maps = []
     for name, _ in chunk.named_parameters():
         m = _LAYER_RE.match(name)
         if m:
+            layer = layers[int(m.group(1))]
+            prefix = _LAYER.format(l=layer.layer_number - 1)
+            moe = moe_layer_rule(m.group(2), layer, prefix) if spec.is_moe else None
+            if moe is not None:
+                maps.append(ParamMap(name, moe[0], moe[1], moe[2]))
+                continue
             rule = _LAYER_RULES.get(m.group(2))
             if rule is None:
                 raise ValueError(f"no HF mapping for megatron parameter {name!r}")
-            prefix = _LAYER.format(l=layer_numbers[int(m.group(1))])
             maps.append(ParamMap(name, rule[0], tuple(prefix + s for s in rule[1])))
         elif name == "embedding.word_embeddings.weight":
             maps.append(ParamMap(name, "vocab", ("model.embed_tokens.weight",)))
@@ -195,29 +225,41 @@ def load_chunk_from_hf(chunk, spec: ModelSpec, get: Callable[[str], torch.Tensor
     return len(maps)
 
 
-def export_order(spec: ModelSpec, layer_owner: Callable[[int], int]) -> Iterator[tuple[tuple[str, ...], int]]:
-    """(HF names of one megatron parameter, owning PP stage) in the fixed order every rank iterates.
+def export_order(
+    spec: ModelSpec, layer_owner: Callable[[int], int], ep_size: int = 1
+) -> Iterator[tuple[tuple[str, ...], int, int]]:
+    """(HF names of one megatron parameter, owning PP stage, owning EP rank or -1) in the fixed order
+    every rank iterates.
 
-    ``layer_owner(l)`` is the PP stage holding global layer l. The tied LM head is not exported (HF
-    checkpoints of tied models do not store it).
+    ``layer_owner(l)`` is the PP stage holding global layer l. The EP rank is that of the expert-
+    parallel group (of the owning stage) holding a MoE expert; -1 for everything replicated over EP.
+    The tied LM head is not exported (HF checkpoints of tied models do not store it).
     """
     last = layer_owner(spec.num_layers - 1)
-    yield ("model.embed_tokens.weight",), 0
+    yield ("model.embed_tokens.weight",), 0, -1
     for layer in range(spec.num_layers):
         p = _LAYER.format(l=layer)
         owner = layer_owner(layer)
-        for _, hf_suffixes in _export_layer_rules(spec):
-            yield tuple(p + s for s in hf_suffixes), owner
-    yield ("model.norm.weight",), last
+        moe = layer in spec.moe_layers
+        for key, (_, hf_suffixes) in _export_layer_rules(spec):
+            if moe and key.startswith("mlp."):
+                continue
+            yield tuple(p + s for s in hf_suffixes), owner, -1
+        if moe:
+            for _, names, ep_owner in moe_export_rules(spec, p, ep_size):
+                yield names, owner, ep_owner
+    yield ("model.norm.weight",), last, -1
     if not spec.tie_embeddings:
-        yield ("lm_head.weight",), last
+        yield ("lm_head.weight",), last, -1
 
 
-def _export_layer_rules(spec: ModelSpec) -> list[tuple[str, tuple[str, ...]]]:
+def _export_layer_rules(spec: ModelSpec) -> list[tuple[str, tuple[str, tuple[str, ...]]]]:
     keys = [
         "input_layernorm.weight",
         "self_attention.linear_qkv.weight",
         "self_attention.linear_qkv.bias",
+        "self_attention.q_layernorm.weight",
+        "self_attention.k_layernorm.weight",
         "self_attention.linear_proj.weight",
         "pre_mlp_layernorm.weight",
         "mlp.linear_fc1.weight",
@@ -225,4 +267,7 @@ def _export_layer_rules(spec: ModelSpec) -> list[tuple[str, tuple[str, ...]]]:
     ]
     if not spec.qkv_bias:
         keys.remove("self_attention.linear_qkv.bias")
-    return [(_LAYER_RULES[k][0], _LAYER_RULES[k][1]) for k in keys]
+    if not spec.qk_norm:
+        keys.remove("self_attention.q_layernorm.weight")
+        keys.remove("self_attention.k_layernorm.weight")
+    return [(k, _LAYER_RULES[k]) for k in keys]

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     init_distributed(ParallelConfig(tp=tp, pp=pp))
     par = ParallelConfig(tp=tp, pp=pp, dp=max(1, dist.get_world_size() // (tp * pp)))
-    groups = initialize_parallel(par, hf)
+    groups = initialize_parallel(par, hf, training=False)  # model only: no training forward
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
         spec = model_spec_from_hf(hf_config, tp)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
+from pacs_megatron.actor.moe import set_routing_replay
 from pacs_megatron.actor.thd import pack_thd
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.ops import fused_logprobs
@@ -117,6 +118,7 @@ def run_schedule(
             )
             loss_func = make_loss_func(mb, ids, k >= n_real)
             return out, lambda logits, *a, **kw: loss_func(p.unpack(logits), *a, **kw)
+        set_routing_replay(model, mb.routed_experts, ids.shape[1])  # MoE (actor/moe.py); None: route anew
         # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
         out = model(input_ids=ids, position_ids=positions, attention_mask=None)

@@ -1,4 +1,4 @@
-"""A megatron-core GPTModel built from a Hugging Face config.json (Qwen2 / Qwen2.5 and Llama 3).
+"""A megatron-core GPTModel built from a Hugging Face config.json (Qwen2 / Qwen2.5, Llama 3, Qwen3, Qwen3-MoE).
 
     hf config --model_spec_from_hf--> ModelSpec --transformer_config--> TransformerConfig
               --build_model_chunks--> [GPTModel per virtual pipeline stage] on this rank
@@ -7,6 +7,12 @@ Mapping: RMSNorm (``rms_norm_eps``), SwiGLU (``gated_linear_unit`` + silu), grou
 (``num_query_groups`` = KV heads), qkv bias (Qwen2), RoPE with ``rope_theta`` (and Llama-3 "llama3"
 frequency scaling, computed exactly as transformers does and written over megatron's inv_freq, since
 megatron hard-codes three of its four parameters), tied or untied embeddings.
+
+Qwen3 adds per-head q/k RMSNorm (megatron's ``qk_layernorm``), no qkv bias and an explicit
+``head_dim`` (hidden != heads x head_dim is allowed: megatron's ``kv_channels``). Qwen3-MoE
+replaces the MLP of its sparse layers by megatron's MoELayer: a softmax top-k router
+(``norm_topk_prob`` -> top-k softmax; without it -> softmax over all experts, then top-k), the
+non-grouped ``SequentialMLP`` experts, and the allgather token dispatcher (it runs on gloo).
 
 The layer spec is Transformer Engine's when TE imports (GPU), megatron's local spec otherwise (which
 uses Apex norms when present, torch's RMSNorm without). On CPU: fp32, ``use_cpu_initialization``
@@ -27,7 +33,7 @@ import torch.nn.functional as F
 from pacs_megatron.config import ConfigError
 from pacs_megatron.parallel import ParallelGroups
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class ModelSpec:
     """
 
     model_type: str
-    """"qwen2" or "llama"."""
+    """One of SUPPORTED_MODEL_TYPES."""
     vocab_size: int
     """HF vocabulary rows (embedding and LM-head rows in the checkpoint)."""
     padded_vocab_size: int
@@ -62,6 +68,22 @@ class ModelSpec:
     qkv_bias: bool
     max_position_embeddings: int
     initializer_range: float
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_ffn_hidden_size: int = 0
+    """SwiGLU width of one expert."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to 1 (else: softmax over all experts)."""
+    moe_layers: tuple[int, ...] = ()
+    """0-based indices of the layers whose MLP is a MoE layer (the others are dense)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def _rope_params(hf: Any) -> tuple[float, dict | None]:
@@ -96,6 +118,7 @@ def model_spec_from_hf(hf: Any, tp: int = 1) -> ModelSpec:
     heads = hf.num_attention_heads
     kv = getattr(hf, "num_key_value_heads", None) or heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    moe = _moe_fields(hf) if model_type == "qwen3_moe" else {}
     return ModelSpec(
         model_type=model_type,
         vocab_size=hf.vocab_size,
@@ -113,7 +136,28 @@ def model_spec_from_hf(hf: Any, tp: int = 1) -> ModelSpec:
         qkv_bias=model_type == "qwen2",
         max_position_embeddings=hf.max_position_embeddings,
         initializer_range=float(getattr(hf, "initializer_range", 0.02)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **moe,
     )
+
+
+def _moe_fields(hf: Any) -> dict:
+    """Qwen3-MoE's expert fields; a layer is sparse when it is not in ``mlp_only_layers`` and
+    ``(layer + 1) % decoder_sparse_step == 0`` (transformers' rule)."""
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    dense_only = set(getattr(hf, "mlp_only_layers", None) or [])
+    layers = tuple(i for i in range(hf.num_hidden_layers) if i not in dense_only and (i + 1) % step == 0)
+    if int(hf.num_experts) <= 0 or not layers:
+        raise ConfigError("a qwen3_moe model with num_experts=0 or no sparse layer: convert it as a dense qwen3")
+    if int(hf.num_experts_per_tok) > int(hf.num_experts):
+        raise ConfigError(f"model num_experts_per_tok={hf.num_experts_per_tok} exceeds num_experts={hf.num_experts}")
+    return {
+        "num_experts": int(hf.num_experts),
+        "num_experts_per_tok": int(hf.num_experts_per_tok),
+        "moe_ffn_hidden_size": int(hf.moe_intermediate_size),
+        "norm_topk_prob": bool(getattr(hf, "norm_topk_prob", False)),
+        "moe_layers": layers,
+    }
 
 
 def have_transformer_engine() -> bool:
@@ -126,13 +170,21 @@ def have_transformer_engine() -> bool:
 
 
 def transformer_config(
-    spec: ModelSpec, groups: ParallelGroups, dtype: torch.dtype, sequence_parallel: bool, recompute: bool
+    spec: ModelSpec,
+    groups: ParallelGroups,
+    dtype: torch.dtype,
+    sequence_parallel: bool,
+    recompute: bool,
+    moe_aux_loss_coeff: float = 0.0,
+    routing_replay: bool = False,
 ):
     """megatron TransformerConfig for ``spec`` under this layout.
 
     ``calculate_per_token_loss=True`` is the gradient convention of the train step: loss functions
     return sums with their unit counts and megatron divides by the total over the mini-batch (see
     train_step.py). ``batch_p2p_comm`` is off on gloo (interleaved PP is wrong with it on gloo).
+    MoE: experts are never tensor-parallel (``expert_tensor_parallel_size=1``: EP splits the expert
+    list, each expert is whole), no token dropping, the allgather dispatcher.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -173,6 +225,29 @@ def transformer_config(
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        qk_layernorm=spec.qk_norm,
+        **_moe_config(spec, groups, moe_aux_loss_coeff, routing_replay),
+    )
+
+
+def _moe_config(spec: ModelSpec, groups: ParallelGroups, aux_coeff: float, routing_replay: bool) -> dict:
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.num_experts_per_tok,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_layer_freq=[1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)],
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if aux_coeff > 0 else "none",
+        moe_aux_loss_coeff=aux_coeff,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=groups.ep_size,
+        expert_tensor_parallel_size=1,
+        moe_router_dtype="fp32",
+        moe_enable_routing_replay=routing_replay,
     )
 
 
@@ -200,12 +275,15 @@ def build_model_chunks(spec: ModelSpec, config, groups: ParallelGroups) -> list:
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if have_transformer_engine():
-        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    te = have_transformer_engine()
+    if te:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     chunks = []
     for vp in range(groups.vpp_size):
+        if spec.is_moe:  # dense and MoE layers mixed as moe_layer_freq says; this stage's slice
+            layer_spec = _moe_block_spec(config, te, vp if groups.vpp_size > 1 else None, groups.pp_rank)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -226,6 +304,14 @@ def build_model_chunks(spec: ModelSpec, config, groups: ParallelGroups) -> list:
         model.to(groups.device)
         chunks.append(model)
     return chunks
+
+
+def _moe_block_spec(config, te: bool, vp_stage: int | None, pp_rank: int):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(
+        config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
+    )
 
 
 def global_layer_numbers(chunk) -> list[int]:

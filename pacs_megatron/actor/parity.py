@@ -1,19 +1,23 @@
 """``pacs-megatron parity``: Megatron log-probs vs Hugging Face transformers on the same sequences.
 
-    pacs-megatron parity --hf-model DIR --tp 2 --pp 2 [--data FILE] [--out FILE] [--tolerance 1e-4]
+    pacs-megatron parity --hf-model DIR --tp 2 --pp 2 [--ep 2] [--data FILE] [--out FILE] [--tolerance 1e-4]
 
 Loads the HF checkpoint into the Megatron actor with the given layout, computes per-token log-probs
 of sample sequences (``--data``: JSONL rows with ``prompt_ids`` and ``response_ids``; else built-in
 pseudo-random ones), computes the same with transformers (fp32, CPU, on rank 0) and reports the max
 absolute difference per token (response tokens) and per sequence (sum over the response). Exit code
-1 when a difference exceeds ``--tolerance``. Under torchrun the ranks exist; started by hand it
-spawns ``tp * pp`` local ranks itself.
+1 when a difference exceeds ``--tolerance`` (a sequence also passes when its difference relative to
+HF's sequence log-prob is at most ``--rtol``: sums of long random sequences are of order 10^2).
+Under torchrun the ranks exist; started by hand it
+spawns ``tp * pp * dp`` local ranks itself, dp the smallest data-parallel size that EP fits in
+(``--ep 2 --tp 1``: two ranks; EP ranks are drawn from the TP x DP ranks).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -33,15 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-model", required=True, help="Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--data", default=None, help="JSONL with prompt_ids and response_ids per row (default: built-in)")
     p.add_argument("--out", default=None, help="write one JSONL row per input with both models' log-probs")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max allowed |megatron - hf| (per token and sequence)")
+    p.add_argument("--rtol", type=float, default=1e-5, help="a sequence also passes at |d| / |hf seq log-prob| <= rtol")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="Megatron's dtype (bf16: GPU)")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
     argv = ["pacs_megatron", "parity", "--hf-model", args.hf_model, "--tp", str(args.tp), "--pp", str(args.pp)]
-    argv += ["--tolerance", repr(args.tolerance), "--dtype", args.dtype]
+    argv += ["--ep", str(args.ep)]
+    argv += ["--tolerance", repr(args.tolerance), "--rtol", repr(args.rtol), "--dtype", args.dtype]
     for flag, value in (("--data", args.data), ("--out", args.out)):
         if value:
             argv += [flag, value]
@@ -84,7 +91,9 @@ def hf_token_logprobs(model_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lp, (1, 0))
 
 
-def _report(rows, batch, meg: torch.Tensor, ref: torch.Tensor, tolerance: float, out: str | None) -> bool:
+def _report(
+    rows, batch, meg: torch.Tensor, ref: torch.Tensor, tolerance: float, out: str | None, rtol: float = 0.0
+) -> bool:
     from rich.console import Console
     from rich.table import Table
 
@@ -92,7 +101,8 @@ def _report(rows, batch, meg: torch.Tensor, ref: torch.Tensor, tolerance: float,
     table = Table(title=f"Megatron vs HF log-probs (tolerance {tolerance:g})")
     for col in ("row", "prompt", "response", "max |d| per token", "|d| sequence"):
         table.add_column(col, justify="right")
-    worst_tok = worst_seq = 0.0
+    worst_tok = worst_seq = worst_rel = 0.0
+    seq_ok = True
     records = []
     for b, (prompt, response) in enumerate(rows):
         m = mask[b]
@@ -100,7 +110,9 @@ def _report(rows, batch, meg: torch.Tensor, ref: torch.Tensor, tolerance: float,
         tok = float(d_tok.max()) if d_tok.numel() else 0.0
         seq_meg, seq_ref = float(meg[b][m].sum()), float(ref[b][m].sum())
         seq = abs(seq_meg - seq_ref)
-        worst_tok, worst_seq = max(worst_tok, tok), max(worst_seq, seq)
+        rel = seq / max(abs(seq_ref), 1e-30)
+        worst_tok, worst_seq, worst_rel = max(worst_tok, tok), max(worst_seq, seq), max(worst_rel, rel)
+        seq_ok = seq_ok and (seq <= tolerance or rel <= rtol)
         table.add_row(str(b), str(len(prompt)), str(len(response)), f"{tok:.3e}", f"{seq:.3e}")
         records.append(
             {
@@ -115,17 +127,24 @@ def _report(rows, batch, meg: torch.Tensor, ref: torch.Tensor, tolerance: float,
             }
         )
     Console(stderr=True).print(table)
-    ok = worst_tok <= tolerance and worst_seq <= tolerance
+    ok = worst_tok <= tolerance and seq_ok
     logger.info(
-        "parity %s: max |megatron - hf| per token %.3e, per sequence %.3e (tolerance %g)",
+        "parity %s: max |megatron - hf| per token %.3e, per sequence %.3e (relative %.1e) (tolerance %g, rtol %g)",
         "OK" if ok else "FAILED",
         worst_tok,
         worst_seq,
+        worst_rel,
         tolerance,
+        rtol,
     )
     if out:
         Path(out).write_text("".join(json.dumps(r) + "\n" for r in records))
     return ok
+
+
+def min_dp(tp: int, ep: int) -> int:
+    """Smallest data-parallel size with ep dividing tp * dp."""
+    return ep // math.gcd(tp, ep)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,9 +157,10 @@ def run(args: argparse.Namespace) -> int:
     hf = json.loads((Path(args.hf_model) / "config.json").read_text())
     init_distributed(ParallelConfig(tp=args.tp, pp=args.pp))
     # Extra ranks (world > tp * pp) become data-parallel replicas that compute the same rows.
-    par = ParallelConfig(tp=args.tp, pp=args.pp, dp=max(1, dist.get_world_size() // (args.tp * args.pp)))
+    dp = max(1, dist.get_world_size() // (args.tp * args.pp))
+    par = ParallelConfig(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep)
     cfg = RunConfig(model=ModelConfig(path=args.hf_model, dtype=args.dtype), parallel=par)
-    groups = initialize_parallel(cfg.parallel, hf)
+    groups = initialize_parallel(cfg.parallel, hf, training=False)  # forward passes only
     try:
         actor = MegatronActor(cfg, groups, args.hf_model)
         rows = load_samples(args.data, actor.spec.vocab_size)
@@ -149,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         ok = True
         if groups.rank == 0:
             ref = hf_token_logprobs(args.hf_model, batch.input_ids)
-            ok = _report(rows, batch, meg, ref, args.tolerance, args.out)
+            ok = _report(rows, batch, meg, ref, args.tolerance, args.out, args.rtol)
         flag = torch.tensor([0 if ok else 1], device=groups.device)
         dist.broadcast(flag, src=0)
         return int(flag.item())
@@ -159,8 +179,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     init_logging()
-    if not under_launcher() and args.tp * args.pp > 1:
-        return spawn_local(_argv(args), args.tp * args.pp)
+    world = args.tp * args.pp * min_dp(args.tp, args.ep)
+    if not under_launcher() and world > 1:
+        return spawn_local(_argv(args), world)
     return run(args)
 
 

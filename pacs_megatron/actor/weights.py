@@ -3,6 +3,8 @@
     load_hf_weights:   HF safetensors --(each rank reads what it holds)--> this rank's shards
     export_hf_weights: shards --TP all-gather--> full tensor on the owning stage --PP broadcast-->
                        (hf_name, tensor) on every rank, one tensor at a time, same order everywhere
+                       (MoE experts: the EP rank holding one broadcasts it over the EP group instead
+                       of the TP all-gather)
     save_hf:           export_hf_weights --rank 0--> config.json + safetensors (+ tokenizer files)
 
 Every data-parallel replica holds the same weights, so each pipeline gathers on its own (no DP
@@ -86,8 +88,10 @@ def export_hf_weights(
     owner_of = layer_owner(spec, groups)
     param_dtype = next(iter(local.values()))[1].dtype
     out_dtype = dtype or param_dtype
-    for hf_names, owner in export_order(spec, owner_of):
-        if groups.pp_rank == owner:
+    for hf_names, owner, ep_owner in export_order(spec, owner_of, groups.ep_size):
+        if groups.pp_rank == owner and ep_owner >= 0:  # a MoE expert: whole on one EP rank of this stage
+            tensors = _expert_tensors(local, hf_names, ep_owner, shapes, spec, groups, out_dtype)
+        elif groups.pp_rank == owner:
             if hf_names not in local:
                 raise RuntimeError(f"stage {owner} should hold {hf_names} but has no such parameter")
             kind, shard = local[hf_names]
@@ -107,6 +111,20 @@ def export_hf_weights(
             for t in tensors:
                 dist.broadcast(t, src=src, group=groups.pp_group)
         yield from zip(hf_names, tensors)
+
+
+def _expert_tensors(local, hf_names, ep_owner, shapes, spec, groups, out_dtype) -> list[torch.Tensor]:
+    """One expert's HF tensors on every rank of the EP group: its holder broadcasts them."""
+    if groups.ep_rank == ep_owner:
+        kind, shard = local[hf_names]
+        tensors = [t.to(out_dtype).contiguous() for t in hf_from_shards(kind, [shard.detach()], spec)]
+    else:
+        tensors = [torch.empty(shapes[n], dtype=out_dtype, device=groups.device) for n in hf_names]
+    if groups.ep_size > 1:
+        src = dist.get_global_rank(groups.ep_group, ep_owner)
+        for t in tensors:
+            dist.broadcast(t, src=src, group=groups.ep_group)
+    return tensors
 
 
 def save_hf(

@@ -21,7 +21,15 @@ class ActorConfig:
     offload (measured when the engine is built) that vLLM may take for weights, activations and
     KV cache; replaces ``rollout.vllm.gpu_memory_utilization`` (a fraction of the whole GPU)."""
 
+    routing_replay: str = "none"
+    """MoE models: "rollout" makes the actor's old-log-prob and training forwards use the experts the
+    rollout engine chose for each token (recorded by the engine, carried in the batch) instead of
+    routing again (R3, rollout routing replay); the router still gets gradients through the chosen
+    experts' scores. "none": the actor routes on its own."""
+
     def __post_init__(self) -> None:
+        if self.routing_replay not in ("none", "rollout"):
+            raise ConfigError(f"actor.routing_replay={self.routing_replay!r}: use 'none' or 'rollout'")
         if not 0.0 < self.rollout_memory_fraction <= 1.0:
             raise ConfigError(
                 f"actor.rollout_memory_fraction={self.rollout_memory_fraction} must be in (0, 1]: e.g. 0.9"

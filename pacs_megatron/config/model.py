@@ -9,7 +9,18 @@ from pacs_megatron.config.base import ConfigError, _choice, _positive
 
 @dataclass
 class TinyModelConfig:
-    """Shape of a randomly initialised Qwen2 model (``model.init=tiny``); vocab comes from the tokenizer."""
+    """Shape of a randomly initialised Qwen2 / Qwen3 / Qwen3-MoE model (``model.init=tiny``); vocab comes
+    from the tokenizer."""
+
+    architecture: str = "qwen2"
+    """"qwen2" (qkv bias), "qwen3" (q/k RMSNorm, no qkv bias) or "qwen3_moe" (Qwen3 with MoE MLPs)."""
+    num_experts: int = 4
+    """Routed experts per layer (qwen3_moe only)."""
+    num_experts_per_tok: int = 2
+    """Experts per token, top-k (qwen3_moe only)."""
+    moe_intermediate_size: int = 0
+    """SwiGLU width of one expert (qwen3_moe); 0 = intermediate_size // num_experts_per_tok, the dense
+    model's active width."""
 
     hidden_size: int = 128
     """Model width."""
@@ -33,6 +44,17 @@ class TinyModelConfig:
             raise ConfigError("model.tiny.hidden_size must be a multiple of model.tiny.num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("model.tiny.num_attention_heads must be a multiple of model.tiny.num_key_value_heads")
+        _choice("model.tiny.architecture", self.architecture, ("qwen2", "qwen3", "qwen3_moe"))
+        if self.architecture == "qwen3_moe":
+            _positive("model.tiny.num_experts", self.num_experts)
+            _positive("model.tiny.num_experts_per_tok", self.num_experts_per_tok)
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError(
+                    f"model.tiny.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                    f"model.tiny.num_experts={self.num_experts}: lower it"
+                )
+        if self.moe_intermediate_size < 0:
+            raise ConfigError("model.tiny.moe_intermediate_size must be >= 0 (0: intermediate_size // top-k)")
 
 
 @dataclass
@@ -55,10 +77,15 @@ class ModelConfig:
     """Shape used when init=tiny."""
     recompute_activations: bool = False
     """Full activation recomputation per layer (saves memory for long responses)."""
+    moe_aux_loss_coeff: float = 0.001
+    """MoE models: coefficient of the router's load-balancing loss (megatron "aux_loss", as Qwen3-MoE's
+    ``router_aux_loss_coef``); 0 turns it off."""
 
     def __post_init__(self) -> None:
         _choice("model.init", self.init, ("pretrained", "random", "tiny"))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0 (0 turns it off)")
         if not self.path:
             raise ConfigError(
                 "model.path is empty: set it to a Hugging Face model directory (model.path=/ckpt/Qwen2.5-7B)"
@@ -77,14 +104,24 @@ class ParallelConfig:
     """Virtual pipeline stages per rank (interleaved 1F1B); 1 disables interleaving."""
     dp: int = 1
     """Data-parallel size. A self-launched run starts tp * pp * dp local processes."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): each rank holds num_experts / ep experts of every MoE
+    layer. Adds no ranks: the EP ranks are drawn from the tp * dp ranks of a pipeline stage, so ep
+    must divide tp * dp and the model's num_experts."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs Transformer Engine or Apex, and tp > 1)."""
     backend: str = "auto"
     """torch.distributed backend: "auto" (nccl with GPUs, gloo without), "nccl" or "gloo"."""
 
     def __post_init__(self) -> None:
-        for k in ("tp", "pp", "vpp", "dp"):
+        for k in ("tp", "pp", "vpp", "dp", "ep"):
             _positive(f"parallel.{k}", getattr(self, k))
+        if (self.tp * self.dp) % self.ep:
+            raise ConfigError(
+                f"parallel.ep={self.ep} must divide parallel.tp * parallel.dp = {self.tp}*{self.dp} (EP x TP x PP x "
+                f"DP: experts are split over the tp*dp ranks of a stage): set parallel.dp={self.ep * self.dp} or "
+                "parallel.ep=1"
+            )
         _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (interleaving is a pipeline schedule)")

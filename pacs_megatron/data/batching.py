@@ -56,6 +56,9 @@ class TrainBatch:
     """``[B, T]`` float32 values of the learned critic before its update (``adv_estimator=gae``)."""
     returns: torch.Tensor | None = None
     """``[B, T]`` float32 GAE returns, the critic's regression targets (``adv_estimator=gae``)."""
+    routed_experts: torch.Tensor | None = None
+    """``[B, T, L, k]`` int64 MoE routing replay (actor.routing_replay=rollout): the experts the rollout
+    engine chose for the token at each position, per layer; padding positions hold 0..k-1."""
 
     def __post_init__(self) -> None:
         check_groups(self.input_ids.shape[0], self.group_size, self.group_ids)
@@ -78,7 +81,7 @@ class TrainBatch:
         """Rows ``rows`` (whole groups, each contiguous) cut to the first ``length`` columns (default all)."""
         T = self.input_ids.shape[1]
         width = T if length is None else length
-        return self._map(lambda t: t[rows, :width] if t.dim() == 2 and t.shape[1] == T else t[rows])
+        return self._map(lambda t: t[rows, :width] if t.dim() >= 2 and t.shape[1] == T else t[rows])
 
     def with_(self, **kw) -> TrainBatch:
         return replace(self, **kw)
@@ -174,4 +177,21 @@ def response_values(batch: TrainBatch, values: Sequence[Sequence[float] | None])
         if len(v) != k:
             raise ValueError(f"row {b}: {len(v)} values for {k} response tokens")
     out[batch.response_mask] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
+    return out
+
+
+def routed_experts_tensor(batch: TrainBatch, rows: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """``[B, T, L, k]`` int64 MoE routing replay from each row's recorded ``[len_b, L, k]`` experts
+    (rollout Response.routed_experts, prompt + response tokens); padding positions hold 0..k-1 (any
+    k distinct experts: the router must get a valid choice, and causality keeps it from mattering).
+    None when any row has none."""
+    if not rows or any(r is None for r in rows):
+        return None
+    L, k = rows[0].shape[1:]
+    B, T = batch.input_ids.shape
+    out = torch.arange(k, dtype=torch.long).expand(B, T, L, k).clone()
+    for b, r in enumerate(rows):
+        if r.shape[0] != int(batch.seq_lens[b]):
+            raise ValueError(f"row {b}: routed experts for {r.shape[0]} tokens, the row has {int(batch.seq_lens[b])}")
+        out[b, : r.shape[0]] = r.long()
     return out

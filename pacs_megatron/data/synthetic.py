@@ -175,13 +175,41 @@ def tiny_qwen2_config(tiny: TinyModelConfig, vocab_size: int, eos_id: int, pad_i
     }
 
 
+def tiny_model_config(tiny: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int) -> dict:
+    """``config.json`` of ``tiny.architecture``: the Qwen2 one, or Qwen3 / Qwen3-MoE fields over it."""
+    cfg = tiny_qwen2_config(tiny, vocab_size, eos_id, pad_id)
+    if tiny.architecture == "qwen2":
+        return cfg
+    for k in ("use_sliding_window", "sliding_window"):
+        cfg.pop(k)
+    cfg.update(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        head_dim=tiny.hidden_size // tiny.num_attention_heads,
+        attention_bias=False,
+    )
+    if tiny.architecture == "qwen3_moe":
+        cfg.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_experts=tiny.num_experts,
+            num_experts_per_tok=tiny.num_experts_per_tok,
+            moe_intermediate_size=tiny.moe_intermediate_size or tiny.intermediate_size // tiny.num_experts_per_tok,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.001,
+        )
+    return cfg
+
+
 def write_tiny_model_dir(path: str | Path, tiny: TinyModelConfig) -> Path:
-    """Write the task tokenizer and a tiny Qwen2 ``config.json`` (no weights) to ``path``."""
+    """Write the task tokenizer and a tiny ``config.json`` (no weights) of ``tiny.architecture`` to ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_arith_tokenizer()
     tok.save_pretrained(str(path))
-    cfg = tiny_qwen2_config(tiny, len(tok), tok.eos_token_id, tok.pad_token_id)
+    cfg = tiny_model_config(tiny, len(tok), tok.eos_token_id, tok.pad_token_id)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return path
 

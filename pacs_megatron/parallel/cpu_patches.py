@@ -13,7 +13,8 @@ Two kinds of patch:
   whose tensor factories build ``device="cuda"`` tensors on the CPU. Everything else resolves to
   the real ``torch``.
 
-Plus one function replaced by a CPU equivalent (an assertion on the CUDA tensor type name).
+Plus one function replaced by a CPU equivalent (an assertion on the CUDA tensor type name), and
+one missing name defined (``moe_utils.te_general_gemm``, for MoE routers).
 """
 
 from __future__ import annotations
@@ -113,5 +114,11 @@ def apply_cpu_patches() -> bool:
         importlib.import_module(name).torch = proxy
     optimizer_mod = importlib.import_module("megatron.core.optimizer.optimizer")
     optimizer_mod.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    # MoE router gating (RouterGatingLinearFunction) tests ``te_general_gemm is not None``, but the
+    # name is only bound when Transformer Engine imports: a NameError without TE. None selects the
+    # torch.mm fallback that is already there.
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     _applied = True
     return True

@@ -6,7 +6,9 @@ it, which megatron-core 0.16.1 accepts as ``pg_collection=`` in GPTModel, DDP, t
 schedules), so model and loss code never asks a global for its groups.
 
 Rank layout is megatron's default order "tp-cp-ep-dp-pp": TP ranks are adjacent (fast links inside
-a node), then DP, then PP.
+a node), then DP, then PP. Expert parallelism (MoE) does not add ranks: the EP ranks of an expert
+layer are drawn from the TP x DP ranks of one pipeline stage (experts are not tensor-parallel,
+``expert_tensor_parallel_size=1``), so EP must divide TP x DP.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ class ParallelGroups:
     """megatron.core.process_groups_config.ProcessGroupCollection of these groups."""
     device: torch.device
     """Where this rank's tensors live (cuda:LOCAL_RANK or cpu)."""
+    ep_group: Any = None
+    """Expert-parallel group (MoE: the ranks that split one layer's experts); None when ep=1."""
+    ep_rank: int = 0
+    ep_size: int = 1
+    expert_dp_group: Any = None
+    """Ranks holding the same experts (expert gradients are reduced over it); None when ep=1."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -113,10 +121,11 @@ def init_distributed(cfg: ParallelConfig) -> torch.device:
     return device
 
 
-def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = None) -> None:
+def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = None, training: bool = True) -> None:
     """Start-up checks of the layout against the world and the model; ConfigError names the fix.
 
-    ``hf_config`` is a transformers config or its config.json dict.
+    ``hf_config`` is a transformers config or its config.json dict. ``training=False`` (the parity
+    tool: forward passes only) allows MoE with TP > 1 without sequence parallelism.
     """
     get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
     if world_size is not None and world_size != cfg.world_size:
@@ -138,10 +147,29 @@ def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = N
         raise ConfigError(
             f"parallel.pp * parallel.vpp = {cfg.pp}*{cfg.vpp} must divide the model's num_hidden_layers={layers}"
         )
+    check_expert_layout(cfg, get, training)
     if cfg.sequence_parallel and not _have_te_or_apex():
         raise ConfigError(
             "parallel.sequence_parallel=true needs Transformer Engine or NVIDIA Apex (fused norms): "
             "install one, or set parallel.sequence_parallel=false"
+        )
+
+
+def check_expert_layout(cfg: ParallelConfig, get, training: bool = True) -> None:
+    """parallel.ep / tp against the model's experts (ConfigError naming the fields)."""
+    # transformers 5 writes "num_local_experts" (an attribute_map alias); the Qwen checkpoints "num_experts"
+    n = get("num_experts", None) or get("num_local_experts", None) or 0
+    experts = int(n) if get("model_type", None) == "qwen3_moe" else 0
+    if cfg.ep > 1 and experts == 0:
+        raise ConfigError(f"parallel.ep={cfg.ep} needs a MoE model (model_type qwen3_moe): set parallel.ep=1")
+    if experts and experts % cfg.ep:
+        raise ConfigError(f"parallel.ep={cfg.ep} must divide the model's num_experts={experts}")
+    if experts and training and cfg.tp > 1 and not cfg.sequence_parallel:
+        # megatron-core's MoELayer raises in training mode under TP without sequence parallelism
+        raise ConfigError(
+            f"parallel.tp={cfg.tp} with a MoE model needs parallel.sequence_parallel=true (megatron-core trains MoE "
+            "under TP only with it; it needs Transformer Engine or Apex): on CPU set parallel.tp=1 and split the "
+            "experts with parallel.ep"
         )
 
 
@@ -155,19 +183,22 @@ def _have_te_or_apex() -> bool:
     return False
 
 
-def initialize_parallel(cfg: ParallelConfig, hf_config: Any) -> ParallelGroups:
-    """Check the layout, then build megatron's TP/PP/DP groups (initialises torch.distributed if needed)."""
+def initialize_parallel(cfg: ParallelConfig, hf_config: Any, training: bool = True) -> ParallelGroups:
+    """Check the layout, then build megatron's TP/PP/DP/EP groups (initialises torch.distributed if needed).
+    ``training=False``: the model only runs forward passes (see :func:`check_layout`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     device = init_distributed(cfg)
-    check_layout(cfg, hf_config, dist.get_world_size())
+    check_layout(cfg, hf_config, dist.get_world_size(), training)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp,
         pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=cfg.vpp if cfg.vpp > 1 else None,
+        expert_model_parallel_size=cfg.ep,
+        expert_tensor_parallel_size=1,
     )
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     groups = ParallelGroups(
@@ -186,14 +217,19 @@ def initialize_parallel(cfg: ParallelConfig, hf_config: Any) -> ParallelGroups:
         world_size=dist.get_world_size(),
         pg_collection=pgc,
         device=device,
+        ep_group=pgc.ep if cfg.ep > 1 else None,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=cfg.ep,
+        expert_dp_group=pgc.expt_dp if cfg.ep > 1 else None,
     )
     logger.info(
-        "parallel layout: world=%d tp=%d pp=%d vpp=%d dp=%d (%s)",
+        "parallel layout: world=%d tp=%d pp=%d vpp=%d dp=%d ep=%d (%s)",
         groups.world_size,
         cfg.tp,
         cfg.pp,
         cfg.vpp,
         groups.dp_size,
+        cfg.ep,
         dist.get_backend(),
     )
     return groups

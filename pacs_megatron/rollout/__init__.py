@@ -48,6 +48,7 @@ def build_engine(cfg: RunConfig, model_dir: str | Path, tokenizer, device: str |
             batch_size=cfg.rollout.batch_size,
             seed=cfg.rollout.seed,
             stop_token_ids=cfg.rollout.stop_token_ids,
+            record_routing=cfg.actor.routing_replay == "rollout",
         )
     if cfg.rollout.engine == "vllm":
         if importlib.util.find_spec("vllm") is None:

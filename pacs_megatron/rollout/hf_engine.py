@@ -18,6 +18,7 @@ positions and attention it would see alone; results match an unpadded forward to
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -31,6 +32,26 @@ from pacs_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# transformers 5 keeps a MoE layer's experts fused ([E, 2I, H] gate_up_proj, [E, H, I] down_proj);
+# checkpoints (and the actor's export) name them one expert at a time.
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fused_expert_slice(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor] | None:
+    """(fused parameter name, the view of it that HF tensor ``name`` fills), or None when ``name`` is
+    not a per-expert tensor of a fused-experts model."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, g, proj = m.group(1), int(m.group(2)), m.group(3)
+    fused = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+    p = params.get(fused)
+    if p is None or g >= p.shape[0]:
+        return None
+    if proj == "down_proj":
+        return fused, p[g]
+    half = p.shape[1] // 2
+    return fused, p[g, :half] if proj == "gate_proj" else p[g, half:]
 
 
 def _has_weights(model_dir: Path) -> bool:
@@ -70,6 +91,55 @@ def sample_tokens(
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+class RoutingRecorder:
+    """Records the experts every MoE router of a transformers model picks (forward hooks).
+
+    A router here is a module whose forward returns ``(logits, scores, indices)`` (transformers'
+    ``*TopKRouter``, e.g. Qwen3-MoE's ``mlp.gate``). :meth:`take` returns the last forward's choices
+    as ``[rows, cols, L, k]`` int16; :meth:`attach` cuts them into each Response's
+    ``routed_experts`` ``[prompt + response tokens, L, k]``. The last response token is never fed to
+    the model (nothing is sampled after it): its row holds 0..k-1, like padding.
+    """
+
+    def __init__(self, model) -> None:
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if not self.routers:
+            raise ValueError(f"routing replay: {type(model).__name__} has no MoE router to record")
+        self.topk = self.routers[0].top_k
+        self._last: list[torch.Tensor | None] = [None] * len(self.routers)
+        for i, r in enumerate(self.routers):
+            r.register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def hook(module, args, output):
+            self._last[i] = output[2]
+
+        return hook
+
+    def take(self, shape: tuple[int, int]) -> torch.Tensor:
+        out = torch.stack([t.reshape(*shape, self.topk) for t in self._last], dim=2)
+        return out.to("cpu", torch.int16)
+
+    def attach(self, responses: list, steps: torch.Tensor, prompt_lens: list[int], width: int) -> list:
+        """``steps`` ``[R, width + decode steps, L, k]``: left-padded prompt columns, then one column per
+        fed token. Returns ``responses`` with ``routed_experts`` set."""
+        from dataclasses import replace
+
+        n = len(responses[0])
+        filler = torch.arange(self.topk, dtype=torch.int16)
+        out = []
+        for i, group in enumerate(responses):
+            rows = []
+            for j, resp in enumerate(group):
+                r = steps[i * n + j]
+                known = r[width - prompt_lens[i] : width + len(resp.token_ids)]
+                full = filler.expand(prompt_lens[i] + len(resp.token_ids), *r.shape[1:]).clone()
+                full[: known.shape[0]] = known
+                rows.append(replace(resp, routed_experts=full))
+            out.append(rows)
+        return out
+
+
 class HFEngine:
     """:class:`~pacs_megatron.rollout.base.RolloutEngine` on a transformers causal LM.
 
@@ -92,11 +162,14 @@ class HFEngine:
         batch_size: int = 64,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
+        record_routing: bool = False,
     ) -> None:
         """Load ``model_dir`` (config.json, weights optional: without them random init, to be replaced
         by :meth:`update_weights`). ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA;
         ``batch_size`` is the number of prompts generated together; ``stop_token_ids`` is
-        ``rollout.stop_token_ids`` (empty: tokenizer EOS + generation_config.json EOS, as vLLM's engine)."""
+        ``rollout.stop_token_ids`` (empty: tokenizer EOS + generation_config.json EOS, as vLLM's engine).
+        ``record_routing`` (MoE models, actor.routing_replay=rollout): each Response carries the experts
+        every router chose for its tokens (:class:`RoutingRecorder`)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         model_dir = Path(model_dir)
@@ -127,6 +200,8 @@ class HFEngine:
             for name in ("lm_head.weight",)
             if name not in self._params
         }
+
+        self.routing = RoutingRecorder(self.model) if record_routing else None
 
     def _param_name(self, p: torch.Tensor | None) -> str | None:
         return next((n for n, q in self._params.items() if q is p), None)
@@ -172,6 +247,7 @@ class HFEngine:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
+        steps = [self.routing.take(ids.shape).repeat_interleave(n, dim=0)] if self.routing else []
         if n > 1:  # one prefill per prompt, then n rows each
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
@@ -198,8 +274,13 @@ class HFEngine:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
+            if self.routing:
+                steps.append(self.routing.take((rows, 1)))
             next_pos = next_pos + 1
-        return self._to_responses(torch.stack(tokens, 1), torch.stack(logps, 1), stop_ids, len(prompts), n)
+        responses = self._to_responses(torch.stack(tokens, 1), torch.stack(logps, 1), stop_ids, len(prompts), n)
+        if self.routing:
+            responses = self.routing.attach(responses, torch.cat(steps, dim=1), [len(p) for p in prompts], width)
+        return responses
 
     def _to_responses(self, tokens: torch.Tensor, logps: torch.Tensor, stop_ids, num_prompts: int, n: int) -> list:
         """[R, L] sampled tokens -> Responses cut after the first stop token."""
@@ -256,10 +337,15 @@ class HFEngine:
         """
         self.wake()
         written: set[str] = set()
+        slices: dict[str, int] = {}  # fused expert parameter -> elements written so far
         for bucket in buckets:
             for name, tensor in bucket:
                 target = self._tied.get(name, name)
                 param = self._params.get(target) if target is not None else None
+                fused = fused_expert_slice(self._params, name) if param is None else None
+                if fused is not None:
+                    target, param = fused
+                    slices[target] = slices.get(target, 0) + param.numel()
                 if param is None:
                     raise KeyError(f"HF engine: weight {name!r} matches no parameter of {type(self.model).__name__}")
                 if tuple(param.shape) != tuple(tensor.shape):
@@ -268,6 +354,7 @@ class HFEngine:
                     )
                 param.copy_(tensor)  # one pass: copy_ converts device and dtype itself (no temporary)
                 written.add(target)
+        written -= {n for n, count in slices.items() if count != self._params[n].numel()}  # some experts unsent
         missing = sorted(set(self._params) - written)
         if missing:
             raise RuntimeError(f"HF engine: weight sync left {len(missing)} parameters unwritten: {missing}")

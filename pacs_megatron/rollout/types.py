@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class Response:
     """"stop" (EOS or a stop token) or "length" (hit max_tokens: truncated)."""
     logprobs: tuple[float, ...] | None = field(default=None, compare=False)
     """The engine's log-prob of each generated token, under its sampling temperature."""
+    routed_experts: Any = field(default=None, compare=False, repr=False)
+    """MoE routing replay: ``[prompt + response tokens, layers, k]`` int16 tensor of the experts the
+    engine's routers chose for each token (None unless the engine records them)."""
 
     @property
     def truncated(self) -> bool:

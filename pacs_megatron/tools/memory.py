@@ -76,7 +76,16 @@ def param_counts(hf: dict) -> dict[str, int]:
     attn = h * q + 2 * h * kvd + q * h + bias
     mlp = 3 * h * inter  # gate, up, down (SwiGLU)
     vocab = hf["vocab_size"]
+    # Qwen3-MoE: every layer's MLP is experts (split over EP, not TP) + a replicated router (the
+    # dense-MLP layers of mlp_only_layers / decoder_sparse_step are counted as MoE: an upper bound)
+    experts = (
+        int(hf.get("num_experts") or hf.get("num_local_experts") or 0) if hf.get("model_type") == "qwen3_moe" else 0
+    )
+    if experts:
+        mlp = 0
     return {
+        "experts": experts * 3 * h * int(hf.get("moe_intermediate_size") or 0),
+        "router": experts * h,
         "layer_split": attn + mlp,
         "layer_norms": 2 * h,
         "layers": hf["num_hidden_layers"],
@@ -90,7 +99,7 @@ def param_counts(hf: dict) -> dict[str, int]:
 
 def total_params(hf: dict) -> int:
     c = param_counts(hf)
-    per_layer = c["layer_split"] + c["layer_norms"]
+    per_layer = c["layer_split"] + c["layer_norms"] + c["experts"] + c["router"]
     return c["layers"] * per_layer + c["embedding"] + c["lm_head"] + c["final_norm"]
 
 
@@ -110,12 +119,13 @@ def estimate(
     vllm_utilization: float = 0.0,
     vllm_sleeps: bool = True,
     offload_during_rollout: bool = False,
+    ep: int = 1,
 ) -> MemoryPlan:
     """The plan for one rank (see the module docstring for each term). ``vllm_utilization=0`` means no
     colocated vLLM (the HF engine); ``offload_during_rollout`` moves the actor to CPU while vLLM runs."""
     c = param_counts(hf)
     layers = c["layers"] // pp
-    stage_layers = layers * (c["layer_split"] / tp + c["layer_norms"])
+    stage_layers = layers * (c["layer_split"] / tp + c["layer_norms"] + c["experts"] / ep + c["router"])
     first = stage_layers + c["embedding"] / tp + (c["lm_head"] / tp + c["final_norm"] if pp == 1 else 0)
     last = stage_layers + c["lm_head"] / tp + c["final_norm"] if pp > 1 else first
     if pp > 1 and c["lm_head"] == 0:  # tied: the last stage keeps its own copy of the embedding
@@ -123,7 +133,10 @@ def estimate(
     n = max(first, last)
     params = n * (2 if bf16 else 4) / GIB
     grads = n * 4 / GIB
-    optimizer = n * (12 if bf16 else 8) / (dp if distributed_optimizer else 1) / GIB
+    # MoE: the distributed optimizer shards expert state over the expert-DP ranks only (tp * dp / ep)
+    n_exp = layers * c["experts"] / ep
+    shards = (dp, max(1, tp * dp // ep)) if distributed_optimizer else (1, 1)
+    optimizer = ((n - n_exp) / shards[0] + n_exp / shards[1]) * (12 if bf16 else 8) / GIB
     tokens = seq_len * micro_batch
     hidden = c["hidden"]
     if recompute:
@@ -163,4 +176,5 @@ def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | N
         vllm_utilization=vllm.gpu_memory_utilization if use_vllm else 0.0,
         vllm_sleeps=vllm.enable_sleep_mode,
         offload_during_rollout=offload_during_rollout,
+        ep=getattr(par, "ep", 1),
     )

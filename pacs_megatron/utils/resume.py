@@ -47,7 +47,9 @@ TINY_KEYS = {
     "intermediate_size": "intermediate_size",
     "max_position_embeddings": "max_position_embeddings",
     "tie_word_embeddings": "tie_word_embeddings",
+    "architecture": "model_type",  # qwen2 | qwen3 | qwen3_moe are the model_type strings
 }
+TINY_MOE_KEYS = {"num_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok"}
 # Keys that describe the launch, not the run: never reported as changes.
 LAUNCH_KEYS = ("trainer.resume", "trainer.dry_run", "trainer.overwrite")
 
@@ -113,7 +115,7 @@ def check_tiny_model_dir(cfg: RunConfig) -> None:
     hf = json.loads(config_json.read_text())
     diff = [
         f"model.tiny.{k}={getattr(cfg.model.tiny, k)} but config.json has {key}={hf.get(key)}"
-        for k, key in TINY_KEYS.items()
+        for k, key in (TINY_KEYS | (TINY_MOE_KEYS if cfg.model.tiny.architecture == "qwen3_moe" else {})).items()
         if hf.get(key) != getattr(cfg.model.tiny, k)
     ]
     if diff:

@@ -104,3 +104,38 @@ def rel_update_diff(a0: dict, a1: dict, b0: dict, b1: dict) -> float:
     num = max(float(((a1[k] - a0[k]) - (b1[k] - b0[k])).abs().max()) for k in a0)
     den = max(float((a1[k] - a0[k]).abs().max()) for k in a0)
     return num / den
+
+
+def make_qwen3(path: Path, *, vocab: int = 255, layers: int = 4, tie: bool = False, moe: bool = False, **kw) -> str:
+    """A random tiny Qwen3 (hidden 64, 4 heads of head_dim 24 != 64/4, 2 KV heads), or Qwen3-MoE with
+    4 experts (top-2) when ``moe``; q/k norms are perturbed so that they matter."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        rope_theta=10000.0,
+    )
+    if moe:
+        shape.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+        shape.update(kw)
+        cfg, cls = Qwen3MoeConfig(**shape), Qwen3MoeForCausalLM
+    else:
+        cfg, cls = Qwen3Config(**{**shape, **kw}), Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("gate.weight"):  # a sharper router: routing decisions are not near-ties
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return str(path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _actor_helpers import make_qwen2
+from _actor_helpers import make_qwen2, make_qwen3
 
 from pacs_megatron.actor.parity import _report, load_samples
 from pacs_megatron.data.batching import build_train_batch
@@ -58,6 +58,14 @@ def test_parity_tool_pp2_builtin_samples(model_dir):
     assert "parity OK" in proc.stderr
 
 
+@pytest.mark.distributed
+def test_parity_tool_ep2_qwen3_moe(tmp_path):
+    moe = make_qwen3(tmp_path / "moe", vocab=255, layers=2, moe=True)
+    proc = _parity("--hf-model", moe, "--ep", "2", "--tolerance", "1e-5")  # spawns 2 ranks: tp=1 x dp=2, ep=2
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "parity OK" in proc.stderr and "ep=2" in proc.stderr
+
+
 def test_report_fails_above_tolerance(tmp_path):
     rows = load_samples(None, vocab_size=50)
     batch = build_train_batch([p for p, _ in rows], [r for _, r in rows], [0.0] * len(rows), 1, pad_id=0)
@@ -70,3 +78,8 @@ def test_report_fails_above_tolerance(tmp_path):
     assert not _report(rows, batch, meg, ref, 1e-4, str(tmp_path / "o.jsonl"))
     rec = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[b])
     assert rec["max_abs_diff_token"] == pytest.approx(1e-3, rel=1e-3)
+    # per sequence: small token differences that add up pass on the relative test (--rtol) only
+    ref = meg.clone()
+    ref[batch.response_mask] += 3e-5
+    assert not _report(rows, batch, meg, ref, 1e-4, None)
+    assert _report(rows, batch, meg - 100.0, ref - 100.0, 1e-4, None, rtol=1e-5)

@@ -1,0 +1,114 @@
+"""MoE helpers of the actor: per-step router statistics and routing replay (R3).
+
+Statistics (``MoeStats``): a forward hook on every router of this rank counts, during the training
+forwards of one step, the tokens sent to each expert and the mean router probability per expert.
+They are summed over DP and PP (TP ranks see the same tokens; EP ranks are DP ranks for the router),
+so the metrics are identical on every rank:
+
+    moe/aux_loss         mean over MoE layers of E * sum_i f_i * P_i, the load-balancing loss that
+                         model.moe_aux_loss_coeff multiplies (f_i: share of the top-k assignments
+                         that went to expert i, P_i: mean softmax probability of expert i); 1.0 is
+                         perfectly balanced, E / k the worst. Logged whatever the coefficient, 0 too.
+    moe/max_token_share  max over MoE layers of (tokens of the busiest expert) / (mean per expert)
+
+Padding positions of a micro-batch are routed too and counted (they are few at these lengths).
+
+Routing replay: megatron-core 0.16.1's ``RouterReplay`` (``moe_enable_routing_replay``) holds one
+instance per router, in construction order; ``set_replay_data`` takes one ``[tokens, k]`` index
+tensor per router and ``REPLAY_FORWARD`` makes the router use those experts, with the probabilities
+taken from its own scores at those indices (so the gate still gets gradients). This module turns a
+batch's recorded experts ``[B, T, L, k]`` (global layer L) into those per-router tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pacs_megatron.parallel import ParallelGroups
+
+
+def routers(chunks: list) -> list[tuple[int, torch.nn.Module]]:
+    """(global 0-based layer, router module) of every MoE layer on this rank, in chunk order."""
+    out = []
+    for c in chunks:
+        model = c
+        while hasattr(model, "module"):
+            model = model.module
+        for layer in model.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                out.append((layer.layer_number - 1, router))
+    return out
+
+
+class MoeStats:
+    """Router statistics of the training forwards of one step (see module docstring)."""
+
+    def __init__(self, chunks: list, num_layers: int, num_experts: int, topk: int) -> None:
+        self.num_layers, self.num_experts, self.topk = num_layers, num_experts, topk
+        self.active = False
+        self._reset()
+        for layer, router in routers(chunks):
+            router.register_forward_hook(self._hook(layer))
+
+    def _reset(self) -> None:
+        self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+        self.prob_sums = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+        self.tokens = torch.zeros(self.num_layers, dtype=torch.float64)
+
+    def _hook(self, layer: int):
+        def hook(router, args, output):
+            if not self.active:
+                return
+            with torch.no_grad():
+                x = args[0].reshape(-1, args[0].shape[-1])
+                probs = F.softmax(F.linear(x.float(), router.weight.float()), dim=-1)
+                routing_map = output[1]
+                self.counts[layer] += routing_map.reshape(-1, self.num_experts).sum(0).double().cpu()
+                self.prob_sums[layer] += probs.sum(0).double().cpu()
+                self.tokens[layer] += x.shape[0]
+
+        return hook
+
+    def start(self) -> None:
+        self._reset()
+        self.active = True
+
+    def finish(self, groups: ParallelGroups, moe_layers: tuple[int, ...]) -> dict[str, float]:
+        """Stop counting; the step's metrics, reduced over DP and PP (collective)."""
+        self.active = False
+        flat = torch.cat([self.counts.flatten(), self.prob_sums.flatten(), self.tokens]).to(groups.device)
+        for group, size in ((groups.dp_group, groups.dp_size), (groups.pp_group, groups.pp_size)):
+            if size > 1:
+                dist.all_reduce(flat, group=group)
+        flat = flat.cpu()
+        n = self.num_layers * self.num_experts
+        counts = flat[:n].view(self.num_layers, self.num_experts)[list(moe_layers)]
+        probs = flat[n : 2 * n].view(self.num_layers, self.num_experts)[list(moe_layers)]
+        tokens = flat[2 * n :][list(moe_layers)].clamp(min=1)
+        f = counts / (tokens[:, None] * self.topk)
+        p = probs / tokens[:, None]
+        aux = (self.num_experts * (f * p).sum(-1)).mean()
+        share = (counts.max(-1).values / counts.mean(-1).clamp(min=1e-12)).max()
+        return {"moe/aux_loss": float(aux), "moe/max_token_share": float(share)}
+
+
+def set_routing_replay(chunk, routed: torch.Tensor | None, length: int) -> None:
+    """Before a forward of ``chunk``: replay ``routed`` ``[b, >= length, L, k]`` (the batch's recorded
+    experts per global layer), or route normally when None. No-op for routers built without
+    ``moe_enable_routing_replay`` (actor.routing_replay=none)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    for layer, router in routers([chunk]):
+        replay = getattr(router, "router_replay", None)
+        if replay is None:
+            continue
+        replay.clear_indices()  # set_target_indices also appends to a backward list: keep it empty
+        if routed is None:
+            replay.clear_router_replay_action()
+            continue
+        idx = routed[:, :length, layer].transpose(0, 1).reshape(-1, routed.shape[-1])
+        replay.set_target_indices(idx.to(router.weight.device, torch.long))
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

@@ -123,6 +123,7 @@ class MegatronCritic(MegatronActor):
         self.skipped_steps = 0
         self.nan_skipped_steps = 0
         self.thd = False  # the critic's own passes use padded micro-batches
+        self.moe_stats = None  # router statistics are logged for the policy only (moe/*)
         self.offloader = ActorOffload(self.model, self.optimizer, groups.device)
         logger.info("critic: value head, init from %s, lr %g", cfg.critic.init, cfg.critic.optim.lr)
 

@@ -244,8 +244,9 @@ def _train(ctx: Context, name: str, extra: list[str]) -> Outcome:
         "trainer.save_freq=0",
         "trainer.test_freq=0",
         "trainer.train_batch_size=8",
+        "algorithm.mini_batch_size=4",  # two optimizer steps per RL step, as the CPU default has several
         "rollout.n=4",
-        "algorithm.micro_batch_size=32",
+        "algorithm.micro_batch_size=16",
         "logging.progress_bar=false",
         "logging.tensorboard=false",
         *extra,

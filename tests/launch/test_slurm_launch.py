@@ -64,7 +64,11 @@ def _finished(slurm, work: Path, job: str, timeout: float) -> str:
 
 
 def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_path):
-    out, steps = tmp_path / "run", 2
+    # A run several times longer than the warning's delay, so that the warning lands in the middle of
+    # it whatever the machine's load (an unloaded run of a few steps finishes before the controller
+    # sends it). Each run stops at its warning, checkpoints and is requeued from rank 0's marker; the
+    # early (start-up) handler has its own deterministic test (test_slurm_env.py).
+    out, steps = tmp_path / "run", 300
     # The warning 100 s before a 120 s limit (the controller sends it at its next periodic check).
     limit = ("--time=2", "--signal=B:USR1@100")
     job = _submit(
@@ -82,13 +86,13 @@ def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_pa
     first = [ln for ln in log.splitlines() if "requeueing job" in ln][0]
     assert '"reason": "SIGUSR1"' in first, first
     stopped = json.loads(first[first.index("{") : first.index("}") + 1])["step"]
-    assert stopped == 1, first  # warned while starting: not killed, stopped after the first step
+    assert 1 <= stopped < steps, first  # stopped by the warning, not killed, before the end
     assert (out / "checkpoints" / f"step_{stopped:08d}" / "COMPLETE").is_file()
 
     # A requeued job is held (BeginTime) until the first run's job credential expires: 120 s by default,
     # 10 s in this cluster (AuthInfo cred_expire). Releasing it earlier with `scontrol update
     # StartTime=now` races that expiry: slurmd refuses it ("Job credential revoked") and the job FAILS.
-    end = time.monotonic() + 300
+    end = time.monotonic() + 600
     while slurm.job_field(job, "JobState") not in DONE and time.monotonic() < end:
         running()
         time.sleep(1)
@@ -97,9 +101,11 @@ def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_pa
     assert state == "COMPLETED", log[-4000:] + slurm.logs()
     assert "TIMEOUT" not in states, states  # every run stopped before its limit
     assert "restart 1" in log and "2 node(s) x 1" in log
-    assert "received SIGUSR1 while starting up" in log  # the early handler, not the default action
     assert f"forwarding it to step {job}.0;" in log  # the rank step, not the extern step or the whole job
-    assert slurm.job_field(job, "Restarts") == "1"  # the last step is not followed by a requeue
+    requeues = [ln for ln in log.splitlines() if "requeueing job" in ln]
+    assert all('"reason": "SIGUSR1"' in ln for ln in requeues), requeues
+    # one requeue per stopped run, none after the last step
+    assert slurm.job_field(job, "Restarts") == str(len(requeues)), requeues
     assert "trainer.deadline_unix=" in log  # the job's end time reached the trainer's budget
     assert steps_of(out / "metrics.jsonl") == list(range(1, steps + 1))
     # rollouts.jsonl: trainer.log_rollouts=1 row per step, none replayed

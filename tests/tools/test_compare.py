@@ -75,7 +75,13 @@ def test_compare_tiny_budget_writes_json_and_png(tmp_path):
 
 
 GENERALIZE = REPO / "examples" / "configs" / "cpu_generalize.yaml"
-SMALL = ["parallel.tp=1", "trainer.train_batch_size=4", "rollout.n=4", "algorithm.micro_batch_size=16"]
+SMALL = [
+    "parallel.tp=1",
+    "trainer.train_batch_size=4",
+    "algorithm.mini_batch_size=4",
+    "rollout.n=4",
+    "algorithm.micro_batch_size=16",
+]
 
 
 def test_runs_are_keyed_on_their_resolved_settings(tmp_path):

@@ -76,10 +76,10 @@ def test_resume_changed_damaged_complete_and_export(tmp_path):
     assert b.returncode == 0, b.stderr[-3000:]
     assert f"shard megatron/{shard.name} is truncated" in b.stderr and "falling back" in b.stderr
     assert (out / "checkpoints" / "corrupt_step_00000003" / "megatron" / shard.name).is_file()
-    assert "resuming from" in b.stderr and "optimizer.lr: 0.001 -> 0.5" in b.stderr
+    assert "resuming from" in b.stderr and "optimizer.lr: 0.0003 -> 0.5" in b.stderr
     rows = {r["step"]: r for r in _jsonl(out / "metrics.jsonl")}
     assert sorted(rows) == [1, 2, 3, 4] and len(_jsonl(out / "metrics.jsonl")) == 4
-    assert rows[2]["actor/lr"] == 0.001 and rows[3]["actor/lr"] == 0.5 and rows[4]["actor/lr"] == 0.5
+    assert rows[2]["actor/lr"] == 0.0003 and rows[3]["actor/lr"] == 0.5 and rows[4]["actor/lr"] == 0.5
     assert "policy/loss" in rows[3] and "pacs/loss" not in rows[3]  # loss changed
     assert rows[3]["data/tokens"] > 1.5 * rows[2]["data/tokens"]  # n=8: twice the sequences
     assert set(Counter(r["step"] for r in _jsonl(out / "rollouts.jsonl")).values()) == {4}  # no step twice
@@ -90,7 +90,7 @@ def test_resume_changed_damaged_complete_and_export(tmp_path):
     ]
     assert _launches(out) == ["launch_000.yaml", "launch_001.yaml"]
     record = (out / "configs" / "launch_001.yaml").read_text()
-    assert "#   optimizer.lr: 0.001 -> 0.5" in record and "#   rollout.n: 4 -> 8" in record
+    assert "#   optimizer.lr: 0.0003 -> 0.5" in record and "#   rollout.n: 4 -> 8" in record
     assert (out / "config.yaml").read_text() == record
     assert json.loads((out / "final.json").read_text())["launches"] == 2
 

@@ -107,9 +107,7 @@ def export_hf_weights(
         else:
             tensors = [torch.empty(shapes[n], dtype=out_dtype, device=groups.device) for n in hf_names]
         if groups.pp_size > 1:
-            src = dist.get_global_rank(groups.pp_group, owner)
-            for t in tensors:
-                dist.broadcast(t, src=src, group=groups.pp_group)
+            _broadcast_from(tensors, groups.pp_group, owner)
         yield from zip(hf_names, tensors)
 
 
@@ -121,10 +119,15 @@ def _expert_tensors(local, hf_names, ep_owner, shapes, spec, groups, out_dtype) 
     else:
         tensors = [torch.empty(shapes[n], dtype=out_dtype, device=groups.device) for n in hf_names]
     if groups.ep_size > 1:
-        src = dist.get_global_rank(groups.ep_group, ep_owner)
-        for t in tensors:
-            dist.broadcast(t, src=src, group=groups.ep_group)
+        _broadcast_from(tensors, groups.ep_group, ep_owner)
     return tensors
+
+
+def _broadcast_from(tensors: list[torch.Tensor], group, owner: int) -> None:
+    """Every rank of ``group`` gets the tensors of its rank ``owner`` (a group-local rank), in place."""
+    src = dist.get_global_rank(group, owner)
+    for t in tensors:
+        dist.broadcast(t, src=src, group=group)
 
 
 def save_hf(

@@ -23,21 +23,14 @@ megatron is imported, so they do not bury the run's own log.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 
-from pacs_megatron.utils.logging import get_logger, init_logging
+from pacs_megatron.utils.logging import get_logger, init_logging, quiet_import_noise
 from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, install_early_handlers
 
 logger = get_logger(__name__)
 
 EXIT_FAILED = 1
-
-MEGATRON_NOISE = (
-    r".*(Apex|Transformer Engine) (is|are) not installed.*",
-    r".*cuda_graph_scope.*",
-)
-"""Messages of megatron-core's import-time warnings that say nothing about the user's run."""
 
 
 def quiet_megatron_warnings() -> None:
@@ -45,8 +38,7 @@ def quiet_megatron_warnings() -> None:
     # hardware queue (its warning says so, and is left visible). Set before CUDA starts; pre-Blackwell
     # GPUs need it, on Blackwell (sm_100+) users may set another value themselves (docs/launch.md).
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    for pattern in MEGATRON_NOISE:
-        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+    quiet_import_noise()  # before megatron is imported: its import-time notices say nothing about the run
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

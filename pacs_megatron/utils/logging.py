@@ -37,7 +37,6 @@ class _RankFilter(logging.Filter):
 
 IMPORT_NOISE = (
     r".*(Apex|Transformer Engine) (is|are) not installed.*",
-    r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
     r".*cuda_graph_scope.*",
     r".*is not tested with current version of modelopt.*",
 )

@@ -10,8 +10,9 @@ twice, not a second one: torchrun and the local spawner run the ranks in their o
 forward one Ctrl-C once, but a launcher that leaves the ranks in the terminal's process group and
 also forwards would deliver it twice.
 
-Time budget (no signal needed): ``trainer.stop_after_s`` (seconds since this process started the
-loop) and ``trainer.deadline_unix`` (an absolute end, e.g. the Slurm job's end time, set by
+Time budget (no signal needed): ``trainer.stop_after_s`` (seconds since the launch: the trainer
+turns it into a deadline with ``config.training.stop_deadline``) and ``trainer.deadline_unix`` (an
+absolute end, e.g. the Slurm job's end time, set by
 ``launch/slurm.py``). At each check the flag stops when the next step could end after the budget:
 ``now + longest interval between checks + trainer.stop_margin_s > end``. The interval between two
 checks is one step plus any periodic checkpoint, so it also sizes the final save; the margin covers

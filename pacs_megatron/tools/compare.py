@@ -1,22 +1,29 @@
 """``pacs-megatron compare``: PACS vs the baselines over seeds, each with its own tuned lr.
 
     pacs-megatron compare --config examples/configs/cpu_generalize.yaml --out /tmp/cmp \\
-        --methods pacs,grpo,ppo --seeds 5 --tune-seeds 2 --lrs 3e-4,1e-3,3e-3 --background
+        --methods pacs,grpo,ppo --seeds 5 --tune-seeds 2 --lrs 3e-4,1e-3,3e-3 --critic-lrs 3e-4,1e-3 \\
+        --tune-key val/arith_val/pass@1 --val-key val/arith_heldout/pass@1 --background
 
 Protocol (fair by construction):
 
 1. **Tune** (skipped with one lr): every method x lr runs on the *tuning* seeds (1000, 1001, ...),
-   which are never reported. A run's score is the mean of its held-out metric (``--val-key``,
-   default the first ``val/*/pass@1``) over its last three validations, ties broken by the mean
-   train reward of its last quarter. Each method keeps its best lr.
-2. **Report**: every method at its lr on seeds 0..S-1 (``trainer.seed``, ``model.seed``, ``data.seed``
-   and ``rollout.seed`` all set to the seed; the held-out split, ``data.arith.split_seed``, is not).
-3. **Summarise**: ``OUT/summary.json`` (settings, tuning scores, chosen lrs, per-method final values
-   with 95% t-intervals over seeds, the per-step curves), ``OUT/summary.md`` (the table) and
-   ``OUT/curves.png`` (mean +- 95% interval of train reward and held-out pass@1 per method).
+   which are never reported. A run's score is the mean of ``--tune-key`` (a *validation* split,
+   disjoint from the reported one) over its last three validations, ties broken by the mean train
+   reward of its last quarter. Each method keeps its best lr. When the best lr is the grid's lowest or
+   highest value, the grid grows on that side (1-3-10 steps, at most ``--max-extend`` values per side)
+   until the optimum is interior; the summary says when it never became so. Methods with a learned
+   critic (``ppo``) then tune the critic lr (``--critic-lrs``) the same way at their chosen actor lr;
+   their actor-lr search runs at the middle of that grid (one coordinate pass, not a joint grid).
+2. **Report**: every method at its lrs on seeds 0..S-1 (``trainer.seed``, ``model.seed``, ``data.seed``
+   and ``rollout.seed`` all set to the seed; the splits, ``data.arith.split_seed``, are not), scored on
+   ``--val-key`` (the held-out split).
+3. **Summarise**: ``OUT/summary.json`` (settings, every tuning score, chosen lrs, per-seed scores, per-
+   method values with 95% t-intervals over seeds, the per-step curves), ``OUT/summary.md`` (the final,
+   per-seed and tuning tables) and ``OUT/curves.png`` (mean +- 95% interval of train reward and
+   held-out pass@1 per method).
 
 Each run is ``pacs-megatron train`` in its own process and output dir ``OUT/runs/NAME-KEY``, where KEY
-hashes the run's resolved config (config file, overrides, ``--steps``, seed, lr): a run with
+hashes the run's resolved config (config file, overrides, ``--steps``, seed, lrs): a run with
 ``final.json`` is done *for those settings*; any other is (re)started and resumes from its own
 checkpoint, so the whole command is resumable: rerun it with the same arguments; changed settings
 (``--steps 6`` after ``--steps 4``) get new runs, never the old ones' results. At most ``--jobs`` runs
@@ -24,7 +31,7 @@ at a time (default: CPU cores // ranks per run). ``OUT/progress.json`` and the l
 ``--background`` detaches the command (log in ``OUT/compare.log``).
 
 Before any run starts, the config must validate (``trainer.test_freq`` > 0 and <= the steps): the
-comparison is scored on held-out validations. Runs die with the command: SIGTERM / Ctrl-C stop them
+comparison is scored on validations. Runs die with the command: SIGTERM / Ctrl-C stop them
 (each checkpoints, so a rerun resumes), and SIGKILL kills them (PR_SET_PDEATHSIG).
 """
 
@@ -40,7 +47,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
+from pacs_megatron.tools.compare_report import (
+    FINAL_DEFINITION,
+    find_val_key,
+    interval,  # noqa: F401  (re-exported: the public helpers of this tool)
+    method_summary,
+    plot,
+    run_score,
+    table,
+)
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.plot import read_metrics
 from pacs_megatron.utils.proc import die_with_parent
@@ -57,46 +74,73 @@ METHODS: dict[str, list[str]] = {
 }
 TUNE_SEED0 = 1000
 TRAIN = (sys.executable, "-m", "pacs_megatron", "train")
-TRAIN_KEY = "reward/mean"
-# Two-sided 95% Student-t quantiles for 1..10 degrees of freedom (normal beyond).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 
-def interval(xs: list[float]) -> dict:
-    """Mean and 95% t-interval half-width over seeds (half-width nan for one value).
+def uses_critic(method: str) -> bool:
+    return "algorithm.policy.adv_estimator=gae" in METHODS[method]
+
+
+class Spec(NamedTuple):
+    """One run: a method at an lr (and a critic lr for critic methods) on a seed."""
+
+    method: str
+    lr: float
+    seed: int
+    critic_lr: float | None = None
+
+
+def run_name(method: str, lr: float, seed: int, critic_lr: float | None = None) -> str:
+    critic = f"_clr{critic_lr:g}" if critic_lr is not None else ""
+    return f"{method}_lr{lr:g}{critic}_s{seed}"
+
+
+def grid_step(grid: list[float], side: int) -> float:
+    """The next lr beyond a sorted grid on one side (-1 low, +1 high), on the 1-3-10 sequence.
 
     Example:
-        >>> interval([1.0, 2.0, 3.0])["half_width"]  # t(2) * 1 / sqrt(3)
-        2.4843...
+        >>> grid_step([3e-5, 1e-4, 3e-3], +1), grid_step([3e-5, 1e-4, 3e-3], -1)
+        (0.01, 1e-05)
     """
-    n = len(xs)
-    mean = sum(xs) / n if n else float("nan")
-    if n < 2:
-        return {"mean": mean, "half_width": float("nan"), "n": n}
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
-    return {"mean": mean, "half_width": t * sd / math.sqrt(n), "n": n}
+    ladder = sorted(m * 10.0**e for e in range(-12, 3) for m in (1.0, 3.0))
+    if side > 0:
+        return next(x for x in ladder if x > grid[-1] * 1.5)
+    return next(x for x in reversed(ladder) if x < grid[0] / 1.5)
 
 
-def run_name(method: str, lr: float, seed: int) -> str:
-    return f"{method}_lr{lr:g}_s{seed}"
-
-
-def _series(rows: list[dict], key: str) -> list[tuple[int, float]]:
-    return [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
-
-
-def find_val_key(rows: list[dict]) -> str | None:
-    keys = sorted({k for r in rows for k in r if k.startswith("val/") and k.endswith("/pass@1")})
-    return keys[0] if keys else None
-
-
-def run_score(rows: list[dict], val_key: str) -> tuple[float, float]:
-    """(mean of the last three held-out values, mean train reward of the last quarter)."""
-    val = [v for _, v in _series(rows, val_key)][-3:]
-    train = [v for _, v in _series(rows, TRAIN_KEY)]
-    tail = train[-max(1, len(train) // 4) :]
-    return (sum(val) / len(val) if val else float("nan"), sum(tail) / len(tail) if tail else float("nan"))
+def tune(
+    runner: "Runner",
+    grids: dict[str, list[float]],
+    spec: Callable[[str, float, int], Spec],
+    score_key: str,
+    max_extend: int,
+) -> dict[str, dict]:
+    """Pick each method's best value on its grid, growing an edge optimum outward (all methods' runs
+    go to the runner together). Returns per method: scores per value, the chosen value, interior."""
+    grids = {m: sorted(g) for m, g in grids.items()}
+    grown = {m: {-1: 0, 1: 0} for m in grids}
+    out: dict[str, dict] = {}
+    while True:
+        specs = [spec(m, v, TUNE_SEED0 + k) for m, g in grids.items() for v in g for k in range(runner.args.tune_seeds)]
+        res = runner.run_all(specs)
+        todo = {}
+        for m, grid in grids.items():
+            scores = {}
+            for v in grid:
+                runs = [res[spec(m, v, TUNE_SEED0 + k)] for k in range(runner.args.tune_seeds)]
+                s = [run_score(r, score_key) for r in runs if r]
+                s = [x for x in s if not math.isnan(x[0])]
+                scores[f"{v:g}"] = [sum(x[0] for x in s) / len(s), sum(x[1] for x in s) / len(s)] if s else [-1.0, -1.0]
+            best = max(grid, key=lambda v: tuple(scores[f"{v:g}"]))
+            side = -1 if best == grid[0] else 1 if best == grid[-1] else 0
+            interior = side == 0 and len(grid) > 2
+            out[m] = {"scores": scores, "chosen": best, "interior": interior, "grid": grid}
+            if side and len(grid) > 1 and grown[m][side] < max_extend:
+                grown[m][side] += 1
+                todo[m] = sorted([*grid, grid_step(grid, side)])
+                logger.info("%s: best value %g is the grid's edge: adding %g", m, best, grid_step(grid, side))
+        if not todo:
+            return out
+        grids = todo  # only the grown methods need new runs; the others keep their results in `out`
 
 
 class Runner:
@@ -108,11 +152,12 @@ class Runner:
         self.total = 0
         self._dirs: dict[tuple, Path] = {}
 
-    def settings(self, method: str, lr: float, seed: int) -> list[str]:
+    def settings(self, method: str, lr: float, seed: int, critic_lr: float | None = None) -> list[str]:
         """The overrides that make this run (all but its directories)."""
         return [
             *METHODS[method],
             f"optimizer.lr={lr}",
+            *([f"critic.optim.lr={critic_lr}"] if critic_lr is not None else []),
             f"trainer.seed={seed}",
             f"model.seed={seed}",
             f"data.seed={seed}",
@@ -123,28 +168,28 @@ class Runner:
             *self.args.overrides,
         ]
 
-    def run_dir(self, method: str, lr: float, seed: int) -> Path:
+    def run_dir(self, method: str, lr: float, seed: int, critic_lr: float | None = None) -> Path:
         """``OUT/runs/NAME-KEY``: KEY hashes the resolved config, so other settings never reuse this run."""
         from pacs_megatron.config import load_config, to_yaml
 
-        spec = (method, lr, seed)
+        spec = Spec(method, lr, seed, critic_lr)
         if spec not in self._dirs:
             resolved = to_yaml(load_config(self.args.config, self.settings(*spec)))
             key = hashlib.sha256(resolved.encode()).hexdigest()[:10]
             self._dirs[spec] = self.out / "runs" / f"{run_name(*spec)}-{key}"
         return self._dirs[spec]
 
-    def command(self, method: str, lr: float, seed: int) -> list[str]:
-        d = self.run_dir(method, lr, seed)
-        settings = self.settings(method, lr, seed)
-        return [*TRAIN, f"--config={self.args.config}", *settings, f"trainer.output_dir={d}", f"model.path={d}/model"]
+    def command(self, *spec) -> list[str]:
+        d = self.run_dir(*spec)
+        return [*TRAIN, f"--config={self.args.config}", *self.settings(*spec), f"trainer.output_dir={d}", f"model.path={d}/model"]
 
-    def run_all(self, specs: list[tuple[str, float, int]]) -> dict[tuple[str, float, int], list[dict] | None]:
+    def run_all(self, specs: list[Spec]) -> dict[Spec, list[dict] | None]:
         """Run every spec not yet done; return each spec's metrics rows (None when it failed)."""
+        specs = list(dict.fromkeys(Spec(*s) for s in specs))
         todo = [s for s in specs if not (self.run_dir(*s) / "final.json").is_file()]
         self.total += len(specs)
         self.done += len(specs) - len(todo)
-        running: dict[tuple, tuple[subprocess.Popen, object]] = {}
+        running: dict[Spec, tuple[subprocess.Popen, object]] = {}
         failed: set = set()
         try:
             self._run(todo, running, failed)
@@ -223,122 +268,71 @@ def check_validates(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _curves(results: dict[int, list[dict]], key: str) -> dict:
-    """Per step: mean and 95% half-width over the seeds that logged ``key`` at that step."""
-    per_step: dict[int, list[float]] = {}
-    for rows in results.values():
-        for step, v in _series(rows, key):
-            per_step.setdefault(step, []).append(v)
-    steps = sorted(per_step)
-    stats = [interval(per_step[s]) for s in steps]
-    return {"step": steps, "mean": [s["mean"] for s in stats], "half_width": [s["half_width"] for s in stats]}
-
-
-def summarise(args, tuning: dict, chosen: dict, reported: dict, val_key: str) -> dict:
-    """The summary dict: settings, tuning, final values with intervals, curves."""
-    methods = {}
-    for method, results in reported.items():
-        ok = {seed: rows for seed, rows in results.items() if rows}
-        scores = [run_score(rows, val_key) for rows in ok.values()]
-        methods[method] = {
-            "lr": chosen[method],
-            "seeds": sorted(ok),
-            "failed_seeds": sorted(s for s, r in results.items() if not r),
-            "final_heldout": interval([s[0] for s in scores]),
-            "final_train_reward": interval([s[1] for s in scores]),
-            "curves": {TRAIN_KEY: _curves(ok, TRAIN_KEY), val_key: _curves(ok, val_key)},
-        }
-    return {
-        "config": args.config,
-        "overrides": args.overrides,
-        "steps": args.steps,
-        "seeds": args.seeds,
-        "tune_seeds": args.tune_seeds if len(args.lrs) > 1 else 0,
-        "lrs": args.lrs,
-        "val_key": val_key,
-        "final_definition": "held-out: mean of the last 3 validations; train reward: mean of the last quarter",
-        "tuning": tuning,
-        "methods": methods,
-    }
-
-
-def table(summary: dict) -> str:
-    """Markdown table of the final values (mean +- 95% t-interval over the reported seeds)."""
-    lines = [
-        f"| method | lr | seeds | {summary['val_key']} | train {TRAIN_KEY} |",
-        "|---|---|---|---|---|",
-    ]
-    for m, s in summary["methods"].items():
-        h, t = s["final_heldout"], s["final_train_reward"]
-        lines.append(
-            f"| {m} | {s['lr']:g} | {h['n']} | {h['mean']:.3f} +- {h['half_width']:.3f} | "
-            f"{t['mean']:.3f} +- {t['half_width']:.3f} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plot(summary: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = [TRAIN_KEY, summary["val_key"]]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for ax, key in zip(axes, keys):
-        for method, s in summary["methods"].items():
-            c = s["curves"][key]
-            if not c["step"]:
-                continue
-            lo = [m - (h if math.isfinite(h) else 0) for m, h in zip(c["mean"], c["half_width"])]
-            hi = [m + (h if math.isfinite(h) else 0) for m, h in zip(c["mean"], c["half_width"])]
-            (line,) = ax.plot(c["step"], c["mean"], label=f"{method} (lr {s['lr']:g})", linewidth=1.4)
-            ax.fill_between(c["step"], lo, hi, color=line.get_color(), alpha=0.2)
-        ax.set_title(f"{key}: mean +- 95% CI over {summary['seeds']} seeds")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def compare(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(args)
-    tuning: dict = {}
-    chosen = {m: args.lrs[0] for m in args.methods}
+    critic_lrs = args.critic_lrs or [None]
+    mid_critic = critic_lrs[len(critic_lrs) // 2]
+    chosen = {m: (args.lrs[0], mid_critic if uses_critic(m) else None) for m in args.methods}
+    tuning: dict = {m: {} for m in args.methods}
     val_key = args.val_key
-    if len(args.lrs) > 1:
-        specs = [(m, lr, TUNE_SEED0 + k) for m in args.methods for lr in args.lrs for k in range(args.tune_seeds)]
-        res = runner.run_all(specs)
-        val_key = val_key or next((find_val_key(r) for r in res.values() if r and find_val_key(r)), None)
-        for m in args.methods:
-            scores = {}
-            for lr in args.lrs:
-                runs = [res[(m, lr, TUNE_SEED0 + k)] for k in range(args.tune_seeds)]
-                s = [run_score(r, val_key) for r in runs if r]
-                scores[f"{lr:g}"] = (
-                    [sum(x[0] for x in s) / len(s), sum(x[1] for x in s) / len(s)] if s else [-1.0, -1.0]
-                )
-            tuning[m] = scores
-            chosen[m] = float(max(scores, key=lambda k: tuple(-1.0 if math.isnan(v) else v for v in scores[k])))
-            logger.info("tuning %s: %s -> lr %g", m, scores, chosen[m])
+    tune_key = args.tune_key or val_key
+    if len(args.lrs) > 1 or len(critic_lrs) > 1:
+        if not tune_key:  # the first validation key any run logs
+            probe = runner.run_all([Spec(args.methods[0], args.lrs[0], TUNE_SEED0, chosen[args.methods[0]][1])])
+            tune_key = next((find_val_key(r) for r in probe.values() if r), None) or "val/none/pass@1"
+        if tune_key == (val_key or tune_key):
+            logger.warning("tuning and reporting on the same metric (%s): pass --tune-key (a validation split)", tune_key)
+
+        def actor_spec(m, lr, seed):
+            return Spec(m, lr, seed, chosen[m][1])
+
+        def critic_spec(m, clr, seed):
+            return Spec(m, chosen[m][0], seed, clr)
+
+        if len(args.lrs) > 1:
+            for m, t in tune(runner, {m: args.lrs for m in args.methods}, actor_spec, tune_key, args.max_extend).items():
+                tuning[m]["lr"], chosen[m] = t, (t["chosen"], chosen[m][1])
+        critics = [m for m in args.methods if uses_critic(m)]
+        if len(critic_lrs) > 1 and critics:
+            for m, t in tune(runner, {m: critic_lrs for m in critics}, critic_spec, tune_key, args.max_extend).items():
+                tuning[m]["critic_lr"], chosen[m] = t, (chosen[m][0], t["chosen"])
+        logger.info("chosen (lr, critic lr): %s", chosen)
     # Seed-major order: a comparison cut short still has every method on its first seeds.
-    specs = [(m, chosen[m], seed) for seed in range(args.seeds) for m in args.methods]
+    specs = [Spec(m, chosen[m][0], seed, chosen[m][1]) for seed in range(args.seeds) for m in args.methods]
     res = runner.run_all(specs)
     val_key = val_key or next((find_val_key(r) for r in res.values() if r and find_val_key(r)), None)
     if val_key is None:
         raise RuntimeError("no run logged a val/*/pass@1 metric: set trainer.test_freq (and --val-key)")
-    reported = {m: {seed: res[(m, chosen[m], seed)] for seed in range(args.seeds)} for m in args.methods}
-    summary = summarise(args, tuning, chosen, reported, val_key)
+    tune_key = tune_key or val_key
+    methods = {}
+    for m in args.methods:
+        results = {seed: res[Spec(m, chosen[m][0], seed, chosen[m][1])] for seed in range(args.seeds)}
+        methods[m] = {"lr": chosen[m][0], "critic_lr": chosen[m][1], **method_summary(results, val_key, tune_key)}
+    summary = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "tune_seeds": args.tune_seeds if any(tuning.values()) else 0,
+        "lrs": args.lrs,
+        "critic_lrs": args.critic_lrs,
+        "val_key": val_key,
+        "tune_key": tune_key,
+        "final_definition": FINAL_DEFINITION,
+        "tuning": {m: t for m, t in tuning.items() if t},
+        "methods": methods,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(table(summary))
     plot(summary, out / "curves.png")
     logger.info("wrote %s, %s and %s\n%s", out / "summary.json", out / "summary.md", out / "curves.png", table(summary))
     return summary
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in str(text).split(",") if x]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -348,9 +342,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=5, help="reported seeds 0..S-1")
     p.add_argument("--tune-seeds", type=int, default=2, help="seeds 1000.. used only to pick each method's lr")
     p.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="comma-separated lr grid (one value: no tuning)")
+    p.add_argument("--critic-lrs", default="", help="critic lr grid for critic methods (ppo); empty: the config's")
+    p.add_argument("--max-extend", type=int, default=2, help="values a grid may grow per side while its best is an edge")
     p.add_argument("--steps", type=int, default=0, help="trainer.total_steps of every run (0: the config's)")
     p.add_argument("--jobs", type=int, default=0, help="runs at a time (0: CPU cores // ranks per run)")
-    p.add_argument("--val-key", default="", help="held-out metric (default: the first val/*/pass@1)")
+    p.add_argument("--val-key", default="", help="reported (held-out) metric (default: the first val/*/pass@1)")
+    p.add_argument("--tune-key", default="", help="metric the lrs are tuned on, e.g. a validation split (default: --val-key)")
     p.add_argument("--background", action="store_true", help="detach; log to OUT/compare.log")
     p.add_argument("overrides", nargs="*", help="a.b=c overrides applied to every run")
 
@@ -362,7 +359,7 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         logger.error("--methods has %s: choose from %s", bad, sorted(METHODS))
         return 2
-    args.lrs = [float(x) for x in str(args.lrs).split(",") if x]
+    args.lrs, args.critic_lrs = _floats(args.lrs), _floats(args.critic_lrs)
     problem = check_validates(args)
     if problem:
         logger.error("%s", problem)

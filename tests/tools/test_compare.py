@@ -1,5 +1,7 @@
-"""The comparison harness on a tiny budget: 2 methods x 2 seeds x 3 steps (TP=1, one lr: no
-tuning phase), JSON summary, table and PNG; a rerun is resumable (finished runs are not redone)."""
+"""The comparison harness: the tuning rules on synthetic metrics (grid growth until the optimum is
+interior, the critic lr after the actor lr, tuning on its own key), then for real on a tiny budget:
+2 methods x 2 seeds x 3 steps (TP=1) with a critic-lr tuning phase, JSON summary, tables and PNG; a
+rerun is resumable (finished runs are not redone)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pacs_megatron.tools.compare import Runner, interval, run_score
+from pacs_megatron.tools.compare import Runner, Spec, grid_step, interval, run_score, tune
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,6 +45,14 @@ def test_compare_tiny_budget_writes_json_and_png(tmp_path):
         "2",
         "--lrs",
         "1e-3",
+        "--critic-lrs",
+        "1e-3,3e-3",
+        "--tune-seeds",
+        "1",
+        "--max-extend",
+        "0",
+        "--tune-key",
+        "val/arith_val/pass@1",
         "--steps",
         "3",
         "--jobs",
@@ -61,13 +71,26 @@ def test_compare_tiny_budget_writes_json_and_png(tmp_path):
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["val_key"] == "val/arith_heldout/pass@1"
+    assert summary["tune_key"] == "val/arith_val/pass@1"
+    # Only the critic method tunes (one actor lr), on the tuning seed 1000: one run per critic lr.
+    assert list(summary["tuning"]) == ["ppo"] and set(summary["tuning"]["ppo"]["critic_lr"]["scores"]) == {"0.001", "0.003"}
+    assert sorted(p.name.split("-")[0] for p in out.glob("runs/ppo_*_s1000-*")) == [
+        "ppo_lr0.001_clr0.001_s1000",
+        "ppo_lr0.001_clr0.003_s1000",
+    ]
+    assert summary["methods"]["pacs"]["critic_lr"] is None
+    assert summary["methods"]["ppo"]["critic_lr"] == summary["tuning"]["ppo"]["critic_lr"]["chosen"]
     for method in ("pacs", "ppo"):
         s = summary["methods"][method]
         assert s["seeds"] == [0, 1] and s["final_heldout"]["n"] == 2
         assert s["curves"]["reward/mean"]["step"] == [1, 2, 3]
         assert math.isfinite(s["final_train_reward"]["half_width"])
     assert (out / "curves.png").stat().st_size > 10_000
-    assert "| pacs | 0.001 | 2 |" in (out / "summary.md").read_text()
+    md = (out / "summary.md").read_text()
+    assert "| pacs | 0.001 | 2 |" in md and "Per seed:" in md and "| ppo | critic_lr | 0.001 |" in md
+    per_seed = summary["methods"]["ppo"]["per_seed"]
+    assert [r["seed"] for r in per_seed] == [0, 1]
+    assert summary["methods"]["ppo"]["final_heldout"]["mean"] == pytest.approx(sum(r["heldout"] for r in per_seed) / 2)
     # Resumable: every run is done, so a rerun launches nothing and rewrites the same summary.
     stamp = {p: p.stat().st_mtime for p in out.glob("runs/*/metrics.jsonl")}
     assert main(argv) == 0
@@ -138,3 +161,36 @@ def test_killing_compare_by_its_pid_stops_its_runs(tmp_path):
         assert not alive, f"runs left going after compare was killed: {alive}"
     finally:
         proc.kill()
+
+
+class _Synthetic(Runner):
+    """A runner whose runs are metrics rows made from the spec: the tuning rules in isolation."""
+
+    def __init__(self, tune_seeds, score):
+        import argparse
+
+        super().__init__(argparse.Namespace(out="/nonexistent", tune_seeds=tune_seeds))
+        self.score, self.ran = score, []
+
+    def run_all(self, specs):
+        self.ran += [Spec(*s) for s in specs]
+        rows = lambda s: [  # noqa: E731
+            {"step": 1, "reward/mean": 0.5, "val/tune/pass@1": self.score(s), "val/report/pass@1": -self.score(s)}
+        ]
+        return {Spec(*s): rows(Spec(*s)) for s in specs}
+
+
+def test_grid_grows_until_the_optimum_is_interior():
+    assert grid_step([3e-5, 1e-4, 3e-4, 1e-3, 3e-3], 1) == 1e-2 and grid_step([3e-5, 1e-4], -1) == 1e-5
+    peak = 1e-5  # below the grid: two growth steps reach it, then one more value shows it is interior
+    runner = _Synthetic(2, lambda s: -abs(math.log10(s.lr / peak)))
+    out = tune(runner, {"pacs": [3e-4, 1e-4]}, lambda m, lr, seed: Spec(m, lr, seed), "val/tune/pass@1", 3)
+    assert out["pacs"]["chosen"] == pytest.approx(1e-5) and out["pacs"]["interior"]
+    assert out["pacs"]["grid"] == pytest.approx([3e-6, 1e-5, 3e-5, 1e-4, 3e-4])
+    assert {s.seed for s in runner.ran} == {1000, 1001}  # tuning never touches the reported seeds
+    # Bounded: with max_extend=1 an optimum still at the edge is chosen and flagged as not interior.
+    out = tune(_Synthetic(1, lambda s: -s.lr), {"grpo": [1e-4, 3e-4]}, lambda m, lr, seed: Spec(m, lr, seed), "val/tune/pass@1", 1)
+    assert out["grpo"]["chosen"] == pytest.approx(3e-5) and not out["grpo"]["interior"]
+    # The score is the tuning key's: the report key (the negation here) would pick the other end.
+    out = tune(_Synthetic(1, lambda s: s.lr), {"ppo": [1e-4, 3e-4, 1e-3]}, lambda m, lr, seed: Spec(m, lr, seed), "val/report/pass@1", 0)
+    assert out["ppo"]["chosen"] == pytest.approx(1e-4)

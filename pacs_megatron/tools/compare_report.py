@@ -1,0 +1,143 @@
+"""What ``pacs-megatron compare`` writes: scores, intervals over seeds, the tables and the plot.
+
+Pure functions of the runs' ``metrics.jsonl`` rows, so the numbers in ``summary.json`` can be checked
+by hand (tests/tools/test_compare.py does).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+TRAIN_KEY = "reward/mean"
+# Two-sided 95% Student-t quantiles for 1..10 degrees of freedom (normal beyond).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+FINAL_DEFINITION = "validation metrics: mean of the last 3 validations; train reward: mean of the last quarter"
+
+
+def interval(xs: list[float]) -> dict:
+    """Mean and 95% t-interval half-width over seeds (half-width nan for one value).
+
+    Example:
+        >>> interval([1.0, 2.0, 3.0])["half_width"]  # t(2) * 1 / sqrt(3)
+        2.4843...
+    """
+    n = len(xs)
+    mean = sum(xs) / n if n else float("nan")
+    if n < 2:
+        return {"mean": mean, "half_width": float("nan"), "n": n}
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    return {"mean": mean, "half_width": t * sd / math.sqrt(n), "n": n}
+
+
+def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
+
+
+def find_val_key(rows: list[dict]) -> str | None:
+    keys = sorted({k for r in rows for k in r if k.startswith("val/") and k.endswith("/pass@1")})
+    return keys[0] if keys else None
+
+
+def run_score(rows: list[dict], val_key: str) -> tuple[float, float]:
+    """(mean of the last three values of ``val_key``, mean train reward of the last quarter)."""
+    val = [v for _, v in series(rows, val_key)][-3:]
+    train = [v for _, v in series(rows, TRAIN_KEY)]
+    tail = train[-max(1, len(train) // 4) :]
+    return (sum(val) / len(val) if val else float("nan"), sum(tail) / len(tail) if tail else float("nan"))
+
+
+def curves(results: dict[int, list[dict]], key: str) -> dict:
+    """Per step: mean and 95% half-width over the seeds that logged ``key`` at that step."""
+    per_step: dict[int, list[float]] = {}
+    for rows in results.values():
+        for step, v in series(rows, key):
+            per_step.setdefault(step, []).append(v)
+    steps = sorted(per_step)
+    stats = [interval(per_step[s]) for s in steps]
+    return {"step": steps, "mean": [s["mean"] for s in stats], "half_width": [s["half_width"] for s in stats]}
+
+
+def method_summary(results: dict[int, list[dict] | None], val_key: str, tune_key: str) -> dict:
+    """One method's reported seeds: per-seed scores, their intervals and the mean curves."""
+    ok = {seed: rows for seed, rows in results.items() if rows}
+    per_seed = []
+    for seed, rows in sorted(ok.items()):
+        heldout, train = run_score(rows, val_key)
+        per_seed.append({"seed": seed, "heldout": heldout, "tune": run_score(rows, tune_key)[0], "train_reward": train})
+    return {
+        "seeds": sorted(ok),
+        "failed_seeds": sorted(s for s, r in results.items() if not r),
+        "per_seed": per_seed,
+        "final_heldout": interval([s["heldout"] for s in per_seed]),
+        "final_tune": interval([s["tune"] for s in per_seed]),
+        "final_train_reward": interval([s["train_reward"] for s in per_seed]),
+        "curves": {key: curves(ok, key) for key in dict.fromkeys([TRAIN_KEY, val_key, tune_key])},
+    }
+
+
+def _pm(s: dict) -> str:
+    return f"{s['mean']:.3f} +- {s['half_width']:.3f}"
+
+
+def _lrs(s: dict) -> str:
+    return f"{s['lr']:g}" + (f" (critic {s['critic_lr']:g})" if s.get("critic_lr") is not None else "")
+
+
+def table(summary: dict) -> str:
+    """Markdown: the final values (mean +- 95% t-interval over seeds), per seed, and the tuning grid."""
+    val, tune = summary["val_key"], summary["tune_key"]
+    lines = [f"| method | lr | seeds | {val} | {tune} | train {TRAIN_KEY} |", "|---|---|---|---|---|---|"]
+    for m, s in summary["methods"].items():
+        lines.append(
+            f"| {m} | {_lrs(s)} | {s['final_heldout']['n']} | {_pm(s['final_heldout'])} | "
+            f"{_pm(s['final_tune'])} | {_pm(s['final_train_reward'])} |"
+        )
+    lines += ["", "Per seed:", "", f"| method | seed | {val} | {tune} | train {TRAIN_KEY} |", "|---|---|---|---|---|"]
+    for m, s in summary["methods"].items():
+        for r in s["per_seed"]:
+            lines.append(f"| {m} | {r['seed']} | {r['heldout']:.3f} | {r['tune']:.3f} | {r['train_reward']:.3f} |")
+        for seed in s["failed_seeds"]:
+            lines.append(f"| {m} | {seed} | failed | failed | failed |")
+    if summary["tuning"]:
+        lines += ["", f"Tuning ({tune}, then train reward; mean over the tuning seeds):", ""]
+        lines += ["| method | parameter | value | score | train reward | chosen |", "|---|---|---|---|---|---|"]
+        for m, t in summary["tuning"].items():
+            for param in ("lr", "critic_lr"):
+                if param not in t:
+                    continue
+                grid = t[param]
+                for value, (score, train) in sorted(grid["scores"].items(), key=lambda kv: float(kv[0])):
+                    mark = "yes" if float(value) == grid["chosen"] else ""
+                    if mark and not grid["interior"]:
+                        mark += " (edge of the grid)"
+                    lines.append(f"| {m} | {param} | {value} | {score:.3f} | {train:.3f} | {mark} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys([TRAIN_KEY, summary["val_key"]]))
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for method, s in summary["methods"].items():
+            c = s["curves"][key]
+            if not c["step"]:
+                continue
+            lo = [m - (h if math.isfinite(h) else 0) for m, h in zip(c["mean"], c["half_width"])]
+            hi = [m + (h if math.isfinite(h) else 0) for m, h in zip(c["mean"], c["half_width"])]
+            (line,) = ax.plot(c["step"], c["mean"], label=f"{method} (lr {_lrs(s)})", linewidth=1.4)
+            ax.fill_between(c["step"], lo, hi, color=line.get_color(), alpha=0.2)
+        ax.set_title(f"{key}: mean +- 95% CI over {summary['seeds']} seeds")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

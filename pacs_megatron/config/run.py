@@ -11,7 +11,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pacs_megatron.config.actor import ActorConfig
+from pacs_megatron.config.actor import ActorConfig, check_routing_replay
 from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.critic import CriticConfig
 from pacs_megatron.config.data import DataConfig, RewardConfig
@@ -100,6 +100,7 @@ class RunConfig:
                 "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
             )
         check_rollout_quantization(self.rollout, self.parallel.backend)
+        check_routing_replay(self.actor, self.rollout)
 
     @property
     def mini_batch_prompts(self) -> int:

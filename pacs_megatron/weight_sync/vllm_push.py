@@ -58,10 +58,33 @@ def expected_hf_names(model_dir: str | Path) -> tuple[frozenset[str], frozenset[
     except Exception as e:  # an architecture transformers does not know: the probe still checks
         logger.warning("vLLM weight sync: cannot list the HF tensor names of %s (%s); probe only", model_dir, e)
         return None
-    required = {n for n, _ in model.named_parameters()}
-    required |= {n for n, b in model.named_buffers() if n in model.state_dict()}
-    optional = set(model.state_dict()) - required
+    params = {n for n, _ in model.named_parameters()}
+    params |= {n for n, b in model.named_buffers() if n in model.state_dict()}
+    optional = set(model.state_dict()) - params
+    shapes = dict(model.named_parameters())
+    required = {c for n in params for c in checkpoint_names(n, shapes[n].shape[0] if n in shapes else 0)}
     return frozenset(required), frozenset(optional)
+
+
+_FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def checkpoint_names(name: str, leading: int) -> list[str]:
+    """The checkpoint tensor names behind one transformers parameter: itself, or for a fused MoE expert
+    parameter (transformers 5 keeps ``mlp.experts.gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``
+    in memory; ``leading`` is its E) the per-expert names checkpoints, the actor's export and vLLM's
+    Qwen3-MoE loader use: one missing expert is then named, not hidden inside a fused tensor.
+
+    Example:
+        >>> [n.split("experts.")[1] for n in checkpoint_names("model.layers.0.mlp.experts.gate_up_proj", 2)]
+        ['0.gate_proj.weight', '0.up_proj.weight', '1.gate_proj.weight', '1.up_proj.weight']
+        >>> checkpoint_names("model.norm.weight", 64)
+        ['model.norm.weight']
+    """
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith(".mlp.experts") or leaf not in _FUSED_EXPERTS:
+        return [name]
+    return [f"{prefix}.{e}.{proj}.weight" for e in range(leading) for proj in _FUSED_EXPERTS[leaf]]
 
 
 class SyncStream:
@@ -134,12 +157,48 @@ def refresh_tied_lm_head(model) -> bool:
     return True
 
 
+def repack_cpu_moe_experts(model) -> int:
+    """vLLM 0.32 CPU workaround: after a reload, re-run the CPU MoE kernel's prepack of the experts.
+
+    vLLM's CPU MoE kernel (``CPUUnquantizedExperts``) keeps ``w13_weight`` / ``w2_weight`` in a prepacked
+    grouped-GEMM layout (``cpu_prepack_moe_weight``) made once, at the first load. On a reload
+    ``UnquantizedFusedMoEMethod._setup_kernel`` sees a kernel already built and skips that prepack (it only
+    copies the new weights into the old storage), so the kernel reads HF-layout weights as packed ones:
+    log-probs ~1.8 nats off after one sync of a tiny Qwen3-MoE (measured). Packing the freshly loaded
+    weights into the same storage fixes it. Only after a complete reload: a layer that received nothing keeps
+    its packed tensors, and packing them twice would scramble them. Returns the number of MoE layers
+    repacked (0 on GPU and for dense models). An intermediate size vLLM pads at load (not a multiple of the
+    kernel's alignment, 32) makes the reload's copy fail on shapes before this runs."""
+    try:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without the CPU MoE kernels (GPU)
+        return 0
+    count = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+            continue
+        with torch.no_grad():
+            for name in ("w13_weight", "w2_weight"):
+                weight = getattr(module, name)
+                weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+        count += 1
+    return count
+
+
+def _repack_after_reload(model) -> tuple[bool, int]:
+    return refresh_tied_lm_head(model), repack_cpu_moe_experts(model)
+
+
 def reload_weights(llm, buckets: Iterable[Iterable[NamedTensor]], stream: SyncStream) -> int:
     """Load ``buckets`` into ``llm`` (a ``vllm.LLM`` under the external launcher) through vLLM's layerwise
-    reload, fix the tied head, reset the prefix cache; return the number of tensors loaded."""
+    reload, fix what the reload leaves stale on CPU (tied head, MoE prepack), reset the prefix cache; return
+    the number of tensors loaded."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream.tensors(buckets)})
     count = stream.finish()
-    llm.apply_model(refresh_tied_lm_head)
+    llm.apply_model(_repack_after_reload)
     llm.reset_prefix_cache()
     return count
 

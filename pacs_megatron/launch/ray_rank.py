@@ -2,7 +2,8 @@
 
 The actor does not run :func:`pacs_megatron.train.train` in its own process: it starts the same
 module entry as a torchrun rank, ``python -m pacs_megatron.launch --config FILE``, as a child with
-the rank's environment, and waits for it. Why a child process:
+the rank's environment, and waits for it (another :class:`RankProgram`, e.g. ``doctor
+--distributed``, runs the same way). Why a child process:
 
 - signals: the trainer's SIGTERM/SIGINT handlers (checkpoint, then exit) need the main thread of a
   process that owns its signal dispositions; a Ray worker's main thread belongs to Ray, which also
@@ -27,10 +28,39 @@ import sys
 import tempfile
 import threading
 from collections import deque
+from dataclasses import dataclass
 
 from pacs_megatron.utils.proc import die_with_parent
 
 _TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """What every rank of a Ray job runs: ``python -m module *args``.
+
+    Example: ``RankProgram("pacs_megatron.tools.doctor_distributed", ("--dir", "/shared"), capture_stdout=True)``
+    """
+
+    module: str = "pacs_megatron.launch"
+    """A module of this package with a ``__main__`` entry that runs one rank (RANK etc. from the environment)."""
+    args: tuple[str, ...] = ()
+    """Its arguments; the trainer's ``--config FILE`` is added by the actor (the file is written on its node)."""
+    capture_stdout: bool = False
+    """Return the rank's whole stdout instead of streaming it: Ray streams actor output asynchronously
+    and line-prefixed, so a report printed just before exit may reach the driver late, or not at all."""
+
+
+TRAINER = RankProgram()
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """How one rank ended: its exit code, last stderr lines (for the driver's error), captured stdout."""
+
+    code: int
+    tail: list[str]
+    stdout: str = ""
 
 
 class RankActor:
@@ -68,15 +98,20 @@ class RankActor:
         self._store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30))
         return self._store.port
 
-    def run(self, rank: int, config_yaml: str, env: dict[str, str], cwd: str) -> tuple[int, list[str]]:
-        """Run the trainer rank to completion; return its exit code and its last stderr lines."""
+    def run(
+        self, rank: int, config_yaml: str, env: dict[str, str], cwd: str, program: RankProgram = TRAINER
+    ) -> RankResult:
+        """Run the rank's program to completion (the trainer unless ``program`` says otherwise)."""
         self.rank = rank
         workdir = tempfile.mkdtemp(prefix=f"pacs-rank{rank}-")
-        # The resolved config travels with the call; the run's directories (absolute paths, made so by
-        # the driver) must still be on a filesystem every node sees, which the rank checks at start.
-        config_path = os.path.join(workdir, "config.yaml")
-        with open(config_path, "w") as f:
-            f.write(config_yaml)
+        argv = [sys.executable, "-m", program.module, *program.args]
+        if program.module == TRAINER.module:
+            # The resolved config travels with the call; the run's directories (absolute paths, made so by
+            # the driver) must still be on a filesystem every node sees, which the rank checks at start.
+            config_path = os.path.join(workdir, "config.yaml")
+            with open(config_path, "w") as f:
+                f.write(config_yaml)
+            argv += ["--config", config_path]
         if not os.path.isdir(cwd):
             sys.stderr.write(
                 f"rank {rank}: the driver's working directory {cwd} is not on this node: running in {workdir}\n"
@@ -84,10 +119,11 @@ class RankActor:
             cwd = workdir
         full_env = dict(os.environ) | env
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pacs_megatron.launch", "--config", config_path],
+            argv,
             env=full_env,
             cwd=cwd,
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if program.capture_stdout else None,
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
@@ -95,9 +131,10 @@ class RankActor:
         )
         copier = threading.Thread(target=self._copy_stderr, daemon=True)
         copier.start()
+        stdout = self.proc.stdout.read() if program.capture_stdout else ""  # until the rank closes it (exits)
         code = self.proc.wait()
         copier.join(timeout=5.0)
-        return code, list(self.tail)
+        return RankResult(code, list(self.tail), stdout)
 
     def _copy_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None

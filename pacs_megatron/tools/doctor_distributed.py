@@ -3,6 +3,12 @@
     srun --nodes 2 --ntasks-per-node 8 pacs-megatron doctor --distributed --dir /shared/runs
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29400 \
         -m pacs_megatron.tools.doctor_distributed --dir /shared/runs
+    pacs-megatron doctor --distributed --config RUN.yaml launcher.kind=ray launcher.ray_address=auto
+
+Under Ray the command is the driver, as ``pacs-megatron train`` is: it starts the ranks the run's
+config would get (``parallel.world_size`` rank actors with its ``launcher.*`` placement, through
+launch/ray_launcher.py) and each rank runs this module; the ``--dir`` default there is the parent of
+the run's ``trainer.output_dir``, the directory every node must share.
 
 Rank 0 prints one line per rank (host, local rank, visible devices and the CUDA device the trainer
 would pick, the network interface that reaches ``MASTER_ADDR``, what the hostname resolves to,
@@ -95,7 +101,8 @@ def rank_report() -> dict:
         "local_rank": local_rank,
         "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         "host": host,
-        "node": os.environ.get("SLURMD_NODENAME", host),
+        # Slurm's node name; under Ray the node id (two raylets may share a host name)
+        "node": os.environ.get("SLURMD_NODENAME") or os.environ.get("PACS_RAY_NODE_ID", "")[:8] or host,
         "resolves_to": resolved,
         "ip": ip,
         "iface": _iface_of(ip),
@@ -182,9 +189,41 @@ def run(dirs: list[str]) -> int:
     return 1 if found else 0
 
 
-def main(args: argparse.Namespace) -> int:
-    from pacs_megatron.launch.slurm import apply_srun_env
+def _ray_job(args: argparse.Namespace):
+    """The run config when it asks for ``launcher.kind=ray`` (this process is then the job's driver), else None."""
+    if not (getattr(args, "config", None) or getattr(args, "overrides", None)):
+        return None
+    from pacs_megatron.config import load_config
 
+    cfg = load_config(args.config, list(args.overrides))
+    return cfg if cfg.launcher.kind == "ray" else None
+
+
+def run_on_ray(cfg, dirs: list[str]) -> int:
+    """Drive the check on the Ray cluster of ``cfg.launcher``: one rank actor per rank of the run."""
+    from pacs_megatron.launch.ray_launcher import main as ray_main
+    from pacs_megatron.launch.ray_rank import RankProgram
+
+    # absolute on the driver: a rank runs in the driver's working directory only where its node has it
+    dirs = [os.path.abspath(d) for d in dirs] or [os.path.dirname(os.path.abspath(cfg.trainer.output_dir))]
+    args = tuple(a for d in dirs for a in ("--dir", d))
+    return ray_main(cfg, RankProgram("pacs_megatron.tools.doctor_distributed", args, capture_stdout=True))
+
+
+def main(args: argparse.Namespace) -> int:
+    from pacs_megatron.config import ConfigError
+    from pacs_megatron.launch.slurm import apply_srun_env
+    from pacs_megatron.utils.logging import init_logging
+
+    if not under_launcher():
+        try:
+            cfg = _ray_job(args)
+        except ConfigError as e:
+            sys.stderr.write(f"error: config: {e}\n")
+            return 2
+        if cfg is not None:
+            init_logging()  # the driver's one-line launch errors
+            return run_on_ray(cfg, args.dir)
     try:
         apply_srun_env()  # srun started the tasks: RANK, MASTER_ADDR (scontrol), MASTER_PORT (job id)
     except RuntimeError as e:
@@ -192,8 +231,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if not under_launcher():
         sys.stderr.write(
-            "error: doctor --distributed runs on every rank of a job: start it with srun, torchrun or the Ray "
-            "launcher (RANK/WORLD_SIZE are not set)\n"
+            "error: doctor --distributed runs on every rank of a job: start it with srun or torchrun, or give "
+            "launcher.kind=ray (and launcher.ray_address) to start the ranks on a Ray cluster "
+            "(RANK/WORLD_SIZE are not set)\n"
         )
         return 2
     return run(args.dir or [os.getcwd()])

@@ -7,22 +7,26 @@
 - a rank actor killed mid-run fails the job within seconds with an error naming the rank; a second
   launch resumes from the last checkpoint, and SIGTERM to its driver makes the ranks checkpoint and exit 143;
 - bad input: an unreachable ``launcher.ray_address`` and an unsatisfiable placement group each end in
-  one error line (no traceback), the latter after ``placement_timeout_s``.
+  one error line (no traceback), the latter after ``placement_timeout_s``;
+- ``doctor --distributed`` with ``launcher.kind=ray`` runs on the run's ranks, one per raylet: each
+  reports its rank, node and hostname resolution, then the timed Gloo all-reduce and the canary.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from _runs import NONDETERMINISTIC, metrics_rows, train_cmd
+from _runs import CONFIG, NONDETERMINISTIC, metrics_rows, train_cmd
 
 from pacs_megatron.utils.dist import free_port
 
@@ -220,6 +224,26 @@ def test_bad_ray_address_and_unsatisfiable_placement(ray_cluster, tmp_path):
     assert "asked 2 bundles" in line and "'GPU': 1.0" in line and "2 node(s)" in line, line
     assert time.monotonic() - started < 60
     assert not (tmp_path / "b").exists()  # nothing started
+
+
+@pytest.mark.distributed
+def test_doctor_distributed_under_ray(ray_cluster, tmp_path):
+    # --dir relative to the driver's cwd: made absolute there, as the ranks may run elsewhere
+    cmd = [sys.executable, "-m", "pacs_megatron", "doctor", "--distributed", "--dir", "shared"]
+    cmd += ["--config", str(CONFIG), *_ray(ray_cluster, "launcher.placement=strict_spread")]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, timeout=180, capture_output=True, text=True)
+    elapsed = time.monotonic() - started
+    out = proc.stdout
+    assert proc.returncode == 0, (out + proc.stderr)[-3000:]
+    assert out.startswith("launcher ray, world 2, master "), out  # rank 0's report, whole, on the driver's stdout
+    ranks = re.findall(r"^rank (\d)\s+local 0/1  node (\w+)  host (\S+) -> (\S+)  nic \S+ (\S+)", out, re.M)
+    assert [r[0] for r in ranks] == ["0", "1"], out
+    assert ranks[0][1] != ranks[1][1], out  # strict_spread: two raylets (node ids)
+    assert all(re.fullmatch(r"\d+\.\d+\.\d+\.\d+", r[3]) for r in ranks), out  # the hostname resolves
+    assert re.search(r"^gloo all-reduce 4 MiB: \d+\.\d+ ms$", out, re.M), out
+    assert f"shared {tmp_path / 'shared'}: ok" in out and "ERROR" not in out, out
+    sys.stderr.write(f"doctor --distributed on two raylets: {elapsed:.1f}s\n")
 
 
 def test_rank_order_and_env_pack_tp_groups_on_nodes(monkeypatch):

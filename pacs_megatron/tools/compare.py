@@ -46,8 +46,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from pacs_megatron.tools.compare_report import (
     FINAL_DEFINITION,
@@ -108,7 +109,7 @@ def grid_step(grid: list[float], side: int) -> float:
 
 
 def tune(
-    runner: "Runner",
+    runner: Runner,
     grids: dict[str, list[float]],
     spec: Callable[[str, float, int], Spec],
     score_key: str,
@@ -186,7 +187,13 @@ class Runner:
 
     def command(self, *spec) -> list[str]:
         d = self.run_dir(*spec)
-        return [*TRAIN, f"--config={self.args.config}", *self.settings(*spec), f"trainer.output_dir={d}", f"model.path={d}/model"]
+        return [
+            *TRAIN,
+            f"--config={self.args.config}",
+            *self.settings(*spec),
+            f"trainer.output_dir={d}",
+            f"model.path={d}/model",
+        ]
 
     def run_all(self, specs: list[Spec]) -> dict[Spec, list[dict] | None]:
         """Run every spec not yet done; return each spec's metrics rows (None when it failed)."""
@@ -288,7 +295,9 @@ def compare(args: argparse.Namespace) -> dict:
             probe = runner.run_all([Spec(args.methods[0], args.lrs[0], TUNE_SEED0, chosen[args.methods[0]][1])])
             tune_key = next((find_val_key(r) for r in probe.values() if r), None) or "val/none/pass@1"
         if tune_key == (val_key or tune_key):
-            logger.warning("tuning and reporting on the same metric (%s): pass --tune-key (a validation split)", tune_key)
+            logger.warning(
+                "tuning and reporting on the same metric (%s): pass --tune-key (a validation split)", tune_key
+            )
 
         def actor_spec(m, lr, seed):
             return Spec(m, lr, seed, chosen[m][1])
@@ -297,7 +306,9 @@ def compare(args: argparse.Namespace) -> dict:
             return Spec(m, chosen[m][0], seed, clr)
 
         if len(args.lrs) > 1:
-            for m, t in tune(runner, {m: args.lrs for m in args.methods}, actor_spec, tune_key, args.max_extend).items():
+            for m, t in tune(
+                runner, {m: args.lrs for m in args.methods}, actor_spec, tune_key, args.max_extend
+            ).items():
                 tuning[m]["lr"], chosen[m] = t, (t["chosen"], chosen[m][1])
         critics = [m for m in args.methods if uses_critic(m)]
         if len(critic_lrs) > 1 and critics:
@@ -348,11 +359,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-seeds", type=int, default=2, help="seeds 1000.. used only to pick each method's lr")
     p.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="comma-separated lr grid (one value: no tuning)")
     p.add_argument("--critic-lrs", default="", help="critic lr grid for critic methods (ppo); empty: the config's")
-    p.add_argument("--max-extend", type=int, default=2, help="values a grid may grow per side while its best is an edge")
+    p.add_argument(
+        "--max-extend", type=int, default=2, help="values a grid may grow per side while its best is an edge"
+    )
     p.add_argument("--steps", type=int, default=0, help="trainer.total_steps of every run (0: the config's)")
     p.add_argument("--jobs", type=int, default=0, help="runs at a time (0: CPU cores // ranks per run)")
     p.add_argument("--val-key", default="", help="reported (held-out) metric (default: the first val/*/pass@1)")
-    p.add_argument("--tune-key", default="", help="metric the lrs are tuned on, e.g. a validation split (default: --val-key)")
+    p.add_argument(
+        "--tune-key", default="", help="metric the lrs are tuned on, e.g. a validation split (default: --val-key)"
+    )
     p.add_argument("--background", action="store_true", help="detach; log to OUT/compare.log")
     p.add_argument("overrides", nargs="*", help="a.b=c overrides applied to every run")
 

@@ -73,7 +73,10 @@ def test_compare_tiny_budget_writes_json_and_png(tmp_path):
     assert summary["val_key"] == "val/arith_heldout/pass@1"
     assert summary["tune_key"] == "val/arith_val/pass@1"
     # Only the critic method tunes (one actor lr), on the tuning seed 1000: one run per critic lr.
-    assert list(summary["tuning"]) == ["ppo"] and set(summary["tuning"]["ppo"]["critic_lr"]["scores"]) == {"0.001", "0.003"}
+    assert list(summary["tuning"]) == ["ppo"] and set(summary["tuning"]["ppo"]["critic_lr"]["scores"]) == {
+        "0.001",
+        "0.003",
+    }
     assert sorted(p.name.split("-")[0] for p in out.glob("runs/ppo_*_s1000-*")) == [
         "ppo_lr0.001_clr0.001_s1000",
         "ppo_lr0.001_clr0.003_s1000",
@@ -189,8 +192,20 @@ def test_grid_grows_until_the_optimum_is_interior():
     assert out["pacs"]["grid"] == pytest.approx([3e-6, 1e-5, 3e-5, 1e-4, 3e-4])
     assert {s.seed for s in runner.ran} == {1000, 1001}  # tuning never touches the reported seeds
     # Bounded: with max_extend=1 an optimum still at the edge is chosen and flagged as not interior.
-    out = tune(_Synthetic(1, lambda s: -s.lr), {"grpo": [1e-4, 3e-4]}, lambda m, lr, seed: Spec(m, lr, seed), "val/tune/pass@1", 1)
+    out = tune(
+        _Synthetic(1, lambda s: -s.lr),
+        {"grpo": [1e-4, 3e-4]},
+        lambda m, lr, seed: Spec(m, lr, seed),
+        "val/tune/pass@1",
+        1,
+    )
     assert out["grpo"]["chosen"] == pytest.approx(3e-5) and not out["grpo"]["interior"]
     # The score is the tuning key's: the report key (the negation here) would pick the other end.
-    out = tune(_Synthetic(1, lambda s: s.lr), {"ppo": [1e-4, 3e-4, 1e-3]}, lambda m, lr, seed: Spec(m, lr, seed), "val/report/pass@1", 0)
+    out = tune(
+        _Synthetic(1, lambda s: s.lr),
+        {"ppo": [1e-4, 3e-4, 1e-3]},
+        lambda m, lr, seed: Spec(m, lr, seed),
+        "val/report/pass@1",
+        0,
+    )
     assert out["ppo"]["chosen"] == pytest.approx(1e-4)

@@ -38,3 +38,18 @@ def wait_until(pred, timeout: float, what: str, alive=lambda: True) -> float:
             raise AssertionError(f"gave up waiting for {what}: the run ended")
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    """True once ``pid`` no longer runs (exited, or a zombie its parent has not reaped yet)."""
+    import psutil
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False

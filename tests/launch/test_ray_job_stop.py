@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _launch_helpers import wait_until
+from _launch_helpers import gone_within, wait_until
 from _runs import metrics_rows, train_cmd
 
 from pacs_megatron.utils.dist import free_port
@@ -149,21 +149,6 @@ def test_ray_job_stop_checkpoints_and_resubmission_resumes(job_server, tmp_path)
     )
 
 
-def _gone_within(pid: int, seconds: float) -> bool:
-    """True once ``pid`` no longer runs (exited, or a zombie its parent has not reaped)."""
-    import psutil
-
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def test_ray_job_stop_past_the_wait_kills_driver_and_ranks(job_server, tmp_path):
     """``RAY_JOB_STOP_WAIT_TIME_S=0``: Ray SIGKILLs the driver right after its SIGTERM. Ray then ends
     the job's actors, and each trainer rank dies with its actor: nothing is left waiting in a
@@ -180,5 +165,5 @@ def test_ray_job_stop_past_the_wait_kills_driver_and_ranks(job_server, tmp_path)
     logs = client.get_job_logs(job)
     assert status == "STOPPED", logs[-4000:]
     assert "RAY_JOB_STOP_WAIT_TIME_S=0: `ray job stop` kills the ranks" in logs, logs[-4000:]  # warned at start
-    assert _gone_within(rank_pid, 30), "the trainer rank outlived the SIGKILLed driver"
+    assert gone_within(rank_pid, 30), "the trainer rank outlived the SIGKILLed driver"
     sys.stderr.write(f"stop with a 0 s wait: job STOPPED and rank gone {time.monotonic() - stop_asked:.1f}s after\n")

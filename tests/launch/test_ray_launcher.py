@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _launch_helpers import gone_within
 from _runs import CONFIG, NONDETERMINISTIC, metrics_rows, train_cmd
 
 from pacs_megatron.utils.dist import free_port
@@ -68,19 +69,6 @@ def _wait_for(pred, timeout: float, proc: subprocess.Popen, log: Path) -> None:
             raise AssertionError(f"run exited early with {proc.returncode}:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for the run:\n{log.read_text()[-3000:]}")
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    """True once ``pid`` no longer runs (exited, or a zombie awaiting its new parent's reaping)."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def _checkpoints(out: Path) -> list[int]:
@@ -165,7 +153,7 @@ def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
     assert elapsed < 20, f"the job took {elapsed:.1f}s to fail"
     error = [line for line in text.splitlines() if "ray launcher:" in line]
     assert len(error) == 1 and "rank 1" in error[0] and "lost" in error[0], text[-3000:]
-    assert _gone_within(rank1["pid"], 10.0)  # the trainer rank died with its actor (PDEATHSIG)
+    assert gone_within(rank1["pid"], 10.0)  # the trainer rank died with its actor (PDEATHSIG)
 
     last = max(_checkpoints(out))
     stale = max(_rows(out), default=last)

@@ -7,6 +7,8 @@
   marker, the script requeues from it; the requeued run (warned again) does step 2 and completes.
   Each step is logged exactly once in metrics.jsonl and rollouts.jsonl, the job never reaches
   TIMEOUT. This run is also the plain 2-node completion check.
+- a warning that reaches the batch shell before its handlers exist: recorded, forwarded once the rank
+  step exists, and the job is requeued (it used to kill the shell: the job FAILED).
 - a user's ``scancel JOB``: the ranks checkpoint within KillWait, the job ends CANCELLED and is not
   requeued.
 - a rank that dies (SIGKILL) fails the job within seconds.
@@ -38,7 +40,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 def _submit(slurm, work: Path, *args: str, nodes: int = 2, env: dict | None = None, sbatch: tuple = ()) -> str:
     work.mkdir(parents=True, exist_ok=True)
-    env = dict(slurm.env, PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()), **(env or {}))
+    env = {
+        **slurm.env,
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "MASTER_PORT": str(free_port()),
+        **(env or {}),
+    }
     out = subprocess.run(
         ["sbatch", "--parsable", "--nodes", str(nodes), *sbatch, str(SCRIPT), *args],
         env=env,
@@ -112,6 +120,34 @@ def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_pa
     assert steps_of(out / "rollouts.jsonl") == list(range(1, steps + 1))
     assert (out / "checkpoints" / f"step_{steps:08d}" / "COMPLETE").is_file()
     assert "DUE TO TIME LIMIT" not in (tmp_path / f"slurm-pacs-{job}.out").read_text()  # slurmstepd's own line
+
+
+def test_sbatch_warning_before_the_shell_has_its_handlers_requeues(slurm, tmp_path):
+    # The controller once sent the time-limit warning 2.5 s into a requeued run, before the script had
+    # installed its USR1 trap: the shell died of it and the job FAILED. Make that window wide and
+    # certain (the plan step sleeps 8 s first) and send the warning to the batch shell alone inside it.
+    out = tmp_path / "run"
+    slow = tmp_path / "python"
+    slow.write_text(f'#!/bin/bash\n[[ "$2" == pacs_megatron.launch.slurm ]] && sleep 8\nexec {sys.executable} "$@"\n')
+    slow.chmod(0o755)
+    job = _submit(slurm, tmp_path, "--config", str(CONFIG), *short_run(out, 500), env={"PYTHON": str(slow)})
+    shell_log = tmp_path / "logs" / f"pacs-{job}.out"
+    wait_until(shell_log.exists, 60, "the batch shell", lambda: slurm.job_field(job, "JobState") != "FAILED")
+    time.sleep(1.0)  # inside the plan's sleep
+    slurm.run("scancel", "--batch", "--signal=USR1", job)
+    wait_until(
+        lambda: slurm.job_field(job, "Restarts") != "0",
+        240,
+        "the requeue",
+        lambda: slurm.job_field(job, "JobState") not in DONE,
+    )
+    log = _log(tmp_path, job)
+    slurm.run("scancel", job)
+    assert "batch shell got SIGUSR1" in log, log[-3000:]
+    requeue = [ln for ln in log.splitlines() if "requeueing job" in ln]
+    assert requeue and '"reason": "SIGUSR1"' in requeue[0], log[-3000:]
+    step = json.loads(requeue[0][requeue[0].index("{") : requeue[0].index("}") + 1])["step"]
+    assert (out / "checkpoints" / f"step_{step:08d}" / "COMPLETE").is_file()
 
 
 def test_sbatch_scancel_cancels_without_requeue(slurm, tmp_path):

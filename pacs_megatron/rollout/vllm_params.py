@@ -6,10 +6,12 @@ engine itself is rollout/vllm_engine.py."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pacs_megatron.rollout.types import Response, SamplingParams
@@ -62,6 +64,7 @@ def llm_kwargs(
     device_type: str = "cuda",
 ) -> dict[str, Any]:
     """``vllm.LLM(**kwargs)`` for this run: colocated (external launcher), seeded; sleepable on GPU.
+    With ``actor.routing_replay=rollout`` on GPU (never run) vLLM returns each token's routed experts.
 
     A model directory without weights (``model.init=random|tiny``) loads vLLM's dummy weights; the first
     weight sync replaces them.
@@ -104,6 +107,10 @@ def llm_kwargs(
     }
     if cpu:
         kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * 2**30)
+    if cfg.actor.routing_replay == "rollout" and not cpu:  # refused on CPU (config/actor.py)
+        # vLLM's AuxOutput connector: needs Model Runner V2 (picked by default on CUDA with Triton; vLLM
+        # raises "requires Model Runner V2" otherwise) and prefix caching (set above)
+        kwargs["enable_return_routed_experts"] = True
     return kwargs | fp8_llm_kwargs(cfg.rollout)
 
 
@@ -159,15 +166,20 @@ def _token_logprob(position: dict | None, token: int, where: str) -> float:
 
 
 def to_responses(
-    outputs: Sequence[Any], n: int, decode: Callable[[list[list[int]]], list[str]]
+    outputs: Sequence[Any],
+    n: int,
+    decode: Callable[[list[list[int]]], list[str]],
+    routing: tuple[Sequence[int], int, Sequence[int] | None] | None = None,
 ) -> list[list[Response]]:
     """vLLM ``RequestOutput``s (one per prompt, in prompt order) -> ``n`` :class:`Response` per prompt.
 
     ``decode`` turns token lists into texts (the trainer's tokenizer, special tokens skipped). A finish
     reason other than "stop"/"length" (vLLM's "abort"/"error"/"repetition") is an error: it would train
-    on a response the sampler never finished.
+    on a response the sampler never finished. ``routing`` = ``(prompt lengths, num_layers, moe_layers)``
+    fills ``Response.routed_experts`` through :func:`routed_experts_from_vllm` (GPU path, never run).
     """
     flat: list[tuple[list[int], str, tuple[float, ...] | None]] = []
+    routed: list[torch.Tensor | None] = []
     for p, out in enumerate(outputs):
         completions = sorted(out.outputs, key=lambda c: c.index)
         if len(completions) != n:
@@ -183,10 +195,19 @@ def to_responses(
                     _token_logprob(c.logprobs[t], tok, f"prompt {p} output {t}") for t, tok in enumerate(tokens)
                 )
             flat.append((tokens, reason, lps))
+            if routing is None:
+                routed.append(None)
+                continue
+            prompt_lens, num_layers, moe_layers = routing
+            if c.routed_experts is None:
+                raise RuntimeError(f"vLLM returned no routed experts for prompt {p} sample {c.index}")
+            routed.append(
+                routed_experts_from_vllm(c.routed_experts, prompt_lens[p], len(tokens), num_layers, moe_layers)
+            )
     texts = decode([t for t, _, _ in flat])
     responses = [
-        Response(token_ids=tuple(tok), text=text, finish_reason=reason, logprobs=lps)
-        for (tok, reason, lps), text in zip(flat, texts)
+        Response(token_ids=tuple(tok), text=text, finish_reason=reason, logprobs=lps, routed_experts=r)
+        for (tok, reason, lps), text, r in zip(flat, texts, routed)
     ]
     return [responses[i * n : (i + 1) * n] for i in range(len(outputs))]
 
@@ -201,3 +222,65 @@ def prompt_logprobs_tensor(token_ids: Sequence[int], prompt_logprobs: Sequence[d
         raise RuntimeError(f"vLLM returned {got} prompt log-prob positions for a {len(token_ids)}-token sequence")
     values = [_token_logprob(prompt_logprobs[t], tok, f"position {t}") for t, tok in enumerate(token_ids) if t > 0]
     return torch.tensor(values, dtype=torch.float32)
+
+
+def moe_layer_indices(model_dir: str | Path) -> tuple[int, list[int]]:
+    """``(num_hidden_layers, MoE layer indices)`` from a Qwen3-MoE ``config.json``, by transformers' rule: a
+    layer is sparse when it is not in ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp(); _ = (Path(d) / "config.json").write_text(
+        ...     '{"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}')
+        >>> moe_layer_indices(d)
+        (4, [1])
+    """
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    layers = int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    return layers, [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+def routed_experts_from_vllm(
+    arr: np.ndarray,
+    prompt_len: int,
+    response_len: int,
+    num_layers: int,
+    moe_layers: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """vLLM's ``CompletionOutput.routed_experts`` -> our ``Response.routed_experts``: int16
+    ``[prompt_len + response_len, num_layers, k]``. Written for GPU, never run with a real vLLM array (vLLM
+    0.32 returns routed experts only on CUDA); the conversion itself is unit-tested on hand-built arrays.
+
+    vLLM 0.32's array (read from its source, see docs/models.md): ``[prompt_len + response_len - 1,
+    num_hidden_layers, k]``, uint8 (uint16 past 256 experts), one row per token the model was FED. The
+    last sampled token is never fed, so vLLM has no row for it (the scheduler returns rows up to
+    ``num_tokens - 1``); like the HF engine's recorder we give it 0..k-1 (causality keeps it from
+    mattering). The layer axis is indexed by global decoder layer (what ``actor/moe.py`` replays by);
+    vLLM never writes the rows of dense layers (its buffer keeps zeros there, k copies of expert 0), so
+    with ``moe_layers`` given they are replaced by 0..k-1 too: k distinct experts, as the batch padding.
+    ``routed_experts_prompt_start`` is left at 0: every prompt token has a row.
+
+    Example:
+        >>> a = np.array([[[1, 3]], [[2, 0]]], dtype=np.uint8)  # 2-token prompt + 1 response token, 1 layer
+        >>> routed_experts_from_vllm(a, 2, 1, 1)[:, 0].tolist()
+        [[1, 3], [2, 0], [0, 1]]
+    """
+    arr = np.asarray(arr)
+    fed = prompt_len + response_len - 1
+    if arr.ndim != 3 or arr.shape[0] != fed or arr.shape[1] != num_layers:
+        raise ValueError(
+            f"vLLM routed experts of shape {tuple(arr.shape)}, expected ({fed}, {num_layers}, k): one row per fed "
+            f"token ({prompt_len} prompt + {response_len} response tokens, less the never-fed last one) and "
+            f"{num_layers} decoder layers"
+        )
+    if arr.size and int(arr.max()) > torch.iinfo(torch.int16).max:
+        raise ValueError(f"vLLM routed experts: expert id {int(arr.max())} does not fit int16")
+    k = arr.shape[2]
+    out = torch.arange(k, dtype=torch.int16).expand(fed + 1, num_layers, k).clone()
+    out[:fed] = torch.from_numpy(arr.astype(np.int16))
+    if moe_layers is not None:
+        dense = [i for i in range(num_layers) if i not in set(moe_layers)]
+        out[:, dense] = torch.arange(k, dtype=torch.int16)
+    return out

@@ -91,20 +91,34 @@ def sample_tokens(
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def _layer_index(module_name: str) -> int:
+    """The decoder layer of a module from its name (``model.layers.7.mlp.gate`` -> 7)."""
+    parts = module_name.split(".")
+    i = parts.index("layers") if "layers" in parts else -1
+    if i < 0 or i + 1 >= len(parts) or not parts[i + 1].isdigit():
+        raise ValueError(f"routing replay: cannot tell the decoder layer of router {module_name!r}")
+    return int(parts[i + 1])
+
+
 class RoutingRecorder:
     """Records the experts every MoE router of a transformers model picks (forward hooks).
 
     A router here is a module whose forward returns ``(logits, scores, indices)`` (transformers'
     ``*TopKRouter``, e.g. Qwen3-MoE's ``mlp.gate``). :meth:`take` returns the last forward's choices
-    as ``[rows, cols, L, k]`` int16; :meth:`attach` cuts them into each Response's
-    ``routed_experts`` ``[prompt + response tokens, L, k]``. The last response token is never fed to
-    the model (nothing is sampled after it): its row holds 0..k-1, like padding.
+    as ``[rows, cols, L, k]`` int16 with L = every decoder layer (the actor replays by global layer
+    number, ``actor/moe.py``); a dense layer (``mlp_only_layers``, ``decoder_sparse_step``) holds
+    0..k-1, never read. :meth:`attach` cuts them into each Response's ``routed_experts``
+    ``[prompt + response tokens, L, k]``. The last response token is never fed to the model (nothing
+    is sampled after it): its row holds 0..k-1, like padding.
     """
 
     def __init__(self, model) -> None:
-        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-        if not self.routers:
+        found = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+        if not found:
             raise ValueError(f"routing replay: {type(model).__name__} has no MoE router to record")
+        self.routers = [m for _, m in found]
+        self.layers = [_layer_index(n) for n, _ in found]  # "model.layers.7.mlp.gate" -> 7
+        self.num_layers = int(model.config.num_hidden_layers)
         self.topk = self.routers[0].top_k
         self._last: list[torch.Tensor | None] = [None] * len(self.routers)
         for i, r in enumerate(self.routers):
@@ -117,8 +131,10 @@ class RoutingRecorder:
         return hook
 
     def take(self, shape: tuple[int, int]) -> torch.Tensor:
-        out = torch.stack([t.reshape(*shape, self.topk) for t in self._last], dim=2)
-        return out.to("cpu", torch.int16)
+        out = torch.arange(self.topk, dtype=torch.int16).expand(*shape, self.num_layers, self.topk).clone()
+        for layer, t in zip(self.layers, self._last):
+            out[:, :, layer] = t.reshape(*shape, self.topk).to("cpu", torch.int16)
+        return out
 
     def attach(self, responses: list, steps: torch.Tensor, prompt_lens: list[int], width: int) -> list:
         """``steps`` ``[R, width + decode steps, L, k]``: left-padded prompt columns, then one column per

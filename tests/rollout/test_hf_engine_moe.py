@@ -70,3 +70,28 @@ def test_expert_sync_and_routing_record(model_dir):
     short = int(batch.seq_lens.argmin())
     assert routed[short, -1].tolist() == [[0, 1]] * layers or int(batch.seq_lens[short]) == routed.shape[1]
     assert routed_experts_tensor(batch, [None] * 4) is None
+
+
+def test_routing_record_has_every_decoder_layer_when_some_are_dense(tmp_path):
+    """The actor replays by global layer number (actor/moe.py): with a dense layer first
+    (``mlp_only_layers=[0]``) the record must keep layer 1's experts at index 1, not at 0."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tiny = TinyModelConfig(architecture="qwen3_moe", hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    path = write_tiny_model_dir(tmp_path / "m", tiny)
+    config = AutoConfig.from_pretrained(path)
+    config.mlp_only_layers = [0]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    engine = HFEngine(path, build_arith_tokenizer(), record_routing=True, seed=5)
+    prompt = [3, 4, 5]
+    ((resp,),) = engine.generate([prompt], SamplingParams(n=1, max_tokens=3))
+    record = resp.routed_experts
+    assert record.shape == (len(prompt) + len(resp.token_ids), 2, 2)
+    assert record[:, 0].tolist() == [[0, 1]] * record.shape[0]  # the dense layer holds the filler
+    seq = prompt + list(resp.token_ids)
+    engine.model(input_ids=torch.tensor([seq]))
+    router = engine.routing.routers[0]
+    assert engine.routing.layers == [1]
+    assert torch.equal(engine.routing._last[0].reshape(len(seq), 2)[:-1].to(torch.int16), record[:-1, 1])
+    assert router is engine.model.model.layers[1].mlp.gate

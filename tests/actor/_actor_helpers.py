@@ -16,7 +16,7 @@ from pacs_megatron.config import (
     RunConfig,
     TrainerConfig,
 )
-from pacs_megatron.data.batching import TrainBatch, build_train_batch
+from pacs_megatron.data.batching import TrainBatch, build_train_batch, routed_experts_tensor
 from pacs_megatron.pacs import PolicyLossConfig, outcome_advantages
 
 GROUP = 2
@@ -139,3 +139,16 @@ def make_qwen3(path: Path, *, vocab: int = 255, layers: int = 4, tie: bool = Fal
                 p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return str(path)
+
+
+def replay_batch(prompts: list[list[int]], groups: list) -> tuple[TrainBatch, torch.Tensor]:
+    """One engine rollout (``GROUP`` responses per prompt, with ``routed_experts``) as a training batch
+    carrying the recorded experts, and the engine's sampled-token log-probs at their batch positions."""
+    flat = [(p, r) for p, g in zip(prompts, groups) for r in g]
+    scores = [1.0, 0.0] * (len(flat) // 2)
+    batch = build_train_batch([p for p, _ in flat], [r.token_ids for _, r in flat], scores, GROUP, pad_id=0)
+    batch = batch.with_(advantages=outcome_advantages(batch.scores, GROUP, PolicyLossConfig(adv_estimator="grpo")))
+    routed = routed_experts_tensor(batch, [r.routed_experts for _, r in flat])
+    engine_lp = torch.zeros(batch.input_ids.shape)
+    engine_lp[batch.response_mask] = torch.tensor([x for _, r in flat for x in r.logprobs])
+    return batch.with_(routed_experts=routed), engine_lp

@@ -11,12 +11,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _actor_helpers import GROUP, hf_config, hf_logprobs, make_qwen3, run_config, valid_positions
+from _actor_helpers import GROUP, hf_config, hf_logprobs, make_qwen3, replay_batch, run_config, valid_positions
 from _dist import run_distributed
 from safetensors.torch import load_file
-
-from pacs_megatron.data.batching import build_train_batch, routed_experts_tensor
-from pacs_megatron.pacs import PolicyLossConfig, outcome_advantages
 
 VOCAB = 64
 EXTRA = {"step": 2}
@@ -59,13 +56,7 @@ def _rollout(model_dir):
     engine = HFEngine(model_dir, build_arith_tokenizer(), record_routing=True, seed=3)
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
     groups = engine.generate(prompts, SamplingParams(n=GROUP, max_tokens=6, temperature=1.0))
-    flat = [(p, r) for p, g in zip(prompts, groups) for r in g]
-    batch = build_train_batch([p for p, _ in flat], [r.token_ids for _, r in flat], [1.0, 0.0] * 4, GROUP, pad_id=0)
-    batch = batch.with_(advantages=outcome_advantages(batch.scores, GROUP, PolicyLossConfig(adv_estimator="grpo")))
-    routed = routed_experts_tensor(batch, [r.routed_experts for _, r in flat])
-    engine_lp = torch.zeros(batch.input_ids.shape)
-    engine_lp[batch.response_mask] = torch.tensor([x for _, r in flat for x in r.logprobs])
-    return batch.with_(routed_experts=routed), engine_lp
+    return replay_batch(prompts, groups)
 
 
 def _train_body(rank, world, model_dir, ckpt_dir, batch):

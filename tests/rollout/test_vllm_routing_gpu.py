@@ -15,16 +15,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 # tests/actor's helpers build the tiny Qwen3-MoE and the actor's config; the CPU replay test uses the same
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "actor"))
-from _actor_helpers import GROUP, hf_config, make_qwen3, run_config  # noqa: E402
+from _actor_helpers import GROUP, hf_config, make_qwen3, replay_batch, run_config  # noqa: E402
 from _dist import run_distributed  # noqa: E402
 
 from pacs_megatron.config import load_config  # noqa: E402
-from pacs_megatron.data.batching import build_train_batch, routed_experts_tensor  # noqa: E402
-from pacs_megatron.pacs import PolicyLossConfig, outcome_advantages  # noqa: E402
 from pacs_megatron.utils.dist import free_port  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -59,15 +56,10 @@ def _vllm_rollout(model_dir, monkeypatch):
         groups = engine.generate(prompts, SamplingParams(n=GROUP, max_tokens=6, temperature=1.0, seed=3))
     finally:
         engine.close()  # frees the GPU and vLLM's process groups before the actor's processes start
-    flat = [(p, r) for p, g in zip(prompts, groups) for r in g]
-    for p, r in flat:
-        assert r.routed_experts is not None and r.routed_experts.shape[0] == len(p) + len(r.token_ids)
-    batch = build_train_batch([p for p, _ in flat], [r.token_ids for _, r in flat], [1.0, 0.0] * 4, GROUP, pad_id=0)
-    batch = batch.with_(advantages=outcome_advantages(batch.scores, GROUP, PolicyLossConfig(adv_estimator="grpo")))
-    routed = routed_experts_tensor(batch, [r.routed_experts for _, r in flat])
-    engine_lp = torch.zeros(batch.input_ids.shape)
-    engine_lp[batch.response_mask] = torch.tensor([x for _, r in flat for x in r.logprobs])
-    return batch.with_(routed_experts=routed), engine_lp
+    for p, g in zip(prompts, groups):
+        for r in g:
+            assert r.routed_experts is not None and r.routed_experts.shape[0] == len(p) + len(r.token_ids)
+    return replay_batch(prompts, groups)
 
 
 def _actor_body(rank, world, model_dir, batch):

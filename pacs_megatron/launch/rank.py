@@ -13,7 +13,8 @@ So:
   with one line: nothing was trained, so there is nothing to save;
 - SIGTERM / SIGUSR1 are recorded from the start (before the model and engine load, which take
   minutes on a large model): a pre-emption warning during start-up stops the run after its first
-  step with a checkpoint, instead of killing the rank.
+  step with a checkpoint, instead of killing the rank; once the rank's work is done, SIGUSR1 is
+  ignored until exit (a warning in the last milliseconds would otherwise kill a finished rank).
 
 Megatron-core warns on import that Apex and Transformer Engine are absent (always true on CPU,
 harmless on GPU builds without them): those warnings are filtered here, once per rank, before
@@ -25,6 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from pacs_megatron.utils.early_signals import ignore_late_warnings
 from pacs_megatron.utils.logging import get_logger, init_logging, quiet_import_noise
 from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, install_early_handlers
 
@@ -74,3 +76,5 @@ def run_rank(fn: Callable[..., int], *args) -> int:
         else:
             logger.error("run failed: %s", summary, exc_info=True)
         return EXIT_FAILED
+    finally:
+        ignore_late_warnings()  # a warning after the work is done must not kill the exiting rank

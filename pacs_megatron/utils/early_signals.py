@@ -47,3 +47,15 @@ def restore_default_handlers() -> None:
             signal.signal(s, signal.SIG_DFL)
     if _received:
         signal.raise_signal(_received.pop())
+
+
+def ignore_late_warnings() -> None:
+    """Once the rank's work is done: ignore SIGUSR1 (a pre-emption or time-limit warning) until exit.
+
+    There is nothing left to save, and Python resets every signal it handles to the default action
+    when the interpreter shuts down, so a warning landing in the rank's last milliseconds killed it
+    (exit 138) and failed a job whose run had completed (seen on the local Slurm: a requeued run got
+    its warning a second after its last step). An ignored disposition survives the shutdown. SIGTERM
+    keeps its default: a stop request to a process that hangs on its way out should still end it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)

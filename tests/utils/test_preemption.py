@@ -118,3 +118,28 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path):
     last = len(metrics.read_text().splitlines())
     assert last < 200 and (out / "checkpoints" / f"step_{last:08d}" / "COMPLETE").is_file()
     assert "received SIGINT" in log and "a rank exited" not in log
+
+
+def test_a_warning_while_a_finished_rank_exits_does_not_kill_it():
+    """A rank whose run is done exits 0 although SIGUSR1 keeps arriving until it is gone: Python resets
+    the handlers it installed at shutdown, so without run_rank's ignore the rank died of the signal
+    (exit 138; on the local Slurm this failed a job whose run had completed)."""
+    script = textwrap.dedent(
+        """
+        import os, subprocess, sys, time
+        from pacs_megatron.launch.rank import run_rank
+
+        def fn():
+            from pacs_megatron.utils.preemption import PreemptionFlag
+            PreemptionFlag()  # the loop's handler, as train.py installs it
+            return 0
+
+        code = run_rank(fn)
+        sender = f"while kill -USR1 {os.getpid()} 2>/dev/null; do :; done"  # until this process is reaped
+        subprocess.Popen(["bash", "-c", sender], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.3)
+        sys.exit(code)
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, (res.returncode, res.stderr[-2000:])

@@ -285,14 +285,15 @@ def compare(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(args)
     critic_lrs = args.critic_lrs or [None]
-    mid_critic = critic_lrs[len(critic_lrs) // 2]
-    chosen = {m: (args.lrs[0], mid_critic if uses_critic(m) else None) for m in args.methods}
+    mid_critic = sorted(critic_lrs, key=lambda x: x or 0.0)[len(critic_lrs) // 2]
+    # Each method's current choice as a run spec (its seed is replaced per run).
+    chosen = {m: Spec(m, args.lrs[0], 0, mid_critic if uses_critic(m) else None) for m in args.methods}
     tuning: dict = {m: {} for m in args.methods}
     val_key = args.val_key
     tune_key = args.tune_key or val_key
     if len(args.lrs) > 1 or len(critic_lrs) > 1:
         if not tune_key:  # the first validation key any run logs
-            probe = runner.run_all([Spec(args.methods[0], args.lrs[0], TUNE_SEED0, chosen[args.methods[0]][1])])
+            probe = runner.run_all([chosen[args.methods[0]]._replace(seed=TUNE_SEED0)])
             tune_key = next((find_val_key(r) for r in probe.values() if r), None) or "val/none/pass@1"
         if tune_key == (val_key or tune_key):
             logger.warning(
@@ -300,23 +301,23 @@ def compare(args: argparse.Namespace) -> dict:
             )
 
         def actor_spec(m, lr, seed):
-            return Spec(m, lr, seed, chosen[m][1])
+            return chosen[m]._replace(lr=lr, seed=seed)
 
         def critic_spec(m, clr, seed):
-            return Spec(m, chosen[m][0], seed, clr)
+            return chosen[m]._replace(critic_lr=clr, seed=seed)
 
         if len(args.lrs) > 1:
             for m, t in tune(
                 runner, {m: args.lrs for m in args.methods}, actor_spec, tune_key, args.max_extend
             ).items():
-                tuning[m]["lr"], chosen[m] = t, (t["chosen"], chosen[m][1])
+                tuning[m]["lr"], chosen[m] = t, chosen[m]._replace(lr=t["chosen"])
         critics = [m for m in args.methods if uses_critic(m)]
         if len(critic_lrs) > 1 and critics:
             for m, t in tune(runner, {m: critic_lrs for m in critics}, critic_spec, tune_key, args.max_extend).items():
-                tuning[m]["critic_lr"], chosen[m] = t, (chosen[m][0], t["chosen"])
-        logger.info("chosen (lr, critic lr): %s", chosen)
+                tuning[m]["critic_lr"], chosen[m] = t, chosen[m]._replace(critic_lr=t["chosen"])
+        logger.info("chosen (lr, critic lr): %s", {m: (c.lr, c.critic_lr) for m, c in chosen.items()})
     # Seed-major order: a comparison cut short still has every method on its first seeds.
-    specs = [Spec(m, chosen[m][0], seed, chosen[m][1]) for seed in range(args.seeds) for m in args.methods]
+    specs = [chosen[m]._replace(seed=seed) for seed in range(args.seeds) for m in args.methods]
     res = runner.run_all(specs)
     val_key = val_key or next((find_val_key(r) for r in res.values() if r and find_val_key(r)), None)
     if val_key is None:
@@ -324,8 +325,12 @@ def compare(args: argparse.Namespace) -> dict:
     tune_key = tune_key or val_key
     methods = {}
     for m in args.methods:
-        results = {seed: res[Spec(m, chosen[m][0], seed, chosen[m][1])] for seed in range(args.seeds)}
-        methods[m] = {"lr": chosen[m][0], "critic_lr": chosen[m][1], **method_summary(results, val_key, tune_key)}
+        results = {seed: res[chosen[m]._replace(seed=seed)] for seed in range(args.seeds)}
+        methods[m] = {
+            "lr": chosen[m].lr,
+            "critic_lr": chosen[m].critic_lr,
+            **method_summary(results, val_key, tune_key),
+        }
     summary = {
         "config": args.config,
         "overrides": args.overrides,
@@ -341,9 +346,10 @@ def compare(args: argparse.Namespace) -> dict:
         "methods": methods,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "summary.md").write_text(table(summary))
+    md = table(summary)
+    (out / "summary.md").write_text(md)
     plot(summary, out / "curves.png")
-    logger.info("wrote %s, %s and %s\n%s", out / "summary.json", out / "summary.md", out / "curves.png", table(summary))
+    logger.info("wrote %s, %s and %s\n%s", out / "summary.json", out / "summary.md", out / "curves.png", md)
     return summary
 
 

@@ -34,7 +34,7 @@ from pacs_megatron.actor.optimizer import (
     wrap_ddp,
 )
 from pacs_megatron.actor.thd import use_thd
-from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, train_loss_func
+from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, step_loss_config, train_loss_func
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights
 from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
@@ -197,7 +197,7 @@ class MegatronActor:
             spec=self.spec,
             groups=self.groups,
             loss=loss,
-            loss_cfg=self._loss_config(name),
+            loss_cfg=step_loss_config(self._loss_config(name), batch.input_ids.shape[1]),
             temperature=self.cfg.rollout.temperature,
         )
         return self._update(micro, make)

@@ -20,6 +20,7 @@ for any micro-batch size and DP size. Metrics are combined with the same weights
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,6 +43,16 @@ def check_train_batch(batch: TrainBatch, loss: LossSpec, loss_name: str) -> None
         )
     if loss.needs_advantages and batch.advantages is None:
         raise ValueError(f"loss {loss_name!r} needs batch.advantages (pacs.outcome_advantages over whole groups)")
+
+
+def step_loss_config(loss_cfg: Any, width: int) -> Any:
+    """``loss_cfg`` with ``seq-mean-token-sum-norm``'s horizon fixed to ``width``, the step's padded row
+    length, when the config leaves it at 0. ``aggregate`` would otherwise divide each micro-batch by
+    its own width, and token-budget micro-batches (data/packing.py) are cut to their longest row: the
+    update would depend on the batching."""
+    if getattr(loss_cfg, "loss_agg_mode", None) == "seq-mean-token-sum-norm" and not loss_cfg.loss_agg_horizon:
+        return replace(loss_cfg, loss_agg_horizon=width)
+    return loss_cfg
 
 
 def train_loss_func(

@@ -82,7 +82,7 @@ class PolicyLossConfig:
     """gae only: GAE lambda (the reference: 1.0)."""
     loss_agg_horizon: int = 0
     """seq-mean-token-sum-norm only: the constant divisor H (e.g. rollout.max_response_length);
-    0 uses the batch's padded row length."""
+    0 uses the step's padded row length (the same for fixed and token-budget micro-batches)."""
 
     def __post_init__(self) -> None:
         for name in ("clip_ratio_low", "clip_ratio_high"):

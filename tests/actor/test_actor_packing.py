@@ -2,7 +2,9 @@
 
 One launch per layout builds two actors from the same weights, one per batching mode, and runs on
 the same DP-balanced local rows: old log-probs for two mini-batches at once (planned per mini-batch),
-then a PACS step on mini-batch 0 and a GRPO step on mini-batch 1 (rows and tokens as loss units).
+then a PACS step on mini-batch 0, a GRPO step on mini-batch 1 (rows and tokens as loss units) and a
+GRPO step with Dr.GRPO's ``seq-mean-token-sum-norm`` and no ``loss_agg_horizon`` on mini-batch 0 (H is
+then the step's padded length, which the token-budget micro-batches must not change).
 Checked: the dynamic micro-batches really differ in shape, log-probs equal fixed batching's, the
 first training forward reproduces the old log-probs bit for bit (batch invariance), and metrics and
 weight updates match fixed batching within float tolerance.
@@ -55,9 +57,13 @@ def _body(rank, world, model_dir, tp, pp):
         m_pacs = actor.train_step(minis[0])
         m_grpo = actor.train_step(minis[1], loss_name="grpo")
         w2 = {n: t.clone() for n, t in actor.export_hf_weights()}
-        out[mode] = {"logp": old.token_logp, "m_pacs": m_pacs, "m_grpo": m_grpo}
+        policy = replace(actor.cfg.algorithm.policy, loss_agg_mode="seq-mean-token-sum-norm", loss_agg_horizon=0)
+        actor.cfg = replace(actor.cfg, algorithm=replace(actor.cfg.algorithm, policy=policy))
+        m_norm = actor.train_step(minis[0], loss_name="grpo")
+        w3 = {n: t.clone() for n, t in actor.export_hf_weights()}
+        out[mode] = {"logp": old.token_logp, "m_pacs": m_pacs, "m_grpo": m_grpo, "m_norm": m_norm}
         if rank == 0:
-            out[mode].update(w0=w0, w2=w2)
+            out[mode].update(w0=w0, w2=w2, w3=w3)
         if mode == "dynamic":
             packed = actor._packed(minis[0], 0)[0]
             out["shapes"] = {tuple(m.input_ids.shape) for m in packed}
@@ -92,6 +98,10 @@ def test_dynamic_batching_matches_fixed(layout, model_dir):
     for key in ("policy/loss", "actor/grad_norm"):
         assert d["m_grpo"][key] == pytest.approx(f["m_grpo"][key], rel=1e-4, abs=1e-7)
     assert rel_update_diff(f["w0"], f["w2"], d["w0"], d["w2"]) <= 1e-5, f"{layout}: updates differ"
+    # seq-mean-token-sum-norm without a horizon divides by the step's padded length in both modes
+    for key in ("policy/loss", "actor/grad_norm"):
+        assert d["m_norm"][key] == pytest.approx(f["m_norm"][key], rel=1e-4, abs=1e-7), key
+    assert rel_update_diff(f["w2"], f["w3"], d["w2"], d["w3"]) <= 1e-4, f"{layout}: seq-mean-token-sum-norm differs"
 
 
 def test_thd_pack_unpack_round_trip():

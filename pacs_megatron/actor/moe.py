@@ -2,8 +2,9 @@
 
 Statistics (``MoeStats``): a forward hook on every router of this rank counts, during the training
 forwards of one step, the tokens sent to each expert and the mean router probability per expert.
-They are summed over DP and PP (TP ranks see the same tokens; EP ranks are DP ranks for the router),
-so the metrics are identical on every rank:
+They are summed over DP and PP (EP ranks are DP ranks for the router), and over TP under sequence
+parallelism, where each TP rank routes only its ``[s/tp, b]`` shard (without it the TP ranks see the
+same tokens), so the metrics are identical on every rank and count whole micro-batches:
 
     moe/aux_loss         mean over MoE layers of E * sum_i f_i * P_i, the load-balancing loss that
                          model.moe_aux_loss_coeff multiplies (f_i: share of the top-k assignments
@@ -50,7 +51,10 @@ class MoeStats:
         self.num_layers, self.num_experts, self.topk = num_layers, num_experts, topk
         self.active = False
         self._reset()
-        for layer, router in routers(chunks):
+        found = routers(chunks)
+        self.sequence_parallel = bool(found and found[0][1].config.sequence_parallel)
+        """Each TP rank counts only its sequence shard: the counts are summed over TP too."""
+        for layer, router in found:
             router.register_forward_hook(self._hook(layer))
 
     def _reset(self) -> None:
@@ -77,10 +81,12 @@ class MoeStats:
         self.active = True
 
     def finish(self, groups: ParallelGroups, moe_layers: tuple[int, ...]) -> dict[str, float]:
-        """Stop counting; the step's metrics, reduced over DP and PP (collective)."""
+        """Stop counting; the step's metrics, reduced over DP and PP, and TP under sequence parallelism
+        (collective)."""
         self.active = False
         flat = torch.cat([self.counts.flatten(), self.prob_sums.flatten(), self.tokens]).to(groups.device)
-        for group, size in ((groups.dp_group, groups.dp_size), (groups.pp_group, groups.pp_size)):
+        tp = (groups.tp_group, groups.tp_size if self.sequence_parallel else 1)
+        for group, size in ((groups.dp_group, groups.dp_size), (groups.pp_group, groups.pp_size), tp):
             if size > 1:
                 dist.all_reduce(flat, group=group)
         flat = flat.cpu()

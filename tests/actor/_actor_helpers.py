@@ -152,3 +152,35 @@ def replay_batch(prompts: list[list[int]], groups: list) -> tuple[TrainBatch, to
     engine_lp = torch.zeros(batch.input_ids.shape)
     engine_lp[batch.response_mask] = torch.tensor([x for _, r in flat for x in r.logprobs])
     return batch.with_(routed_experts=routed), engine_lp
+
+
+def allow_cpu_sequence_parallel() -> None:
+    """Let megatron run sequence parallelism on CPU (call in each spawned rank before building a model).
+
+    Only Transformer Engine's and Apex's norms accept ``sequence_parallel``; megatron's torch-norm
+    wrapper asserts it off. An RMSNorm acts on each token alone, so running it on the rank's sequence
+    shard is exact; its weight is marked ``sequence_parallel`` so that ``finalize_model_grads`` sums
+    its gradient over TP, as it does for TE's norms. The project's own refusal (no TE/Apex) is lifted.
+    """
+    from megatron.core.transformer import torch_norm
+
+    import pacs_megatron.parallel.groups as groups_mod
+
+    groups_mod._have_te_or_apex = lambda: True
+    original = torch_norm.WrappedTorchNorm.__new__
+    if getattr(original, "_sp_on_cpu", False):
+        return
+
+    def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        sp = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = original(cls, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sp
+        for p in norm.parameters():
+            p.sequence_parallel = sp
+        return norm
+
+    new._sp_on_cpu = True
+    torch_norm.WrappedTorchNorm.__new__ = new

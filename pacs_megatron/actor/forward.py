@@ -108,8 +108,10 @@ def run_schedule(
     def forward_step(data_iterator, model):
         k, mb = next(data_iterator)
         ids = mb.input_ids.to(device, non_blocking=True)
-        if thd:  # unverified on GPU: see actor/thd.py
-            p = pack_thd(ids, mb.seq_lens, 8 * groups.tp_size)
+        p = pack_thd(ids, mb.seq_lens, 8 * groups.tp_size) if thd else None
+        # MoE (actor/moe.py): the recorded experts in the routers' token order; None: route anew
+        set_routing_replay(model, mb.routed_experts, ids.shape[1], p, groups.tp_rank, groups.tp_size)
+        if p is not None:  # unverified on GPU: see actor/thd.py
             out = model(
                 input_ids=p.input_ids,
                 position_ids=p.position_ids,
@@ -118,7 +120,6 @@ def run_schedule(
             )
             loss_func = make_loss_func(mb, ids, k >= n_real)
             return out, lambda logits, *a, **kw: loss_func(p.unpack(logits), *a, **kw)
-        set_routing_replay(model, mb.routed_experts, ids.shape[1])  # MoE (actor/moe.py); None: route anew
         # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
         out = model(input_ids=ids, position_ids=positions, attention_mask=None)

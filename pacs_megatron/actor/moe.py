@@ -18,7 +18,12 @@ Routing replay: megatron-core 0.16.1's ``RouterReplay`` (``moe_enable_routing_re
 instance per router, in construction order; ``set_replay_data`` takes one ``[tokens, k]`` index
 tensor per router and ``REPLAY_FORWARD`` makes the router use those experts, with the probabilities
 taken from its own scores at those indices (so the gate still gets gradients). This module turns a
-batch's recorded experts ``[B, T, L, k]`` (global layer L) into those per-router tensors.
+micro-batch's recorded experts ``[b, T, L, k]`` (global layer L) into those per-router tensors, in
+the order the router sees its tokens (megatron is sequence-first, ``[s, b]`` flattened):
+
+    padded rows      [T, b]   position-major
+    THD-packed rows  [N, 1]   the rows concatenated (actor/thd.py), then the tail padding
+    sequence parallel         this TP rank's contiguous slice s in [r * s/tp, (r+1) * s/tp) of either
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pacs_megatron.actor.thd import ThdBatch
 from pacs_megatron.parallel import ParallelGroups
 
 
@@ -101,20 +107,53 @@ class MoeStats:
         return {"moe/aux_loss": float(aux), "moe/max_token_share": float(share)}
 
 
-def set_routing_replay(chunk, routed: torch.Tensor | None, length: int) -> None:
-    """Before a forward of ``chunk``: replay ``routed`` ``[b, >= length, L, k]`` (the batch's recorded
-    experts per global layer), or route normally when None. No-op for routers built without
-    ``moe_enable_routing_replay`` (actor.routing_replay=none)."""
+def replay_order(routed: torch.Tensor, length: int, packed: ThdBatch | None = None) -> torch.Tensor:
+    """``[s, b, L, k]``: a micro-batch's recorded experts ``[b, >= length, L, k]`` in the router's token
+    order: ``[length, b]`` for padded rows, ``[N, 1]`` for the THD-packed ``packed`` (its tail padding
+    gets experts 0..k-1, as batch padding does).
+
+    Example:
+        >>> r = torch.arange(8).reshape(2, 2, 1, 2)  # rows [[0 1] [2 3]], [[4 5] [6 7]]
+        >>> replay_order(r, 2)[:, :, 0].tolist()
+        [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    """
+    if packed is None:
+        return routed[:, :length].transpose(0, 1)
+    k = routed.shape[-1]
+    out = torch.arange(k, dtype=routed.dtype).expand(packed.input_ids.shape[1], routed.shape[2], k).clone()
+    out[: packed.rows.numel()] = routed[packed.rows, packed.cols]
+    return out[:, None]
+
+
+def set_routing_replay(
+    chunk,
+    routed: torch.Tensor | None,
+    length: int,
+    packed: ThdBatch | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> None:
+    """Before a forward of ``chunk``: replay ``routed`` ``[b, >= length, L, k]`` (the micro-batch's
+    recorded experts per global layer; ``packed``: the THD packing the forward uses), or route normally
+    when None. Under sequence parallelism this TP rank's routers get their shard only. No-op for
+    routers built without ``moe_enable_routing_replay`` (actor.routing_replay=none)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    seq = None if routed is None else replay_order(routed, length, packed)
     for layer, router in routers([chunk]):
         replay = getattr(router, "router_replay", None)
         if replay is None:
             continue
         replay.clear_indices()  # set_target_indices also appends to a backward list: keep it empty
-        if routed is None:
+        if seq is None:
             replay.clear_router_replay_action()
             continue
-        idx = routed[:, :length, layer].transpose(0, 1).reshape(-1, routed.shape[-1])
+        mine = seq
+        if router.config.sequence_parallel and tp_size > 1:
+            if seq.shape[0] % tp_size:
+                raise ValueError(f"routing replay: {seq.shape[0]} positions do not split over TP={tp_size}")
+            part = seq.shape[0] // tp_size
+            mine = seq[tp_rank * part : (tp_rank + 1) * part]
+        idx = mine[:, :, layer].reshape(-1, seq.shape[-1])
         replay.set_target_indices(idx.to(router.weight.device, torch.long))
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

@@ -146,7 +146,8 @@ def replay_batch(prompts: list[list[int]], groups: list) -> tuple[TrainBatch, to
     carrying the recorded experts, and the engine's sampled-token log-probs at their batch positions."""
     flat = [(p, r) for p, g in zip(prompts, groups) for r in g]
     scores = [1.0, 0.0] * (len(flat) // 2)
-    batch = build_train_batch([p for p, _ in flat], [r.token_ids for _, r in flat], scores, GROUP, pad_id=0)
+    # padded to a multiple of 8, as the trainer pads (sequence parallelism splits T over TP)
+    batch = build_train_batch([p for p, _ in flat], [r.token_ids for _, r in flat], scores, GROUP, 0, 8)
     batch = batch.with_(advantages=outcome_advantages(batch.scores, GROUP, PolicyLossConfig(adv_estimator="grpo")))
     routed = routed_experts_tensor(batch, [r.routed_experts for _, r in flat])
     engine_lp = torch.zeros(batch.input_ids.shape)
@@ -184,3 +185,28 @@ def allow_cpu_sequence_parallel() -> None:
 
     new._sp_on_cpu = True
     torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def allow_cpu_thd() -> None:
+    """Let megatron's local attention run THD-packed sequences on CPU (call in each spawned rank), as
+    Transformer Engine does on GPU: causal attention restarted at every ``cu_seqlens`` boundary, one
+    segment at a time through megatron's own DotProductAttention. Megatron's attention module already
+    squeezes q/k/v to ``[t, heads, dim]`` and applies RoPE per segment before calling it."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.forward
+    if getattr(original, "_thd_on_cpu", False):
+        return
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is None:
+            return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias)
+        cu = packed_seq_params.cu_seqlens_q.tolist()
+        parts = [
+            original(self, query[s:e, None], key[s:e, None], value[s:e, None], None, attn_mask_type)
+            for s, e in zip(cu[:-1], cu[1:])
+        ]
+        return torch.cat(parts, 0)
+
+    forward._thd_on_cpu = True
+    DotProductAttention.forward = forward

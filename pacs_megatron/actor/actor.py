@@ -24,6 +24,7 @@ from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, run_schedule
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
 from pacs_megatron.actor.moe import MoeStats
+from pacs_megatron.actor.moe_aux import MoeAuxLoss
 from pacs_megatron.actor.offload import ActorOffload
 from pacs_megatron.actor.optimizer import (
     apply_lr_config,
@@ -34,7 +35,13 @@ from pacs_megatron.actor.optimizer import (
     wrap_ddp,
 )
 from pacs_megatron.actor.thd import use_thd
-from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, step_loss_config, train_loss_func
+from pacs_megatron.actor.train_step import (
+    check_train_batch,
+    loss_units,
+    reduce_metrics,
+    step_loss_config,
+    train_loss_func,
+)
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights
 from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
@@ -106,7 +113,6 @@ class MegatronActor:
             self.param_dtype,
             cfg.parallel.sequence_parallel,
             cfg.model.recompute_activations,
-            moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
             routing_replay=cfg.actor.routing_replay == "rollout",
         )
         # A fixed seed for initialisation only; the caller's RNG streams are left as they were.
@@ -122,6 +128,9 @@ class MegatronActor:
             else None
         )
         """Router statistics of each train step (MoE models), logged as moe/*."""
+        coeff = cfg.model.moe_aux_loss_coeff
+        self.moe_aux = MoeAuxLoss(chunks, coeff, groups) if self.spec.is_moe and coeff > 0 else None
+        """The load-balancing loss (actor/moe_aux.py), when model.moe_aux_loss_coeff > 0."""
         self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device)
         """THD-packed micro-batches (GPU + Transformer Engine; unverified, actor/thd.py)."""
         self.optimizer = build_optimizer(self.model, cfg, groups, self.param_dtype)
@@ -192,15 +201,22 @@ class MegatronActor:
         mbs = self.cfg.algorithm.micro_batch_size
         packed = self._packed(batch, 0)
         micro = packed[0] if packed else split_micro_batches(batch, min(mbs, len(batch)))
+        loss_cfg = step_loss_config(self._loss_config(name), batch.input_ids.shape[1])
         make = partial(
             train_loss_func,
             spec=self.spec,
             groups=self.groups,
             loss=loss,
-            loss_cfg=step_loss_config(self._loss_config(name), batch.input_ids.shape[1]),
+            loss_cfg=loss_cfg,
             temperature=self.cfg.rollout.temperature,
         )
-        return self._update(micro, make)
+        if self.moe_aux is None:
+            return self._update(micro, make)
+        self.moe_aux.begin(micro, loss_units(micro, loss, loss_cfg))  # its scale needs the loss units
+        try:
+            return self._update(micro, make)
+        finally:
+            self.moe_aux.end()
 
     def _update(self, micro: list[TrainBatch], make) -> dict[str, float]:
         """Forward/backward of ``micro`` with megatron loss functions from ``make``, then one optimizer

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
-from pacs_megatron.actor.moe import set_routing_replay
+from pacs_megatron.actor.moe import padding_mask, set_routing_replay
 from pacs_megatron.actor.thd import pack_thd
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.ops import fused_logprobs
@@ -111,18 +111,20 @@ def run_schedule(
         p = pack_thd(ids, mb.seq_lens, 8 * groups.tp_size) if thd else None
         # MoE (actor/moe.py): the recorded experts in the routers' token order; None: route anew
         set_routing_replay(model, mb.routed_experts, ids.shape[1], p, groups.tp_rank, groups.tp_size)
+        mask = _moe_padding_mask(model, mb, ids.shape[1], p, k >= n_real, groups)
         if p is not None:  # unverified on GPU: see actor/thd.py
             out = model(
                 input_ids=p.input_ids,
                 position_ids=p.position_ids,
                 attention_mask=None,
                 packed_seq_params=p.packed_seq_params(),
+                padding_mask=mask,
             )
             loss_func = make_loss_func(mb, ids, k >= n_real)
             return out, lambda logits, *a, **kw: loss_func(p.unpack(logits), *a, **kw)
         # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
-        out = model(input_ids=ids, position_ids=positions, attention_mask=None)
+        out = model(input_ids=ids, position_ids=positions, attention_mask=None, padding_mask=mask)
         return out, make_loss_func(mb, ids, k >= n_real)
 
     iters = [iter(enumerate(micro)) for _ in chunks]
@@ -206,6 +208,18 @@ def forward_logprobs(
         torch.distributed.broadcast(buf, src=groups.pp_last_rank, group=groups.pp_group)
     buf = buf.cpu()
     return buf[0], (buf[1] if with_entropy else None)
+
+
+def _moe_padding_mask(model, mb: TrainBatch, width: int, packed, dummy: bool, groups: ParallelGroups):
+    """The padding mask MoE routers get (actor/moe.py ``padding_mask``: padding and dummy micro-batches
+    stay out of the aux loss and the moe/* metrics); None for a dense model."""
+    chunk = _unwrap(model)
+    if not chunk.config.num_moe_experts:
+        return None
+    # megatron scatters the mask over TP under sequence parallelism on the embedding's stage only
+    sp_stage = chunk.config.sequence_parallel and groups.tp_size > 1 and not chunk.pre_process
+    shard = (groups.tp_rank, groups.tp_size) if sp_stage else None
+    return padding_mask(mb.seq_lens, width, packed, dummy, shard).to(groups.device)
 
 
 def _unwrap(model):

@@ -175,7 +175,6 @@ def transformer_config(
     dtype: torch.dtype,
     sequence_parallel: bool,
     recompute: bool,
-    moe_aux_loss_coeff: float = 0.0,
     routing_replay: bool = False,
 ):
     """megatron TransformerConfig for ``spec`` under this layout.
@@ -184,7 +183,8 @@ def transformer_config(
     return sums with their unit counts and megatron divides by the total over the mini-batch (see
     train_step.py). ``batch_p2p_comm`` is off on gloo (interleaved PP is wrong with it on gloo).
     MoE: experts are never tensor-parallel (``expert_tensor_parallel_size=1``: EP splits the expert
-    list, each expert is whole), no token dropping, the allgather dispatcher.
+    list, each expert is whole), no token dropping, the allgather dispatcher, and megatron's own
+    load balancing off: the aux loss is actor/moe_aux.py (megatron's scales with the loss units).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -226,11 +226,11 @@ def transformer_config(
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
         qk_layernorm=spec.qk_norm,
-        **_moe_config(spec, groups, moe_aux_loss_coeff, routing_replay),
+        **_moe_config(spec, groups, routing_replay),
     )
 
 
-def _moe_config(spec: ModelSpec, groups: ParallelGroups, aux_coeff: float, routing_replay: bool) -> dict:
+def _moe_config(spec: ModelSpec, groups: ParallelGroups, routing_replay: bool) -> dict:
     if not spec.is_moe:
         return {}
     return dict(
@@ -240,8 +240,7 @@ def _moe_config(spec: ModelSpec, groups: ParallelGroups, aux_coeff: float, routi
         moe_layer_freq=[1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)],
         moe_router_pre_softmax=not spec.norm_topk_prob,
         moe_router_score_function="softmax",
-        moe_router_load_balancing_type="aux_loss" if aux_coeff > 0 else "none",
-        moe_aux_loss_coeff=aux_coeff,
+        moe_router_load_balancing_type="none",
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
         expert_model_parallel_size=groups.ep_size,

@@ -12,7 +12,9 @@ same tokens), so the metrics are identical on every rank and count whole micro-b
                          perfectly balanced, E / k the worst. Logged whatever the coefficient, 0 too.
     moe/max_token_share  max over MoE layers of (tokens of the busiest expert) / (mean per expert)
 
-Padding positions of a micro-batch are routed too and counted (they are few at these lengths).
+Only real tokens count: the forward passes megatron a padding mask (:func:`padding_mask`; padding
+positions and the dummy micro-batches of the interleaved schedule are routed but left out), so the
+metrics do not depend on the batching. The aux loss itself is actor/moe_aux.py.
 
 Routing replay: megatron-core 0.16.1's ``RouterReplay`` (``moe_enable_routing_replay``) holds one
 instance per router, in construction order; ``set_replay_data`` takes one ``[tokens, k]`` index
@@ -34,6 +36,48 @@ import torch.nn.functional as F
 
 from pacs_megatron.actor.thd import ThdBatch
 from pacs_megatron.parallel import ParallelGroups
+
+
+def padding_mask(
+    seq_lens: torch.Tensor,
+    width: int,
+    packed: ThdBatch | None = None,
+    dummy: bool = False,
+    shard: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """megatron's MoE ``padding_mask`` of a micro-batch (True = padding): ``[b, width]`` for padded rows
+    of lengths ``seq_lens``, ``[1, N]`` for THD-packed ones (the tail padding); all True for a ``dummy``.
+    ``shard=(tp_rank, tp_size)``: only this rank's sequence slice, for a pipeline stage that gets hidden
+    states from the previous one under sequence parallelism (megatron-core 0.16.1 scatters the mask
+    only on the stage holding the embedding).
+
+    Example:
+        >>> padding_mask(torch.tensor([3, 1]), 4).int().tolist()
+        [[0, 0, 0, 1], [0, 1, 1, 1]]
+    """
+    if packed is None:
+        mask = torch.arange(width)[None] >= seq_lens.cpu()[:, None]
+    else:
+        mask = (torch.arange(packed.input_ids.shape[1]) >= packed.rows.numel())[None]
+    if dummy:
+        mask = torch.ones_like(mask)
+    if shard is not None:
+        rank, size = shard
+        part = mask.shape[1] // size
+        mask = mask[:, rank * part : (rank + 1) * part]
+    return mask
+
+
+def router_valid_tokens(router, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router forward's ``(tokens [n, H], valid [n] bool)`` from its arguments ``(input, padding_mask)``
+    (the mask, ``[s, b]`` True = padding, as MoELayer passes it; None: every token is real)."""
+    x = args[0].reshape(-1, args[0].shape[-1])
+    mask = args[1] if len(args) > 1 else None
+    if mask is None:
+        return x, torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    if mask.numel() != x.shape[0]:
+        raise ValueError(f"MoE padding mask of {mask.numel()} positions for a router input of {x.shape[0]} tokens")
+    return x, ~mask.reshape(-1).to(x.device, torch.bool)
 
 
 def routers(chunks: list) -> list[tuple[int, torch.nn.Module]]:
@@ -73,12 +117,12 @@ class MoeStats:
             if not self.active:
                 return
             with torch.no_grad():
-                x = args[0].reshape(-1, args[0].shape[-1])
-                probs = F.softmax(F.linear(x.float(), router.weight.float()), dim=-1)
-                routing_map = output[1]
-                self.counts[layer] += routing_map.reshape(-1, self.num_experts).sum(0).double().cpu()
+                x, valid = router_valid_tokens(router, args)
+                probs = F.softmax(F.linear(x.float(), router.weight.float()), dim=-1) * valid[:, None]
+                routing_map = output[1].reshape(-1, self.num_experts) & valid[:, None]
+                self.counts[layer] += routing_map.sum(0).double().cpu()
                 self.prob_sums[layer] += probs.sum(0).double().cpu()
-                self.tokens[layer] += x.shape[0]
+                self.tokens[layer] += float(valid.sum())
 
         return hook
 

@@ -55,6 +55,27 @@ def step_loss_config(loss_cfg: Any, width: int) -> Any:
     return loss_cfg
 
 
+def loss_inputs(mb: TrainBatch, logp: torch.Tensor) -> LossInputs:
+    """The micro-batch's LossInputs around ``logp`` (on ``logp``'s device)."""
+    dev = logp.device
+    return LossInputs(
+        logp=logp,
+        old_logp=mb.old_logp.to(dev),
+        response_mask=mb.response_mask.to(dev),
+        scores=mb.scores.to(dev),
+        group_size=mb.group_size,
+        advantages=None if mb.advantages is None else mb.advantages.to(dev),
+        group_ids=mb.group_ids.to(dev),
+        is_weights=None if mb.is_weights is None else mb.is_weights.to(dev),
+    )
+
+
+def loss_units(micro: list[TrainBatch], loss: LossSpec, loss_cfg: Any) -> float:
+    """The sum of the unit counts the loss functions of ``micro`` will return (``LossSpec.denominator``
+    depends on the masks only): what ``finalize_model_grads`` divides the gradients by on this rank."""
+    return sum(float(loss.denominator(loss_inputs(mb, mb.old_logp), loss_cfg).round()) for mb in micro)
+
+
 def train_loss_func(
     mb: TrainBatch,
     ids: torch.Tensor,
@@ -70,19 +91,8 @@ def train_loss_func(
 
     def loss_func(logits):
         token_logp, _ = token_logprobs(logits, ids, spec, groups, temperature, inplace_backward=True)
-        dev = token_logp.device
-        mask = mb.response_mask.to(dev)
-        old = mb.old_logp.to(dev)
-        inputs = LossInputs(
-            logp=token_logp,
-            old_logp=old,
-            response_mask=mask,
-            scores=mb.scores.to(dev),
-            group_size=mb.group_size,
-            advantages=None if mb.advantages is None else mb.advantages.to(dev),
-            group_ids=mb.group_ids.to(dev),
-            is_weights=None if mb.is_weights is None else mb.is_weights.to(dev),
-        )
+        inputs = loss_inputs(mb, token_logp)
+        mask, old, dev = inputs.response_mask, inputs.old_logp, token_logp.device
         value, metrics = loss.fn(inputs, loss_cfg)
         denom = loss.denominator(inputs, loss_cfg)
         if dummy:

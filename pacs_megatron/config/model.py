@@ -77,9 +77,11 @@ class ModelConfig:
     """Shape used when init=tiny."""
     recompute_activations: bool = False
     """Full activation recomputation per layer (saves memory for long responses)."""
-    moe_aux_loss_coeff: float = 0.001
-    """MoE models: coefficient of the router's load-balancing loss (megatron "aux_loss", as Qwen3-MoE's
-    ``router_aux_loss_coef``); 0 turns it off."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE models: coefficient c of the router load-balancing loss, one loss per MoE layer (megatron's
+    convention) whose gradient is the same for every RL loss and batching (actor/moe_aux.py); 0 (the
+    default, as verl for Qwen3-MoE RL) turns it off. From Hugging Face's ``router_aux_loss_coef``, which
+    pools one loss over all L layers: c = router_aux_loss_coef * k / L (docs/models.md)."""
 
     def __post_init__(self) -> None:
         _choice("model.init", self.init, ("pretrained", "random", "tiny"))

@@ -198,7 +198,8 @@ def allow_cpu_thd() -> None:
     if getattr(original, "_thd_on_cpu", False):
         return
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kw):
+        packed_seq_params = kw.get("packed_seq_params")
         if packed_seq_params is None:
             return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias)
         cu = packed_seq_params.cu_seqlens_q.tolist()

@@ -7,7 +7,8 @@ TP=2 + SP, TP=2 + SP + THD, THD at TP=1, and plain TP=1 (DP=2, EP=2 everywhere),
 - parity with transformers on every forced layout (the stand-ins are exact);
 - routing replay on each: the engine's experts give the engine's log-probs, other experts do not
   (the THD branch once skipped replay; under SP the routers got whole-sequence indices and crashed);
-- a training step under replay runs on each, and ``moe/*`` counts the whole micro-batch under SP.
+- a training step under replay runs on each, and ``moe/*`` counts the whole micro-batch under SP and
+  the real tokens only (THD packs other padding).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def test_parity_and_routing_replay(trained, layout):
 def test_moe_metrics_count_the_whole_sequence_under_sp(trained):
     results = trained[3]
     for r in results:
-        for layout in ("sp",):
+        for layout in ("sp", "sp_thd", "thd"):
             for key in ("moe/aux_loss", "moe/max_token_share"):
                 assert r[layout]["m"][key] == pytest.approx(r["tp1"]["m"][key], rel=1e-5), (layout, key)
     assert results[0]["sp"]["m"] == results[1]["sp"]["m"], "metrics differ between TP ranks"

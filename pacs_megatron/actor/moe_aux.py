@@ -1,0 +1,91 @@
+"""The MoE load-balancing (aux) loss, scaled so that its gradient does not depend on the RL loss.
+
+Definition (``model.moe_aux_loss_coeff`` = c, megatron's per-layer convention). For MoE layer l and
+micro-batch i with t_i real tokens (padding and dummy micro-batches excluded)::
+
+    aux_{l,i} = E * sum_e f_e * P_e      f_e = (top-k assignments to expert e) / (k * t_i)
+                                         P_e = mean over the t_i tokens of the router's softmax prob of e
+
+and the update follows the gradient of ``c * sum_l sum_{i,d} (t_i / T) * aux_{l,i}`` with T the
+mini-batch's real tokens over all micro-batches and DP ranks: a token-weighted mean over micro-batches,
+summed over layers. f_e counts the experts the tokens were dispatched to (the replayed ones under
+``actor.routing_replay=rollout``); gradients flow through P_e (router weights and hidden states).
+
+Why not megatron's own ``aux_loss``: with ``calculate_per_token_loss`` (train_step.py) megatron scales
+each micro-batch's aux loss by its routed tokens and ``finalize_model_grads`` divides every gradient by
+the sum of the counts the loss functions return, which here are the loss's own units (rows for PACS,
+response tokens for token-mean). Its aux gradient was therefore multiplied by routed tokens / units
+(10x under PACS and 1.7x under a token-mean loss on an 8-row batch), counted padding, grew with the dummy
+micro-batches of the interleaved schedule, and under sequence parallelism each TP rank scaled its shard
+by its own token count (half the gradient at TP=2). Here megatron's balancing is off and a forward hook
+on each router attaches ``aux_{l,i,r} * s * t_i`` (megatron's ``MoEAuxLossAutoScaler``, which injects
+that gradient in the backward), with the step constant ``s = c * U / T`` (U = the sum of the loss
+units finalize divides by) and ``aux_{l,i,r}`` this TP rank's share under sequence parallelism (expert
+counts and t_i summed over TP; P_e over the rank's tokens, so the shares add up to aux_{l,i}). The
+hook runs wherever the router runs, including the recomputed forward of ``recompute_activations``.
+
+Conversion from Hugging Face's ``router_aux_loss_coef`` (docs/models.md): transformers pools one loss
+over all layers' tokens, ``E * sum_e (assignments_e / tokens) * P_e`` (k times this normalisation), and
+adds it only with ``output_router_logits=True``; megatron (and this module) sums one loss per layer. At
+the same coefficient the router gradient here is about L / k times HF's: c = router_aux_loss_coef * k / L
+(0.001 * 8 / 48 = 1.7e-4 for Qwen3-30B-A3B).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pacs_megatron.actor.moe import router_valid_tokens, routers
+from pacs_megatron.data.batching import TrainBatch
+from pacs_megatron.parallel import ParallelGroups
+
+
+class MoeAuxLoss:
+    """Forward hooks adding the aux loss on every router of this rank (see the module docstring).
+
+    Between :meth:`begin` and :meth:`end` (one train step) training forwards attach the loss; every
+    other forward (log-probs, evaluation, the critic) is left alone.
+    """
+
+    def __init__(self, chunks: list, coeff: float, groups: ParallelGroups) -> None:
+        self.coeff, self.groups = coeff, groups
+        self.scale = 0.0
+        """The step constant s = coeff * U / T (0 outside a train step)."""
+        for _, router in routers(chunks):
+            router.register_forward_hook(self._hook)
+
+    def begin(self, micro: list[TrainBatch], units: float) -> None:
+        """Before a train step over ``micro`` (real micro-batches) whose loss functions return ``units``
+        in all: s = coeff * U / T with U and T summed over DP (collective over the DP group)."""
+        g = self.groups
+        tot = torch.tensor([units, float(sum(int(mb.seq_lens.sum()) for mb in micro))], dtype=torch.float64)
+        if g.dp_size > 1:
+            tot = tot.to(g.device)
+            dist.all_reduce(tot, group=g.dp_group)
+        u, t = tot.tolist()
+        self.scale = self.coeff * u / t if u > 0 and t > 0 else 0.0
+
+    def end(self) -> None:
+        self.scale = 0.0
+
+    def _hook(self, router, args, output):
+        if self.scale == 0.0 or not router.training or not torch.is_grad_enabled():
+            return None  # outside a train step, or the no-grad first pass of activation recompute
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        x, valid = router_valid_tokens(router, args)
+        probs, routing_map = output
+        n_exp, k = router.config.num_moe_experts, router.topk
+        counts = (routing_map.reshape(-1, n_exp) & valid[:, None]).sum(0).to(torch.float64)
+        tot = torch.cat([counts, valid.sum().to(torch.float64)[None]])
+        if router.config.sequence_parallel and self.groups.tp_size > 1:  # the micro-batch over all shards
+            dist.all_reduce(tot, group=self.groups.tp_group)
+        counts, tokens = tot[:-1], float(tot[-1])
+        if tokens == 0:
+            return None  # a dummy micro-batch (all padding): no loss
+        scores = F.softmax(F.linear(x.float(), router.weight.float()), dim=-1)  # differentiable
+        p_sum = (scores * valid[:, None]).sum(0)
+        aux = n_exp / (k * tokens * tokens) * (p_sum * counts.to(p_sum.dtype)).sum()
+        return MoEAuxLossAutoScaler.apply(probs, aux * (self.scale * tokens)), routing_map

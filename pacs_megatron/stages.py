@@ -18,10 +18,10 @@ from pacs_megatron.data.batching import (
     build_train_batch,
     dp_shard,
     response_values,
-    routed_experts_tensor,
     split_mini_batches,
 )
 from pacs_megatron.data.packing import dp_balanced_shard
+from pacs_megatron.data.routing import RoutedExperts, fetch_routed_experts
 from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.pacs import get_loss, outcome_advantages
@@ -76,8 +76,9 @@ def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, di
         [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8
     )
     batch = batch.with_(rollout_logp=response_values(batch, [resp.logprobs for _, resp in flat]))
-    if cfg.actor.routing_replay == "rollout":  # MoE: the actor replays the engine's experts (actor/moe.py)
-        batch = batch.with_(routed_experts=routed_experts_tensor(batch, [resp.routed_experts for _, resp in flat]))
+    if cfg.actor.routing_replay == "rollout":  # MoE: the actor replays the engine's experts (data/routing.py)
+        routed = RoutedExperts.from_records([resp.routed_experts for _, resp in flat], batch.seq_lens)
+        batch = batch.with_(routed_experts=routed)  # this replica's rows only, until prepare_local_batch
     lengths = torch.tensor([len(resp.token_ids) for _, resp in flat], dtype=torch.float32)
     s = batch.scores.reshape(-1, cfg.rollout.n)
     metrics = {
@@ -109,6 +110,8 @@ def prepare_local_batch(
         local = dp_balanced_shard(batch, dp_rank, dp_size, cfg.mini_batch_prompts)
     else:
         local = dp_shard(batch, dp_rank, dp_size)
+    if batch.routed_experts is not None:  # the routing records of this rank's rows, from their holders
+        local = local.with_(routed_experts=fetch_routed_experts(batch.routed_experts, local.routed_experts))
     mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
     out = actor.compute_logprobs(
         local, mbs, cfg.rollout.temperature, with_entropy=True, mini_batch_groups=cfg.mini_batch_prompts // dp_size

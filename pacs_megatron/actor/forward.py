@@ -110,7 +110,8 @@ def run_schedule(
         ids = mb.input_ids.to(device, non_blocking=True)
         p = pack_thd(ids, mb.seq_lens, 8 * groups.tp_size) if thd else None
         # MoE (actor/moe.py): the recorded experts in the routers' token order; None: route anew
-        set_routing_replay(model, mb.routed_experts, ids.shape[1], p, groups.tp_rank, groups.tp_size)
+        routed = None if mb.routed_experts is None else mb.routed_experts.padded(ids.shape[1])
+        set_routing_replay(model, routed, ids.shape[1], p, groups.tp_rank, groups.tp_size)
         mask = _moe_padding_mask(model, mb, ids.shape[1], p, k >= n_real, groups)
         if p is not None:  # unverified on GPU: see actor/thd.py
             out = model(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from pacs_megatron.data.routing import RoutedExperts
 from pacs_megatron.pacs.advantage import check_groups
 
 
@@ -56,9 +57,10 @@ class TrainBatch:
     """``[B, T]`` float32 values of the learned critic before its update (``adv_estimator=gae``)."""
     returns: torch.Tensor | None = None
     """``[B, T]`` float32 GAE returns, the critic's regression targets (``adv_estimator=gae``)."""
-    routed_experts: torch.Tensor | None = None
-    """``[B, T, L, k]`` int64 MoE routing replay (actor.routing_replay=rollout): the experts the rollout
-    engine chose for the token at each position, per layer; padding positions hold 0..k-1."""
+    routed_experts: RoutedExperts | None = None
+    """MoE routing replay (actor.routing_replay=rollout): per row, the experts the rollout engine chose
+    for each token, per layer, unpadded and compact (data/routing.py); the actor pads them per
+    micro-batch. Row selections carry them along; ``to(device)`` leaves them on the host."""
 
     def __post_init__(self) -> None:
         check_groups(self.input_ids.shape[0], self.group_size, self.group_ids)
@@ -75,13 +77,13 @@ class TrainBatch:
         n = self.group_size
         if start % n or stop % n:
             raise ValueError(f"rows {start}:{stop} would split a prompt group of {n}")
-        return self._map(lambda t: t[start:stop])
+        return self._map(lambda t: t[start:stop], torch.arange(start, stop))
 
     def take(self, rows: torch.Tensor, length: int | None = None) -> TrainBatch:
         """Rows ``rows`` (whole groups, each contiguous) cut to the first ``length`` columns (default all)."""
         T = self.input_ids.shape[1]
         width = T if length is None else length
-        return self._map(lambda t: t[rows, :width] if t.dim() >= 2 and t.shape[1] == T else t[rows])
+        return self._map(lambda t: t[rows, :width] if t.dim() >= 2 and t.shape[1] == T else t[rows], rows)
 
     def with_(self, **kw) -> TrainBatch:
         return replace(self, **kw)
@@ -89,10 +91,14 @@ class TrainBatch:
     def to(self, device: torch.device | str) -> TrainBatch:
         return self._map(lambda t: t.to(device, non_blocking=True))
 
-    def _map(self, fn) -> TrainBatch:
+    def _map(self, fn, rows: torch.Tensor | None = None) -> TrainBatch:
+        """``fn`` applied to every tensor field; ``rows``: the row selection ``fn`` makes, applied to
+        the routing records too."""
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
+            if isinstance(v, RoutedExperts):
+                v = v if rows is None else v.take(rows)
             kw[f.name] = fn(v) if isinstance(v, torch.Tensor) else v
         return TrainBatch(**kw)
 
@@ -177,21 +183,4 @@ def response_values(batch: TrainBatch, values: Sequence[Sequence[float] | None])
         if len(v) != k:
             raise ValueError(f"row {b}: {len(v)} values for {k} response tokens")
     out[batch.response_mask] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
-    return out
-
-
-def routed_experts_tensor(batch: TrainBatch, rows: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """``[B, T, L, k]`` int64 MoE routing replay from each row's recorded ``[len_b, L, k]`` experts
-    (rollout Response.routed_experts, prompt + response tokens); padding positions hold 0..k-1 (any
-    k distinct experts: the router must get a valid choice, and causality keeps it from mattering).
-    None when any row has none."""
-    if not rows or any(r is None for r in rows):
-        return None
-    L, k = rows[0].shape[1:]
-    B, T = batch.input_ids.shape
-    out = torch.arange(k, dtype=torch.long).expand(B, T, L, k).clone()
-    for b, r in enumerate(rows):
-        if r.shape[0] != int(batch.seq_lens[b]):
-            raise ValueError(f"row {b}: routed experts for {r.shape[0]} tokens, the row has {int(batch.seq_lens[b])}")
-        out[b, : r.shape[0]] = r.long()
     return out

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from pacs_megatron.rollout.base import RolloutEngine
 from pacs_megatron.rollout.types import Response, SamplingParams
-from pacs_megatron.utils.dist import map_sharded, rank_and_world
+from pacs_megatron.utils.dist import map_sharded, rank_and_world, shard_bounds
 
 
 def replica_coords(engine: RolloutEngine) -> tuple[int, int]:
@@ -31,12 +31,23 @@ def step_seed(base_seed: int, step: int, replica: int) -> int:
 def generate_sharded(
     engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, step: int
 ) -> list[list[Response]]:
-    """``sampling.n`` responses per prompt, for all prompts, on every rank."""
+    """``sampling.n`` responses per prompt, for all prompts, on every rank.
+
+    MoE routing records (``Response.routed_experts``) are not gathered: they are large (data/routing.py),
+    so a response keeps them only on the ranks of the replica that generated it (None elsewhere)."""
     replica, replicas = replica_coords(engine)
     seeded = replace(sampling, seed=step_seed(sampling.seed or 0, step, replica))
-    flat = map_sharded(list(prompt_ids), lambda part: engine.generate(part, seeded) if part else [], replica, replicas)
+    own: list[list[Response]] = []
+
+    def generate(part):
+        own.extend(engine.generate(part, seeded) if part else [])
+        return [[replace(r, routed_experts=None) for r in g] for g in own]
+
+    flat = map_sharded(list(prompt_ids), generate, replica, replicas)
     if len(flat) != len(prompt_ids) or any(len(g) != sampling.n for g in flat):
         raise RuntimeError(
             f"engine returned {[len(g) for g in flat]} responses for {len(prompt_ids)} prompts x n={sampling.n}"
         )
+    start, _ = shard_bounds(len(prompt_ids), replica, replicas)
+    flat[start : start + len(own)] = own
     return flat

@@ -224,6 +224,11 @@ def _text(report: dict, found: list[tuple[str, str]]) -> str:
             f"            rollout {m['rollout_gib']:.1f} GiB, training {m['train_gib']:.1f} GiB of "
             f"{m['gpu_gib']:.0f} GiB (+ CUDA contexts and NCCL buffers)"
         )
+        if m.get("replay_host_gib"):
+            lines.append(
+                f"            routing replay: {m['replay_gib']:.2f} GiB GPU (in training), "
+                f"{m['replay_host_gib']:.1f} GiB host memory per rank"
+            )
     lines += [f"{level.upper():<11} {msg}" for level, msg in found]
     return "\n".join(lines) + "\n"
 

@@ -15,6 +15,12 @@ From the Hugging Face ``config.json`` and the run config, for the worst pipeline
 - vLLM: ``gpu_memory_utilization`` x the GPU's memory while awake (weights + KV cache + graphs);
   asleep (``enable_sleep_mode``) it frees that, colocated it holds it during training otherwise.
 
+- routing replay (``actor.routing_replay=rollout``, MoE): on the GPU one micro-batch's int64 per-router
+  expert indices (tokens x stage layers x k x 8 bytes), counted in training; on the host
+  (``replay_host_gib``, not part of the GPU plan) the routing records of the rank's engine replica (the
+  engine's int16 copy and the compact one) and of the rows it trains on (data/routing.py: one byte per
+  expert id up to 256 experts, else two), worst case at full length.
+
 "Resident during rollout" is actor (params + grads + optimizer, or nothing when the actor is
 offloaded to CPU for the rollout) + vLLM's share; "during training" is actor + activations (+ vLLM's
 share if it cannot sleep). CUDA contexts, NCCL buffers and allocator fragmentation come on top:
@@ -51,6 +57,10 @@ class MemoryPlan:
     """Resident while the actor trains."""
     gpu_gib: float
     """The GPU's memory the plan is compared with."""
+    replay_gib: float = 0.0
+    """GPU: one micro-batch's routing replay indices (part of train_gib)."""
+    replay_host_gib: float = 0.0
+    """Host memory of the routing replay records per rank (not part of the GPU plan)."""
 
     @property
     def peak_gib(self) -> float:
@@ -94,6 +104,8 @@ def param_counts(hf: dict) -> dict[str, int]:
         "final_norm": h,
         "vocab": vocab,
         "hidden": h,
+        "num_experts": experts,
+        "topk": int(hf.get("num_experts_per_tok") or 0) if experts else 0,
     }
 
 
@@ -120,9 +132,12 @@ def estimate(
     vllm_sleeps: bool = True,
     offload_during_rollout: bool = False,
     ep: int = 1,
+    replay_rows: tuple[int, int] | None = None,
 ) -> MemoryPlan:
     """The plan for one rank (see the module docstring for each term). ``vllm_utilization=0`` means no
-    colocated vLLM (the HF engine); ``offload_during_rollout`` moves the actor to CPU while vLLM runs."""
+    colocated vLLM (the HF engine); ``offload_during_rollout`` moves the actor to CPU while vLLM runs.
+    ``replay_rows``: MoE routing replay, ``(rows the rank trains on, rows its engine replica generates)``
+    per step."""
     c = param_counts(hf)
     layers = c["layers"] // pp
     stage_layers = layers * (c["layer_split"] / tp + c["layer_norms"] + c["experts"] / ep + c["router"])
@@ -146,11 +161,18 @@ def estimate(
         act = layers * tokens * hidden * per_token_layer
     act += tokens * c["vocab"] / tp * 8  # fp32 logits and their gradient on the last stage
     act_gib = act / GIB
+    replay = replay_host = 0.0
+    if replay_rows is not None and c["topk"]:
+        ids = c["layers"] * c["topk"]  # expert ids per token
+        replay = tokens * layers * c["topk"] * 8 / GIB
+        width = 1 if c["num_experts"] <= 256 else 2
+        own, replica = replay_rows
+        replay_host = seq_len * ids * (own * width + replica * (2 + width)) / GIB
     vllm = vllm_utilization * gpu_gib
     actor = params + grads + optimizer
     rollout = (0.0 if offload_during_rollout else actor) + vllm
-    train = actor + act_gib + (0.0 if vllm_sleeps else vllm)
-    return MemoryPlan(n, params, grads, optimizer, act_gib, vllm, rollout, train, gpu_gib)
+    train = actor + act_gib + replay + (0.0 if vllm_sleeps else vllm)
+    return MemoryPlan(n, params, grads, optimizer, act_gib, vllm, rollout, train, gpu_gib, replay, replay_host)
 
 
 def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | None = None) -> MemoryPlan:
@@ -161,6 +183,11 @@ def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | N
     par, vllm = cfg.parallel, cfg.rollout.vllm
     use_vllm = cfg.rollout.engine == "vllm"
     dist_opt = cfg.optimizer.use_distributed_optimizer
+    replay_rows = None
+    if getattr(getattr(cfg, "actor", None), "routing_replay", "none") == "rollout":
+        rows = cfg.trainer.train_batch_size * cfg.rollout.n
+        replicas = par.tp * par.pp * par.dp // (vllm.tensor_parallel_size if use_vllm else 1)
+        replay_rows = (rows // par.dp, rows // max(1, replicas))
     return estimate(
         hf,
         tp=par.tp,
@@ -177,4 +204,5 @@ def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | N
         vllm_sleeps=vllm.enable_sleep_mode,
         offload_during_rollout=offload_during_rollout,
         ep=getattr(par, "ep", 1),
+        replay_rows=replay_rows,
     )

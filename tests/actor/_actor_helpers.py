@@ -16,7 +16,8 @@ from pacs_megatron.config import (
     RunConfig,
     TrainerConfig,
 )
-from pacs_megatron.data.batching import TrainBatch, build_train_batch, routed_experts_tensor
+from pacs_megatron.data.batching import TrainBatch, build_train_batch
+from pacs_megatron.data.routing import RoutedExperts
 from pacs_megatron.pacs import PolicyLossConfig, outcome_advantages
 
 GROUP = 2
@@ -149,10 +150,29 @@ def replay_batch(prompts: list[list[int]], groups: list) -> tuple[TrainBatch, to
     # padded to a multiple of 8, as the trainer pads (sequence parallelism splits T over TP)
     batch = build_train_batch([p for p, _ in flat], [r.token_ids for _, r in flat], scores, GROUP, 0, 8)
     batch = batch.with_(advantages=outcome_advantages(batch.scores, GROUP, PolicyLossConfig(adv_estimator="grpo")))
-    routed = routed_experts_tensor(batch, [r.routed_experts for _, r in flat])
+    routed = RoutedExperts.from_records([r.routed_experts for _, r in flat], batch.seq_lens)
     engine_lp = torch.zeros(batch.input_ids.shape)
     engine_lp[batch.response_mask] = torch.tensor([x for _, r in flat for x in r.logprobs])
     return batch.with_(routed_experts=routed), engine_lp
+
+
+def hf_engine_rollout(model_dir: str, seed: int, max_tokens: int) -> tuple[TrainBatch, torch.Tensor]:
+    """The HF engine samples GROUP responses to 4 fixed prompts with routing recorded: :func:`replay_batch`."""
+    from pacs_megatron.data.synthetic import build_arith_tokenizer
+    from pacs_megatron.rollout.hf_engine import HFEngine
+    from pacs_megatron.rollout.types import SamplingParams
+
+    engine = HFEngine(model_dir, build_arith_tokenizer(), record_routing=True, seed=seed)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    groups = engine.generate(prompts, SamplingParams(n=GROUP, max_tokens=max_tokens, temperature=1.0))
+    return replay_batch(prompts, groups)
+
+
+def shift_experts(batch: TrainBatch, num_experts: int) -> TrainBatch:
+    """The batch with every recorded expert e replaced by e + 1 (mod ``num_experts``): other experts."""
+    r = batch.routed_experts
+    shifted = tuple((x.long() + 1).remainder(num_experts).to(x.dtype) for x in r.records)
+    return batch.with_(routed_experts=RoutedExperts(r.rows, shifted))
 
 
 def allow_cpu_sequence_parallel() -> None:

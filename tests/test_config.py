@@ -61,3 +61,15 @@ def test_base_chain(tmp_path):
     (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
     with pytest.raises(ConfigError, match="cycle"):
         load_config(tmp_path / "loop.yaml")
+
+
+@pytest.mark.parametrize("truncation", ["rollout.top_p=0.9", "rollout.top_k=20"])
+def test_rollout_correction_refuses_truncated_sampling(truncation):
+    """The engines report log-probs of the distribution they sample from (top-k / top-p renormalised);
+    the actor scores the untruncated one, so tis / mis weights would correct the truncation itself."""
+    for correction in ("tis", "mis"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"algorithm.rollout_correction={correction}", truncation])
+        assert "algorithm.rollout_correction" in str(e.value) and truncation.split("=")[0] in str(e.value)
+    assert load_config(None, [truncation]).rollout.top_k in (-1, 20)  # without a correction: allowed
+    assert load_config(None, ["algorithm.rollout_correction=tis", "rollout.top_k=-1", "rollout.top_p=1.0"])

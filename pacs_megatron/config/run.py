@@ -99,6 +99,16 @@ class RunConfig:
                 f"rollout.n={n} with {key}={estimator} (algorithm.loss={algo.loss}): the estimator compares the "
                 "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
             )
+        truncated = [f for f, on in (("top_k", self.rollout.top_k > 0), ("top_p", self.rollout.top_p < 1)) if on]
+        if algo.rollout_correction != "none" and truncated:
+            # the engines report log-probs of the top-k/top-p renormalised distribution they sample from
+            # (rollout/hf_engine.py sampling_logits; vLLM processed_logprobs), the actor the full one
+            raise ConfigError(
+                f"algorithm.rollout_correction={algo.rollout_correction} with rollout.{truncated[0]}="
+                f"{getattr(self.rollout, truncated[0])}: the engine samples a top-k/top-p truncated distribution the "
+                "actor does not score, so the weights would correct the truncation, not the engine mismatch: set "
+                "rollout.top_k=-1 and rollout.top_p=1, or algorithm.rollout_correction=none"
+            )
         check_rollout_quantization(self.rollout, self.parallel.backend)
         check_routing_replay(self.actor, self.rollout, self.parallel.backend)
 

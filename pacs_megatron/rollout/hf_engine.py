@@ -2,8 +2,10 @@
 
 A hand-written sampling loop over the model's forward with a KV cache, rather than ``generate()``:
 it samples from its own ``torch.Generator`` (seeded per call; the process's global RNG, which the
-trainer seeds, is never touched) and returns the log-prob of every sampled token from the raw logits
-(``log_softmax(logits / T)``, before top-k / top-p), the quantity the actor recomputes.
+trainer seeds, is never touched) and returns the log-prob of every sampled token under the
+distribution it was drawn from (:func:`sampling_logprobs`: temperature, then top-k, then top-p, each
+renormalised), as vLLM's ``processed_logprobs`` does. With top-k / top-p off (training's default) that
+is ``log_softmax(logits / T)``, the quantity the actor recomputes.
 
 Layout of one generation chunk (P = longest prompt, R = prompts x n rows)::
 
@@ -58,22 +60,17 @@ def _has_weights(model_dir: Path) -> bool:
     return any((model_dir / f).exists() for f in _WEIGHT_FILES)
 
 
-def sample_tokens(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return ``(tokens [R], logp [R])``.
-
-    ``logp`` is the sampled token's log-prob under ``log_softmax(logits / T)`` of the raw logits;
-    top-k / top-p only restrict which tokens can be drawn.
+def sampling_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """``[R, V]`` the logits the engines sample from: ``logits / T``, then -inf outside the top-k, then
+    outside the top-p nucleus of the renormalised top-k distribution (vLLM's order and boundary: a token
+    stays while the mass of the more likely ones is below top_p). Their log-softmax is the definition of
+    ``Response.logprobs`` on every engine (vLLM: ``logprobs_mode="processed_logprobs"``).
 
     Example:
-        >>> g = torch.Generator().manual_seed(0)
-        >>> tok, lp = sample_tokens(torch.tensor([[0.0, 9.0, 0.0]]), SamplingParams(top_k=1), g)
-        >>> tok.tolist(), round(lp.item(), 4)
-        ([1], -0.0002)
+        >>> torch.log_softmax(sampling_logits(torch.tensor([[0.0, 1.0, 2.0]]), SamplingParams(top_k=2)), -1)
+        tensor([[   -inf, -1.3133, -0.3133]])
     """
     scaled = logits.float() / sampling.temperature
-    logp_all = torch.log_softmax(scaled, dim=-1)
     masked = scaled
     vocab = scaled.shape[-1]
     if 0 < sampling.top_k < vocab:
@@ -86,9 +83,25 @@ def sample_tokens(
         drop_sorted = (probs.cumsum(-1) - probs) >= sampling.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         masked = masked.masked_fill(drop, float("-inf"))
+    return masked
+
+
+def sample_tokens(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return ``(tokens [R], logp [R])``, ``logp`` the sampled token's log-prob
+    under the distribution it was drawn from (:func:`sampling_logits`).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> tok, lp = sample_tokens(torch.tensor([[0.0, 9.0, 0.0]]), SamplingParams(top_k=1), g)
+        >>> tok.tolist(), lp.item()  # top-k=1 leaves one token: probability 1
+        ([1], 0.0)
+    """
+    masked = sampling_logits(logits, sampling)
     probs = torch.softmax(masked, dim=-1)
     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, torch.log_softmax(masked, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def _layer_index(module_name: str) -> int:

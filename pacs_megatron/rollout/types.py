@@ -47,7 +47,8 @@ class Response:
     finish_reason: str
     """"stop" (EOS or a stop token) or "length" (hit max_tokens: truncated)."""
     logprobs: tuple[float, ...] | None = field(default=None, compare=False)
-    """The engine's log-prob of each generated token, under its sampling temperature."""
+    """The engine's log-prob of each generated token under the distribution it was drawn from: logits / T,
+    then top-k, then top-p, renormalised (the same on every engine: rollout/hf_engine.py sampling_logits)."""
     routed_experts: Any = field(default=None, compare=False, repr=False)
     """MoE routing replay: ``[prompt + response tokens, layers, k]`` int16 tensor of the experts the
     engine's routers chose for each token (None unless the engine records them)."""

@@ -38,9 +38,13 @@ backend). GPU: WRITTEN FOR GPU, NEVER RUN: the engine starts with ``enable_retur
 all but the last sampled one; docs/models.md). Otherwise ``Response.routed_experts`` stays None.
 
 Numerics (vLLM 0.32):
-- ``Response.logprobs``: ``logprobs_mode="processed_logprobs"``, the log-prob of each sampled token after
-  temperature (and, when enabled, top-k/top-p renormalisation); with top-k/top-p off this equals the HF
-  engine's ``log_softmax(logits / T)``. The default ``raw_logprobs`` would ignore the temperature.
+- ``Response.logprobs``: ``logprobs_mode="processed_logprobs"``, the log-prob of each sampled token under
+  the distribution it was drawn from: after temperature, top-k and top-p, renormalised (vLLM 0.32's V1
+  sampler on CPU, tested against the HF engine; its GPU Model Runner V2 returns the same, read from its
+  source: ``Sampler.sample`` skips the fused FlashInfer sampler when processed log-probs are asked for and
+  returns the top-k/top-p-masked logits). The HF engine reports the same quantity
+  (``hf_engine.sampling_logits``); with top-k/top-p off it is ``log_softmax(logits / T)``, what the actor
+  recomputes. The default ``raw_logprobs`` would ignore the temperature.
 - :meth:`logprobs`: ``prompt_logprobs=0`` returns, for every prompt position t >= 1, the log-prob of the
   prompt token t given tokens < t from the *raw* logits (prompt tokens skip the sampling processors:
   no temperature, no top-k/top-p; position 0 is None). Only ``temperature=1`` can therefore be served.

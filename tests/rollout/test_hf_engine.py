@@ -72,21 +72,41 @@ def test_seeded_sampling_is_deterministic_and_shaped(engine, tok):
     assert torch.equal(torch.rand(3), expected)
 
 
+def _truncated_logprob(logits: torch.Tensor, token: int, temp: float, top_k: int, top_p: float) -> float:
+    """log p(token) under softmax(logits / T) cut to the top-k, renormalised, cut to the smallest set of
+    the most likely tokens whose mass reaches top_p, renormalised (written out, one position)."""
+    probs = torch.softmax(logits.double() / temp, -1)
+    top = probs.topk(top_k)
+    p, idx = top.values / top.values.sum(), top.indices.tolist()
+    keep = [i for j, i in enumerate(idx) if float(p[:j].sum()) < top_p]
+    kept = probs[keep] / probs[keep].sum()
+    return float(kept[keep.index(token)].log()) if token in keep else float("-inf")
+
+
 def test_engine_logprobs_equal_forward_logprobs(engine, tok):
     # prompts of different lengths share a left-padded batch; the per-token log-probs of the sampled
-    # tokens (raw logits / T) must equal a plain forward over prompt + response without padding
+    # tokens are those of the distribution they were drawn from (logits / T, top-k, top-p, renormalised:
+    # vLLM's processed_logprobs) in a plain forward over prompt + response without padding
     prompts = ids(tok, ["3+5=", "12+34=", "7="])
-    temp = 0.7
-    groups = engine.generate(prompts, SamplingParams(n=4, temperature=temp, top_k=5, top_p=0.8, max_tokens=6, seed=3))
+    temp, top_k, top_p = 0.7, 5, 0.8
+    sp = SamplingParams(n=4, temperature=temp, top_k=top_k, top_p=top_p, max_tokens=6, seed=3)
+    groups = engine.generate(prompts, sp)
     seqs, expected = [], []
     for p, g in zip(prompts, groups):
         for r in g:
             seqs.append(list(p) + list(r.token_ids))
             expected.append((len(p), torch.tensor(r.logprobs)))
     got = engine.logprobs(seqs, temperature=temp)
+    truncated = 0
     for (plen, lp), full, seq in zip(expected, got, seqs):
         assert full.shape == (len(seq) - 1,)
-        torch.testing.assert_close(full[plen - 1 :], lp, atol=1e-5, rtol=0)
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([seq])).logits[0]
+        ref = [_truncated_logprob(logits[t - 1], seq[t], temp, top_k, top_p) for t in range(plen, len(seq))]
+        torch.testing.assert_close(lp.double(), torch.tensor(ref, dtype=torch.float64), atol=1e-5, rtol=0)
+        assert (lp >= full[plen - 1 :] - 1e-6).all()  # renormalised: never below the untruncated log-prob
+        truncated += int((lp > full[plen - 1 :] + 1e-3).sum())
+    assert truncated > 0, "top-k / top-p cut nothing: the test does not compare the definitions"
     # batched (right-padded) equals one-by-one
     singles = [engine.logprobs([s], temperature=temp)[0] for s in seqs[:4]]
     for a, b in zip(singles, got[:4]):

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from _vllm import cpu_engine, moved_state, needs_vllm, saved_model, worst
 
+from pacs_megatron.rollout.hf_engine import sampling_logits
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.weight_sync import iter_buckets
 
@@ -53,6 +55,27 @@ def test_seeded_generation_repeats_and_request_seeds_are_independent(engines):
         for r in g:
             full = ref.logprobs([p + list(r.token_ids)], temperature=0.9)[0][len(p) - 1 :]
             assert max(abs(x - float(y)) for x, y in zip(r.logprobs, full)) <= 1e-5
+
+
+def test_sampled_token_logprobs_have_one_definition_with_top_k_top_p(engines):
+    """Both engines report the sampled token's log-prob under the distribution it was drawn from: logits / T
+    cut to the top-k, then to the top-p nucleus, renormalised (the HF engine's ``sampling_logits``, vLLM's
+    ``processed_logprobs``). The HF engine reported the untruncated log-prob until 2026-11-25."""
+    engine, ref = engines
+    sp = SamplingParams(n=4, temperature=0.9, top_k=5, top_p=0.8, max_tokens=6, seed=11)
+    for name, eng in (("vllm", engine), ("hf", ref)):
+        cut = 0
+        for p, g in zip(SEQS, eng.generate(SEQS, sp)):
+            for r in g:
+                seq = torch.tensor([p + list(r.token_ids)])
+                with torch.no_grad():
+                    logits = ref.model(input_ids=seq).logits[0, len(p) - 1 : -1].float()
+                tokens = torch.tensor(r.token_ids)[:, None]
+                want = torch.log_softmax(sampling_logits(logits, sp), -1).gather(-1, tokens)[:, 0]
+                full = torch.log_softmax(logits / sp.temperature, -1).gather(-1, tokens)[:, 0]
+                assert (torch.tensor(r.logprobs) - want).abs().max() <= 1e-5, name
+                cut += int((want > full + 1e-3).sum())
+        assert cut > 0, f"{name}: top-k / top-p cut nothing, the test compares nothing"
 
 
 def test_reload_sync_round_trip_on_a_tied_model_and_partial_sync_raises(engines):

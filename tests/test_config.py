@@ -32,6 +32,7 @@ def test_yaml_then_overrides(tmp_path):
         ("parallel.vpp=2", ["parallel.vpp", "pp"]),
         ("model.path=", ["model.path"]),
         ("trainer.val_k=[1,16]", ["trainer.val_k"]),
+        ("sync.probe_greedy_tolerance=0", ["sync.probe_greedy_tolerance", "-1"]),
     ],
 )
 def test_errors_name_the_field(override, words):

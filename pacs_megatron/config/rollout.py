@@ -91,12 +91,21 @@ class SyncConfig:
     probe_sequences: int = 2
     """Fixed sequences whose engine log-probs are compared with the actor's after every sync."""
     probe_tolerance: float = -1.0
-    """Max allowed per-token |engine - actor| log-prob, scaled by max(1, |logp|) (float32 rounding grows
-    with the magnitude); -1: 1e-4 for float32, 5e-2 for bfloat16. Two correct fp32 implementations
-    (HF transformers vs Megatron) were measured up to 1.2e-5 apart on a trained tiny model; a wrong or
-    missing tensor moves log-probs by 1e-1 and more."""
+    """Max allowed per-token |engine - actor| log-prob on the probe's random tokens, scaled by
+    max(1, |logp|) (rounding grows with the magnitude); -1: 1e-4 for float32, 5e-2 for bfloat16. Two
+    correct fp32 implementations (HF transformers vs Megatron) were measured up to 1.2e-5 apart on a
+    trained tiny model; a wrong or missing tensor moves log-probs by 1e-1 and more."""
+    probe_greedy_tolerance: float = -1.0
+    """Max allowed mean |engine - actor| log-prob over the engine's greedy continuation of the probe
+    (tokens the model predicts: |logp| of a few nats, where a stale tensor shows without being scaled
+    away); -1: 1e-4 for float32, 0.1 for bfloat16 (a correct bf16 sync measured 0.04 on SmolLM2-135M,
+    a layer left stale by ~1 nat on random tokens 0.14 and more; docs/weight_sync.md)."""
 
     def __post_init__(self) -> None:
         _positive("sync.bucket_mb", self.bucket_mb)
         _choice("sync.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _positive("sync.probe_sequences", self.probe_sequences, allow_zero=True)
+        for key in ("probe_tolerance", "probe_greedy_tolerance"):
+            value = getattr(self, key)
+            if not (value == -1 or value > 0):
+                raise ConfigError(f"sync.{key}={value} must be > 0, or -1 for the dtype's default")

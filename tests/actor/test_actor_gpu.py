@@ -42,8 +42,8 @@ def _gpu_body(rank, world, model_dir, dtype):
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-3), ("bfloat16", 1e-1)])
 def test_one_gpu_actor(tmp_path, dtype, tol):
     model_dir = make_qwen2(tmp_path / "m", vocab=255)
-    # the gloo helper starts the process group; init_distributed keeps it and selects cuda:0
-    r = run_distributed(_gpu_body, 1, model_dir, dtype)[0]
+    # the helper starts an NCCL process group; init_distributed keeps it and selects cuda:0
+    r = run_distributed(_gpu_body, 1, model_dir, dtype, gpu=True)[0]
     assert r["device"].startswith("cuda") and dtype in r["dtype"]
     orig = load_file(f"{model_dir}/model.safetensors")
     cast = {k: v.to(getattr(torch, dtype)).float() for k, v in orig.items()}
@@ -81,6 +81,6 @@ def test_offload_frees_gpu_memory_and_restores(tmp_path):
     """actor.offload_during_rollout on CUDA: Adam state + fp32 main params + grad buffer leave the GPU
     (pinned host copies) and come back for the next step. Written for GPU, never run here."""
     model_dir = make_qwen2(tmp_path / "m", vocab=255)
-    r = run_distributed(_offload_body, 1, model_dir)[0]
+    r = run_distributed(_offload_body, 1, model_dir, gpu=True)[0]
     assert r["moved"] > 0 and r["resident"] - r["offloaded"] >= 0.9 * r["moved"], r  # the device bytes really went
     assert r["after"] >= 0.9 * r["resident"] and r["metrics"]["actor/nan_skipped_steps"] == 0.0

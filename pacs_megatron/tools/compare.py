@@ -59,8 +59,8 @@ from pacs_megatron.tools.compare_report import (
     run_score,
     table,
 )
+from pacs_megatron.tools.plot import read_metrics
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.plot import read_metrics
 from pacs_megatron.utils.proc import die_with_parent
 
 logger = get_logger(__name__)

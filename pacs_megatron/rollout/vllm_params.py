@@ -107,7 +107,7 @@ def llm_kwargs(
     }
     if cpu:
         kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * 2**30)
-    if cfg.actor.routing_replay == "rollout" and not cpu:  # refused on CPU (config/actor.py)
+    if cfg.actor.routing_replay == "rollout" and not cpu:  # refused on CPU (launch/device_checks.py)
         # vLLM's AuxOutput connector: needs Model Runner V2 (picked by default on CUDA with Triton; vLLM
         # raises "requires Model Runner V2" otherwise) and prefix caching (set above)
         kwargs["enable_return_routed_experts"] = True

@@ -210,8 +210,15 @@ def _print_report(report: dict) -> None:
 
 
 def _rank_main(args, workdir: Path, tp: int) -> int:
-    """One rank's measurement, left in ``workdir`` for the process that started the job."""
-    result = run_rank(args, workdir, tp)
+    """One rank's measurement, left in ``workdir`` for the process that started the job. The environment
+    is put back afterwards: a one-rank job run in the driver sets RANK / WORLD_SIZE (parallel/groups.py),
+    which would make the next ``--tp`` job look as if a launcher had already started its ranks."""
+    env = dict(os.environ)
+    try:
+        result = run_rank(args, workdir, tp)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
     (workdir / f"rank{result['rank']}.json").write_text(json.dumps(result))
     return 0
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
-from pacs_megatron.launch.local import spawn_local
+from pacs_megatron.launch.local import on_ranks
 from pacs_megatron.launch.preflight import preflight
 from pacs_megatron.launch.rank import run_rank
 from pacs_megatron.launch.slurm import apply_srun_env, srun_exit_code
@@ -112,10 +112,13 @@ def main(args: argparse.Namespace) -> int:
     if cfg.launcher.kind == "torchrun" and not under_launcher():
         logger.error("launcher.kind=torchrun but RANK/WORLD_SIZE are not set: start with torchrun or srun")
         return 2
-    if under_launcher() or cfg.parallel.world_size == 1:
-        from pacs_megatron.train import train
-
-        # srun: 75 means "checkpointed, requeue me"; run_rank: one error per job, not one traceback per rank
-        return srun_exit_code(run_rank(train, cfg))
     argv = ["pacs_megatron", "train", "--config", args.config, *overrides]
-    return spawn_local(argv, cfg.parallel.world_size)
+    return on_ranks(argv, cfg.parallel.world_size, lambda: _train_here(cfg))
+
+
+def _train_here(cfg: RunConfig) -> int:
+    """This process is a rank (or the only one): train."""
+    from pacs_megatron.train import train
+
+    # srun: 75 means "checkpointed, requeue me"; run_rank: one error per job, not one traceback per rank
+    return srun_exit_code(run_rank(train, cfg))

@@ -19,6 +19,7 @@ from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig
 from pacs_megatron.config.quantization import check_rollout_quantization
 from pacs_megatron.config.rollout import RolloutConfig, SyncConfig
+from pacs_megatron.config.switches import check_run_switches
 from pacs_megatron.config.training import AlgorithmConfig, LoggingConfig, OptimizerConfig, TrainerConfig
 
 
@@ -100,6 +101,7 @@ class RunConfig:
                 "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
             )
         check_rollout_quantization(self.rollout, self.parallel.backend)
+        check_run_switches(self)
         check_routing_replay(self.actor, self.rollout, self.parallel.backend)
 
     @property

@@ -140,7 +140,9 @@ def test_short_batch_trains_whole_mini_batches_or_fails(caplog):
     assert m["sampling/kept_groups"] < 6 and len(batch) == m["sampling/trained_groups"] * N == 3 * N
     assert "training on 3 groups (1 mini-batches of 3)" in caplog.text
     with pytest.raises(sampling_stages.ShortBatchError, match="algorithm.max_gen_batches=1.*short_batch=train"):
-        sampling_stages.collect_step(load_config(None, BASE + hard + ["algorithm.short_batch=fail"]), _components(0.3), 1)
+        sampling_stages.collect_step(
+            load_config(None, BASE + hard + ["algorithm.short_batch=fail"]), _components(0.3), 1
+        )
     none_mixed = _components(p_right=0.0)
     with pytest.raises(sampling_stages.ShortBatchError, match="0 of the 6 groups.*lower algorithm.mini_batch_size"):
         sampling_stages.collect_step(cfg, none_mixed, 1)
@@ -165,4 +167,6 @@ def test_overlong_penalty_and_truncation_mask():
     cfg.algorithm.rollout_correction = "tis"
     local = batch.with_(old_logp=batch.rollout_logp + 0.01)
     local, _ = stages.rollout_mismatch(cfg, local)
-    assert torch.equal(local.is_weights == 0, (batch.is_weights == 0).expand_as(local.is_weights) | ~batch.response_mask)
+    assert torch.equal(
+        local.is_weights == 0, (batch.is_weights == 0).expand_as(local.is_weights) | ~batch.response_mask
+    )

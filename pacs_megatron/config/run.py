@@ -89,6 +89,7 @@ class RunConfig:
                 raise ConfigError("model.tiny.num_layers must be divisible by parallel.pp * parallel.vpp")
         if algo.loss == "pacs" and algo.policy.adv_estimator == "gae":
             raise ConfigError("algorithm.policy.adv_estimator=gae is for loss ppo/grpo: set algorithm.loss=ppo")
+        check_run_switches(self)  # dynamic sampling, overlong shaping, KL / entropy (config/switches.py)
         if self.critic.micro_batch_size % n:
             raise ConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size}: use a multiple of {n}")
         if self.data.task == "arith" and self.reward.fn == "math":
@@ -101,7 +102,6 @@ class RunConfig:
                 "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
             )
         check_rollout_quantization(self.rollout, self.parallel.backend)
-        check_run_switches(self)
         check_routing_replay(self.actor, self.rollout, self.parallel.backend)
 
     @property

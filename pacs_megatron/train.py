@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import psutil
 
-from pacs_megatron import critic_stages, stages
+from pacs_megatron import critic_stages, sampling_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.config.training import stop_deadline
 from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
@@ -69,8 +69,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         timer, t0 = PhaseTimer(), time.perf_counter()
         with timer("rollout"):
-            records = c.dataset.next_batch(cfg.trainer.train_batch_size)
-            batch, metrics, samples = stages.collect_batch(cfg, c, records, step)
+            batch, metrics, samples = sampling_stages.collect_step(cfg, c, step)  # prompts, rollouts, rewards
             c.engine.sleep()  # colocated: free the engine's memory while the actor trains
         with timer("old_logprob"):
             local, m = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size)

@@ -27,6 +27,11 @@ class ActorConfig:
     routing again (R3, rollout routing replay); the router still gets gradients through the chosen
     experts' scores. "none": the actor routes on its own."""
 
+    offload_reference: bool = False
+    """With algorithm.kl_loss_coef > 0: keep the frozen reference policy's weights in host memory and bring
+    them to the device only for its log-prob pass (actor/reference.py); saves their size (params x 2 bytes
+    in bf16, per rank) during rollout and training at the cost of two copies per step."""
+
     def __post_init__(self) -> None:
         if self.routing_replay not in ("none", "rollout"):
             raise ConfigError(f"actor.routing_replay={self.routing_replay!r}: use 'none' or 'rollout'")

@@ -18,6 +18,7 @@ from pacs_megatron.config.data import DataConfig, RewardConfig
 from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig
 from pacs_megatron.config.rollout import RolloutConfig, SyncConfig
+from pacs_megatron.config.switches import check_run_switches
 from pacs_megatron.config.training import AlgorithmConfig, LoggingConfig, OptimizerConfig, TrainerConfig
 
 
@@ -88,6 +89,7 @@ class RunConfig:
                 raise ConfigError("model.tiny.num_layers must be divisible by parallel.pp * parallel.vpp")
         if algo.loss == "pacs" and algo.policy.adv_estimator == "gae":
             raise ConfigError("algorithm.policy.adv_estimator=gae is for loss ppo/grpo: set algorithm.loss=ppo")
+        check_run_switches(self)  # dynamic sampling, overlong shaping, KL / entropy (config/switches.py)
         if self.critic.micro_batch_size % n:
             raise ConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size}: use a multiple of {n}")
         if self.data.task == "arith" and self.reward.fn == "math":

@@ -221,6 +221,7 @@ def _text(report: dict, found: list[tuple[str, str]]) -> str:
         lines.append(
             f"memory/GPU  params {m['params_gib']:.1f} + grads {m['grads_gib']:.1f} + optimizer "
             f"{m['optimizer_gib']:.1f} GiB; activations {m['activations_gib']:.1f}; vLLM {m['vllm_gib']:.1f}"
+            + (f"; KL reference {m['reference_gib']:.1f}" if m.get("reference_gib") else "")
         )
         lines.append(
             f"            rollout {m['rollout_gib']:.1f} GiB, training {m['train_gib']:.1f} GiB of "

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pacs_megatron.utils.dist import free_port
+from pacs_megatron.utils.dist import free_ports
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sacct")
 
@@ -140,7 +140,7 @@ def start_cluster(timeout: float = 60.0) -> SlurmCluster:
     for d in ("state", "spool"):
         (root / d).mkdir()
     sock = munge_dir / "munge.socket"
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     root.joinpath("slurm.conf").write_text(
         SLURM_CONF.format(root=root, munge_socket=sock, ctld_port=ports[0], port1=ports[1], port2=ports[2])
     )

@@ -48,13 +48,11 @@ def job_server():
         import ray.dashboard.optional_deps  # noqa: F401 - what the job server imports
     except ImportError as e:
         pytest.skip(f"the Ray job server needs `pip install -e .[ray-jobs]` (ray[default]): {e}")
-    from _ray_cluster import node_args, ray_env
-    from ray.cluster_utils import Cluster
+    from _ray_cluster import node_args, start_cluster
 
-    ray_env()  # inherited by the raylet, its job supervisor and the driver
     # 1 CPU: the rank's bundle; the job supervisor takes none
     head = node_args(head=True) | {"include_dashboard": True, "dashboard_host": "127.0.0.1"}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
+    cluster = start_cluster(head)
     try:
         yield f"http://127.0.0.1:{head['dashboard_port']}"
     finally:

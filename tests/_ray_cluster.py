@@ -69,8 +69,14 @@ def start_cluster(*nodes: dict):
             cluster.wait_for_nodes()
             break
         except Exception as e:
-            if "timed out during startup" not in str(e) or attempt == STARTS:
+            if "timed out during startup" not in str(e):
                 raise
+            if attempt == STARTS:
+                load = os.getloadavg()[0]
+                raise RuntimeError(
+                    f"Ray could not start a node in {STARTS} tries ({e}) at a load average of {load:.0f} on "
+                    f"{os.cpu_count()} cores: its raylet gives the dashboard agent a fixed 15 s (tests/_ray_cluster.py)"
+                ) from e
             started = [p for p in psutil.Process().children(recursive=True) if p.pid not in ours]
             for p in started:  # this attempt's Ray processes (by pid), so the next one starts clean
                 p.kill()

@@ -103,8 +103,8 @@ class _Plant:
 
 
 def _tampered(tmp_path, where: str):
-    """A complete step_00000002 whose ``where`` (common.pt, .metadata or a shard's byte item) carries
-    a _Plant, after a valid step_00000001; returns (manager, marker)."""
+    """A complete step_00000002 whose ``where`` (common.pt, .metadata, a shard's byte item, the critic's
+    common.pt) carries a _Plant, after a valid step_00000001; returns (manager, marker)."""
     marker = tmp_path / f"ran_{where.strip('.')}"
     mgr = CheckpointManager(tmp_path / "run", keep_last=0, validate=lambda p: None)  # writing checks nothing
     _save(mgr, 1)
@@ -112,6 +112,13 @@ def _tampered(tmp_path, where: str):
         mgr.save(2, lambda d: _write_checkpoint(d, 2, common={"layout": {"tp": 1, "x": _Plant(marker)}}))
     elif where == "object":  # an RNG state as megatron saves it: a pickled object inside a .distcp shard
         mgr.save(2, lambda d: _write_checkpoint(d, 2, objects={"rng_state": [_Plant(marker)]}))
+    elif where == "critic":  # a PPO run's critic, saved beside the actor (runtime.py)
+
+        def write(d):
+            _write_checkpoint(d, 2)
+            _write_checkpoint(d / "critic", 2, common={"x": _Plant(marker)})
+
+        mgr.save(2, write)
     else:
         _save(mgr, 2)
         meta = mgr.step_dir(2) / "megatron" / ".metadata"
@@ -123,7 +130,7 @@ def _tampered(tmp_path, where: str):
     return CheckpointManager(tmp_path / "run", keep_last=0), marker
 
 
-@pytest.mark.parametrize("where", ["common.pt", ".metadata", "object"])
+@pytest.mark.parametrize("where", ["common.pt", ".metadata", "object", "critic"])
 def test_tampered_checkpoint_is_refused_and_runs_nothing(tmp_path, caplog, where):
     mgr, marker = _tampered(tmp_path, where)
     tampered = mgr.step_dir(2)

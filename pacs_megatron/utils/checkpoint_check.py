@@ -9,7 +9,7 @@ inside a shard (that would take reading every shard, i.e. a full load). The smal
 state ``common.pt``, ``metadata.json``, the trainer's ``extra_state.json``) are parsed in full, and so
 are the small pickled objects inside the shards (RNG states): every pickle is read as data only
 (utils/checkpoint_data.py), so a tampered checkpoint is refused, with one line, before megatron loads it.
-A critic saved beside the actor (``critic/megatron``) is checked the same way.
+A critic or a KL reference policy saved beside the actor (:data:`OPTIONAL_DIRS`) is checked the same way.
 
 Kept free of megatron imports, so the launcher can run it before any rank starts.
 """
@@ -24,6 +24,9 @@ from pacs_megatron.utils.checkpoint_data import UnsafeCheckpoint, check_objects,
 MEGATRON_DIR = "megatron"
 EXTRA_STATE = "extra_state.json"
 EXTRA_KEYS = ("step", "dataset")
+OPTIONAL_DIRS = ("critic/megatron", "reference")
+"""Other dist checkpoints a step may hold, loaded on resume when present: a PPO run's critic
+(runtime.py) and the KL term's frozen reference policy (actor/reference.py)."""
 
 
 def _shard_problem(megatron_dir: Path) -> str | None:
@@ -99,10 +102,10 @@ def checkpoint_problem(path: str | Path) -> str | None:
     if not (root / MEGATRON_DIR).is_dir():
         return f"{MEGATRON_DIR}/ is missing"
     problem = _extra_problem(root) or _megatron_problem(root / MEGATRON_DIR)
-    critic = root / "critic" / MEGATRON_DIR
-    if problem is None and critic.is_dir():
-        problem = _megatron_problem(critic)
-        return f"critic: {problem}" if problem else None
+    for name in OPTIONAL_DIRS:
+        if problem is None and (root / name).is_dir():
+            problem = _megatron_problem(root / name)
+            problem = problem and f"{name.split('/')[0]}: {problem}"
     return problem
 
 

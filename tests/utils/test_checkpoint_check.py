@@ -17,12 +17,12 @@ from pacs_megatron.utils.checkpoint import MARKER, CheckpointManager
 from pacs_megatron.utils.checkpoint_check import checkpoint_problem, parameter_dtype
 
 
-def _write_checkpoint(d, step: int, common: dict | None = None, objects: dict | None = None) -> None:
-    """A checkpoint laid out as actor/checkpoint.py writes one (torch_dist shards + common state);
-    ``objects`` are pickled into the shards as byte items, as megatron writes its ShardedObjects."""
+def _write_checkpoint(d, step: int, common: dict | None = None, objects: dict | None = None, meg: str = "megatron"):
+    """A checkpoint laid out as actor/checkpoint.py writes one (torch_dist shards + common state in
+    ``d/meg``); ``objects`` are pickled into the shards as byte items, as megatron writes its ShardedObjects."""
     import torch.distributed.checkpoint as dcp
 
-    meg = d / "megatron"
+    meg = d / meg
     meg.mkdir(parents=True)
     state = {"embedding.word_embeddings.weight": torch.randn(64, 16), "decoder.w": torch.randn(300)}
     with warnings.catch_warnings():  # "no process group": the single-process path is what we want
@@ -104,7 +104,8 @@ class _Plant:
 
 def _tampered(tmp_path, where: str):
     """A complete step_00000002 whose ``where`` (common.pt, .metadata, a shard's byte item, the critic's
-    common.pt) carries a _Plant, after a valid step_00000001; returns (manager, marker)."""
+    or the reference policy's common.pt) carries a _Plant, after a valid step_00000001; returns
+    (manager, marker)."""
     marker = tmp_path / f"ran_{where.strip('.')}"
     mgr = CheckpointManager(tmp_path / "run", keep_last=0, validate=lambda p: None)  # writing checks nothing
     _save(mgr, 1)
@@ -112,11 +113,14 @@ def _tampered(tmp_path, where: str):
         mgr.save(2, lambda d: _write_checkpoint(d, 2, common={"layout": {"tp": 1, "x": _Plant(marker)}}))
     elif where == "object":  # an RNG state as megatron saves it: a pickled object inside a .distcp shard
         mgr.save(2, lambda d: _write_checkpoint(d, 2, objects={"rng_state": [_Plant(marker)]}))
-    elif where == "critic":  # a PPO run's critic, saved beside the actor (runtime.py)
+    elif where in ("critic", "reference"):  # a PPO critic / KL reference policy saved beside the actor
 
         def write(d):
             _write_checkpoint(d, 2)
-            _write_checkpoint(d / "critic", 2, common={"x": _Plant(marker)})
+            if where == "critic":
+                _write_checkpoint(d / "critic", 2, common={"x": _Plant(marker)})
+            else:
+                _write_checkpoint(d, 2, common={"x": _Plant(marker)}, meg="reference")
 
         mgr.save(2, write)
     else:
@@ -130,7 +134,7 @@ def _tampered(tmp_path, where: str):
     return CheckpointManager(tmp_path / "run", keep_last=0), marker
 
 
-@pytest.mark.parametrize("where", ["common.pt", ".metadata", "object", "critic"])
+@pytest.mark.parametrize("where", ["common.pt", ".metadata", "object", "critic", "reference"])
 def test_tampered_checkpoint_is_refused_and_runs_nothing(tmp_path, caplog, where):
     mgr, marker = _tampered(tmp_path, where)
     tampered = mgr.step_dir(2)

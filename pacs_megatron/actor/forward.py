@@ -191,20 +191,34 @@ def forward_logprobs(
     make = partial(logprob_loss_func, spec=spec, groups=groups, temperature=temperature, with_entropy=with_entropy)
     with torch.no_grad():
         store = run_schedule(chunks, micro, make, groups, forward_only=True, thd=thd)
-    n_out = 2 if with_entropy else 1
-    buf = torch.zeros((n_out, B, T), dtype=torch.float32, device=groups.device)
+    keys = ("token_logp", "entropy") if with_entropy else ("token_logp",)
+    out = gather_rows(micro, rows, store, keys, (B, T), groups)
+    return out[0], (out[1] if with_entropy else None)
+
+
+def gather_rows(
+    micro: list[TrainBatch],
+    rows: torch.Tensor,
+    store: list[dict],
+    keys: tuple[str, ...],
+    shape: tuple[int, int],
+    groups: ParallelGroups,
+) -> torch.Tensor:
+    """``[len(keys), B, T]`` float32 CPU: each key's per-micro-batch ``[b, t]`` tensors of ``store`` (the
+    last stage's loss-function outputs) put back at their source ``rows`` (micro-batch i holds rows
+    ``rows[sum(len(micro[:i])) : ...]``), on every rank of the pipeline; columns past a micro-batch's
+    length hold 0."""
+    buf = torch.zeros((len(keys), *shape), dtype=torch.float32, device=groups.device)
     if groups.is_last_stage:
         start = 0
         for mb, d in zip(micro, store):
             idx = rows[start : start + len(mb)].to(groups.device)
             start += len(mb)
-            buf[0, idx, : d["token_logp"].shape[1]] = d["token_logp"]
-            if with_entropy:
-                buf[1, idx, : d["entropy"].shape[1]] = d["entropy"]
+            for i, key in enumerate(keys):
+                buf[i, idx, : d[key].shape[1]] = d[key]
     if groups.pp_size > 1:
         torch.distributed.broadcast(buf, src=groups.pp_last_rank, group=groups.pp_group)
-    buf = buf.cpu()
-    return buf[0], (buf[1] if with_entropy else None)
+    return buf.cpu()
 
 
 def _unwrap(model):

@@ -122,8 +122,8 @@ class MegatronActor:
             else None
         )
         """Router statistics of each train step (MoE models), logged as moe/*."""
-        self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device)
-        """THD-packed micro-batches (GPU + Transformer Engine; unverified, actor/thd.py)."""
+        self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device, cfg.actor.routing_replay == "rollout")
+        """THD-packed micro-batches (actor/thd.py; CPU, and GPU with Transformer Engine: unverified there)."""
         self.optimizer = build_optimizer(self.model, cfg, groups, self.param_dtype)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.iteration = 0

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from pacs_megatron.actor.forward import token_logprobs
 from pacs_megatron.actor.model import ModelSpec
+from pacs_megatron.actor.thd import ThdBatch
 from pacs_megatron.data.batching import TrainBatch
 from pacs_megatron.pacs import LossInputs, LossSpec
 from pacs_megatron.parallel import ParallelGroups
@@ -57,6 +58,7 @@ def train_loss_func(
     loss_cfg: Any,
     temperature: float,
     old_from_forward: bool = False,
+    thd: ThdBatch | None = None,
 ):
     """megatron ``loss_func`` of one micro-batch (runs on the last pipeline stage). A ``dummy``
     (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight.
@@ -67,7 +69,7 @@ def train_loss_func(
 
     def loss_func(logits):
         token_logp, entropy = token_logprobs(
-            logits, ids, spec, groups, temperature, with_entropy=old_from_forward, inplace_backward=True
+            logits, ids, spec, groups, temperature, with_entropy=old_from_forward, inplace_backward=True, thd=thd
         )
         dev = token_logp.device
         mask = mb.response_mask.to(dev)

@@ -3,8 +3,9 @@
 megatron-core's local ``DotProductAttention`` materialises the ``[b, heads, s, s]`` scores with baddbmm,
 masks them with a separately built causal mask, runs a softmax and a bmm, keeps the probabilities for
 backward, and refuses packed (THD) sequences. On CPU this module replaces it: one fused SDPA call per
-layer (causal, grouped-query heads), and THD-packed micro-batches (``PackedSeqParams``, actor/thd.py),
-so the layers run on the rows' real tokens instead of rows padded to the longest one.
+layer (causal, grouped-query heads; in bf16 on short rows two batched matmuls with an fp32 softmax, see
+:data:`MATMUL_ATTENTION_MAX_LEN`), and THD-packed micro-batches (``PackedSeqParams``, actor/thd.py), so
+the layers run on the rows' real tokens instead of rows padded to the longest one.
 
 Shape legend: s sequence, b rows, t packed tokens, h query heads, g KV heads (this TP rank's), d head dim.
 
@@ -24,6 +25,12 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+
+MATMUL_ATTENTION_MAX_LEN = 256
+"""Longest (padded) row for which half-precision attention on CPU runs as two batched matmuls with an fp32
+softmax instead of SDPA: torch's CPU flash kernel is slow in bf16 on short rows. Measured fwd+bwd, one
+thread, 9 heads of 64, bf16, flash / matmul ms (2026-11-25, loaded machine): T=48 103 / 22, T=80 91 / 29,
+T=160 93 / 57, T=320 113 / 89, T=640 161 / 341; in fp32 flash is as fast or faster at every length."""
 
 
 def _thd_index(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -65,11 +72,17 @@ class SDPACoreAttention(MegatronModule):
             )
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal SDPA on ``[b, h|g, s, d]``; KV heads are repeated (views) for grouped-query attention."""
+        """Causal attention on ``[b, h|g, s, d]``; KV heads are repeated for grouped-query attention."""
         if self.kv_heads != self.heads:
             rep = self.heads // self.kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
+        s = q.shape[-2]
+        if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and s <= MATMUL_ATTENTION_MAX_LEN:
+            scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+            probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1).to(q.dtype)
+            return torch.matmul(probs, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
 
     def forward(

@@ -16,10 +16,11 @@ non-grouped ``SequentialMLP`` experts, and the allgather token dispatcher (it ru
 
 The layer spec is Transformer Engine's when TE imports (GPU), megatron's local spec otherwise (which
 uses Apex norms when present, torch's RMSNorm without), with its core attention replaced by torch's
-fused SDPA (actor/attention.py: faster, and it runs THD-packed micro-batches on CPU). On CPU: fp32, ``use_cpu_initialization``
-(weights drawn full-size and split, so a seed gives the same model for any TP), fusions off,
-dropout 0. The vocabulary is padded to a multiple of TP (see docs/layout_conversion.md); padded
-logits are masked out before the softmax (:func:`mask_padded_vocab`).
+fused SDPA (actor/attention.py: faster, and it runs THD-packed micro-batches on CPU). On CPU: fp32 by
+default (``model.dtype=bfloat16`` works too: norms cast to it, megatron's bf16 optimizer patched in
+parallel/cpu_patches.py), ``use_cpu_initialization`` (weights drawn full-size and split, so a seed gives
+the same model for any TP), fusions off, dropout 0. The vocabulary is padded to a multiple of TP (see
+docs/layout_conversion.md); padded logits are masked out before the softmax (:func:`mask_padded_vocab`).
 """
 
 from __future__ import annotations
@@ -306,6 +307,10 @@ def build_model_chunks(spec: ModelSpec, config, groups: ParallelGroups) -> list:
         )
         if spec.rope_scaling is not None:
             model.rotary_pos_emb.inv_freq = llama3_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
+        if not te:  # torch's norms are built in fp32 whatever params_dtype says: one dtype, one fused kernel
+            for m in model.modules():
+                if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+                    m.to(config.params_dtype)
         model.to(groups.device)
         chunks.append(model)
     return chunks

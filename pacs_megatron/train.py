@@ -19,6 +19,7 @@ from pacs_megatron.config.training import stop_deadline
 from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
 from pacs_megatron.utils.checkpoint import CheckpointManager
 from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.utils.memory import StepMemory
 from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress
 from pacs_megatron.utils.preemption import PreemptionFlag
 from pacs_megatron.utils.run_record import RunRecord
@@ -65,9 +66,10 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         writer.log(0, stages.validate(cfg, c, 0))
     progress = Progress(cfg.trainer.total_steps, start, rt.is_rank0 and cfg.logging.progress_bar)
 
-    step = start
+    step, memory = start, StepMemory(rt.groups.device)
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         timer, t0 = PhaseTimer(), time.perf_counter()
+        memory.start()
         with timer("rollout"):
             batch, metrics, samples = sampling_stages.collect_step(cfg, c, step)  # prompts, rollouts, rewards
             c.engine.sleep()  # colocated: free the engine's memory while the actor trains
@@ -89,7 +91,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
             with timer("eval"):
                 metrics |= stages.validate(cfg, c, step)  # the engine stays awake: the next rollout uses it
-        metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0}
+        metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0} | memory.metrics()
         metrics["perf/tokens_per_s"] = metrics["data/tokens"] / metrics["timing/step_s"]
         writer.log(step, metrics)
         stages.save_samples(rt, samples)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from pacs_megatron.cli import main as cli_main
+from pacs_megatron.config import ConfigError
 from pacs_megatron.tools.plot import read_metrics
 from pacs_megatron.utils.metrics import MetricsWriter
 
@@ -34,5 +35,5 @@ def test_plot_two_runs_needs_out(tmp_path):
     out = tmp_path / "cmp.png"
     assert cli_main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--keys", "reward/mean"]) == 0
     assert out.exists()
-    with pytest.raises(FileNotFoundError, match="output_dir"):
+    with pytest.raises(ConfigError, match="trainer.output_dir"):
         read_metrics(tmp_path / "missing")

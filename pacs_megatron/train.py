@@ -20,7 +20,7 @@ from pacs_megatron.runtime import Components, Runtime, build_components, setup, 
 from pacs_megatron.utils.checkpoint import CheckpointManager
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.memory import StepMemory
-from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress
+from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress, format_metrics
 from pacs_megatron.utils.preemption import PreemptionFlag
 from pacs_megatron.utils.run_record import RunRecord
 from pacs_megatron.weight_sync import WeightSyncError
@@ -58,7 +58,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     flag = PreemptionFlag(replace(cfg.trainer, stop_after_s=0.0, deadline_unix=stop_deadline(cfg.trainer, launched)))
     writer.truncate_after(start)  # metrics, rollouts and TensorBoard end at the resumed step
     if rt.resume is None and cfg.trainer.sft_warmup_steps:
-        logger.info("format warm-up: %s", stages.format_warmup(cfg, rt, c))
+        logger.info("format warm-up: %s", format_metrics(stages.format_warmup(cfg, rt, c)))
         critic_stages.init_after_warmup(cfg, c)  # the critic starts from the warmed-up policy
     c.sync.sync()  # the engine starts from the actor's weights, verified
     if rt.resume is None and cfg.trainer.val_before_train:

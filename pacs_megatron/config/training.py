@@ -25,8 +25,10 @@ class AlgorithmConfig:
     mini_batch_size: int = 0
     """Prompts per optimizer step (all their n responses); 0 means the whole train batch."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward, per data-parallel rank: a multiple of rollout.n, so a prompt
-    group is never split (PACS needs the whole group in one loss)."""
+    """Sequences (not tokens) per forward/backward, per data-parallel rank: a multiple of rollout.n, so a
+    prompt group is never split (PACS needs the whole group in one loss), dividing the sequences a rank
+    holds per mini-batch. With dynamic_batching it also sizes the default token budget
+    (max_tokens_per_micro_batch=0: micro_batch_size x the padded longest sequence)."""
     logprob_micro_batch_size: int = 0
     """Sequences per forward of the old-log-prob pass; 0 means micro_batch_size. Any value gives
     bit-identical log-probs on CPU (batch invariance)."""

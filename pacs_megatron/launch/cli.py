@@ -3,7 +3,8 @@
 Under torchrun / srun the ranks already exist and each one runs :func:`pacs_megatron.train.train`.
 Started by hand, it spawns ``tp * pp * dp`` local ranks itself (like ``torchrun --standalone``), so
 the README's command is one line. Configuration errors surface here, before any process or model
-is started; ``--dry-run`` prints the resolved config and the layout and exits.
+is started, as one line and exit 2 (the error boundary every command shares: launch/errors.py);
+``--dry-run`` prints the resolved config and the layout and exits.
 """
 
 from __future__ import annotations
@@ -87,13 +88,10 @@ def main(args: argparse.Namespace) -> int:
         overrides.append("trainer.overwrite=true")
     if args.dry_run:
         overrides.append("trainer.dry_run=true")
-    try:
-        cfg = load_config(args.config, overrides)
-        preflight(cfg)  # model paths, reward.fn, --resume, run dir, data files: before any rank or model starts
-        layout = layout_summary(cfg)
-    except ConfigError as e:
-        logger.error("config error: %s", e)
-        return 2
+    # A ConfigError from here on is one line and exit 2 (the CLI's error boundary, launch/errors.py).
+    cfg = load_config(args.config, overrides)
+    preflight(cfg)  # model paths, reward.fn, --resume, run dir, data files: before any rank or model starts
+    layout = layout_summary(cfg)
     try:
         if cfg.launcher.kind != "ray":  # a Ray driver inside a multi-task srun step is no rank
             apply_srun_env()  # srun started this rank directly (examples/slurm): RANK etc. from SLURM_*

@@ -19,6 +19,7 @@ positions and attention it would see alone; results match an unpadded forward to
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -53,6 +54,13 @@ def fused_expert_slice(params: dict[str, torch.Tensor], name: str) -> tuple[str,
         return fused, p[g]
     half = p.shape[1] // 2
     return fused, p[g, :half] if proj == "gate_proj" else p[g, half:]
+
+
+def cache_kwarg(model) -> str:
+    """The keyword the model's forward takes its KV cache by: ``cache`` in transformers >= 5.23, where
+    ``past_key_values`` still works but warns (once per call site: the prefill's and the decode's, two
+    warnings in every run's log), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _has_weights(model_dir: Path) -> bool:
@@ -201,6 +209,7 @@ class HFEngine:
             model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
             logger.info("HF engine: %s has no weights; random init until the first weight sync", model_dir)
         self.model = model.to(self.device).eval().requires_grad_(False)
+        self._cache_kw = cache_kwarg(self.model)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.eos_token_id = tokenizer.eos_token_id
@@ -260,7 +269,7 @@ class HFEngine:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
+            **{self._cache_kw: cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
@@ -292,7 +301,7 @@ class HFEngine:
                 input_ids=tok[:, None],
                 attention_mask=mask,
                 position_ids=next_pos[:, None],
-                past_key_values=cache,
+                **{self._cache_kw: cache},
                 use_cache=True,
             ).logits[:, -1]
             if self.routing:  # finished rows hold the filler (never read: past their last token)

@@ -200,3 +200,26 @@ def test_bad_inputs_raise_clear_errors(engine, tok, tmp_path):
         engine.generate([[3]], SamplingParams(max_tokens=0))
     with pytest.raises(FileNotFoundError, match="config.json"):
         HFEngine(tmp_path, tok)
+
+
+def test_the_kv_cache_goes_by_the_name_the_model_takes(model_dirs, tok, monkeypatch):
+    """Issue 29: transformers >= 5.24 renamed forward's ``past_key_values`` to ``cache`` and warns (a
+    FutureWarning per call site: two in every run's log). The engine passes the name the forward takes;
+    with a forward that takes only ``cache`` the old keyword is refused here, and the samples are the same."""
+    from transformers import Qwen2ForCausalLM
+
+    before = HFEngine(model_dirs[0], tok, batch_size=2, seed=1)
+    prompts = ids(tok, ["1+2=", "3+4="])
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=5)
+    expected = before.generate(prompts, sampling)
+    original = Qwen2ForCausalLM.forward
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None, **kw):
+        assert "past_key_values" not in kw, "the deprecated keyword reached the model"
+        return original(self, input_ids, attention_mask, position_ids, past_key_values=cache, use_cache=use_cache, **kw)
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "forward", forward)
+    after = HFEngine(model_dirs[0], tok, batch_size=2, seed=1)
+    after.update_weights([list(state(before).items())])  # a random init: give it the same weights
+    got = after.generate(prompts, sampling)
+    assert [[r.token_ids for r in g] for g in got] == [[r.token_ids for r in g] for g in expected]

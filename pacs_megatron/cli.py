@@ -3,6 +3,11 @@
 Each subcommand lives in its own module, which defines ``add_arguments(parser)`` and
 ``main(args) -> int``; modules are imported only when their subcommand runs, so ``--help`` is fast
 and a GPU-only dependency never breaks an unrelated subcommand.
+
+Every subcommand runs inside one error boundary (launch/errors.py): a bad path, file, model or
+setting, raised by the command or by a shared validator (utils/paths.py, utils/model_dir.py,
+launch/preflight.py), becomes one line naming it and the fix, and exit code 2. Flags may stand
+between ``a.b=c`` overrides (``train --config c.yaml a=1 --resume never b=2``).
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("pacs_megatron.launch.cli", "train with PACS / GRPO / PPO-clip (spawns local ranks unless launched)"),
-    "eval": ("pacs_megatron.eval.cli", "sample n answers per problem and report unbiased pass@k"),
-    "parity": ("pacs_megatron.actor.parity", "compare Megatron log-probs with Hugging Face transformers"),
-    "plot": ("pacs_megatron.utils.plot", "render PNG curves from OUTPUT_DIR/metrics.jsonl"),
+    "eval": ("pacs_megatron.tools.eval", "sample n answers per problem and report unbiased pass@k"),
+    "parity": ("pacs_megatron.tools.parity", "compare Megatron log-probs with Hugging Face transformers"),
+    "plot": ("pacs_megatron.tools.plot", "render PNG curves from OUTPUT_DIR/metrics.jsonl"),
     "doctor": ("pacs_megatron.tools.doctor", "report the environment a run would use; --config: layout and GPU memory"),
     "selftest": ("pacs_megatron.tools.selftest", "check this machine: extension, kernel, parity, training, sync"),
-    "export": ("pacs_megatron.actor.export", "write a checkpoint as a Hugging Face model (safetensors + tokenizer)"),
+    "export": ("pacs_megatron.tools.export", "write a checkpoint as a Hugging Face model (safetensors + tokenizer)"),
     "compare": ("pacs_megatron.tools.compare", "PACS vs GRPO vs PPO over seeds with a tuned lr each (JSON + PNG)"),
 }
 
@@ -32,17 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run(name: str, argv: list[str], prog: str | None = None) -> int:
+    """Parse ``argv`` for subcommand ``name`` and run it inside the error boundary."""
+    from pacs_megatron.launch.errors import boundary
+
+    module = importlib.import_module(COMMANDS[name][0])
+    sub = argparse.ArgumentParser(prog=prog or f"pacs-megatron {name}", description=COMMANDS[name][1])
+    module.add_arguments(sub)
+    # intermixed: options may stand between the positional overrides (argparse's plain parse stops there)
+    return boundary(name, lambda: module.main(sub.parse_intermixed_args(argv)))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv or ["--help"])
         return 2
-    name = argv[0]
-    module = importlib.import_module(COMMANDS[name][0])
-    sub = argparse.ArgumentParser(prog=f"pacs-megatron {name}", description=COMMANDS[name][1])
-    module.add_arguments(sub)
-    return int(module.main(sub.parse_args(argv[1:])) or 0)
+    return run(argv[0], argv[1:])
 
 
 if __name__ == "__main__":

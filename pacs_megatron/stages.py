@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,9 +59,35 @@ def val_sampling(cfg: RunConfig) -> SamplingParams:
     )
 
 
-def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, dict, list]:
-    """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
+@dataclass(frozen=True)
+class ScoredGroups:
+    """One generation round: prompts, their ``n`` responses each, and the verifier's scores.
+
+    Example:
+        >>> ScoredGroups(records=[], groups=[], scores=[], reward_metrics={}).rows()
+        []
+    """
+
+    records: list
+    """``[P]`` PromptRecords, in the order they were drawn."""
+    groups: list[list[Response]]
+    """``[P][n]`` responses, group p answering records[p]."""
+    scores: list[float]
+    """``[P * n]`` verifiable rewards, group-major."""
+    reward_metrics: dict
+    """The scorer's counters of this round (reward/errors, ...)."""
+
+    def rows(self) -> list[tuple]:
+        """``(record, response)`` per row, group-major."""
+        return [(rec, resp) for rec, group in zip(self.records, self.groups) for resp in group]
+
+
+def generate_scored(cfg: RunConfig, c, records, step: int, round_: int = 0) -> ScoredGroups:
+    """Sample ``n`` responses per prompt and score them (all rows, every rank). ``round_`` > 0 (a further
+    generation round of dynamic sampling) draws from its own seed, reproducibly."""
     sampling = train_sampling(cfg)
+    if round_:
+        sampling = replace(sampling, seed=cfg.rollout.seed + 104_729 * round_)
     groups: list[list[Response]] = generate_sharded(c.engine, [r.prompt_ids for r in records], sampling, step)
     flat = [(rec, resp) for rec, group in zip(records, groups) for resp in group]
     scores, reward_metrics = score_rollouts(
@@ -72,6 +99,17 @@ def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, di
         sharded=True,
         step=True,
     )
+    return ScoredGroups(list(records), groups, scores, reward_metrics)
+
+
+def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, dict, list]:
+    """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
+    return assemble_batch(cfg, c, generate_scored(cfg, c, records, step), step)
+
+
+def assemble_batch(cfg: RunConfig, c, scored: ScoredGroups, step: int) -> tuple[TrainBatch, dict, list]:
+    """Pack scored rollouts into the step's batch, with its metrics and a few samples for rollouts.jsonl."""
+    flat, scores, reward_metrics = scored.rows(), scored.scores, scored.reward_metrics
     batch = build_train_batch(
         [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8
     )
@@ -99,10 +137,22 @@ def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, di
     return batch, metrics, samples
 
 
+def forward_rows(cfg: RunConfig, dp_size: int) -> int:
+    """Rows of this DP rank's first mini-batch when they take their old log-probs from their training
+    forward (``algorithm.old_logp_from_forward``; pi_theta = pi_old there), else 0."""
+    algo = cfg.algorithm
+    if not algo.old_logp_from_forward or algo.rollout_correction != "none":
+        return 0
+    return cfg.mini_batch_prompts // dp_size * cfg.rollout.n
+
+
 def prepare_local_batch(
     cfg: RunConfig, actor, batch: TrainBatch, dp_rank: int, dp_size: int
 ) -> tuple[TrainBatch, dict]:
-    """This DP rank's groups, with outcome advantages (baselines) and old log-probs filled."""
+    """This DP rank's groups, with outcome advantages (baselines) and old log-probs filled.
+
+    The first :func:`forward_rows` rows get theirs in :func:`update_actor` (from their training forward):
+    their ``old_logp`` holds NaN until then, so any reader before it fails loudly."""
     loss_cfg = cfg.algorithm.loss_config()
     if get_loss(cfg.algorithm.loss).needs_advantages and getattr(loss_cfg, "adv_estimator", "") != "gae":
         batch = batch.with_(advantages=outcome_advantages(batch.scores, batch.group_size, loss_cfg))
@@ -112,26 +162,54 @@ def prepare_local_batch(
         local = dp_shard(batch, dp_rank, dp_size)
     if batch.routed_experts is not None:  # the routing records of this rank's rows, from their holders
         local = local.with_(routed_experts=fetch_routed_experts(batch.routed_experts, local.routed_experts))
-    mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
-    out = actor.compute_logprobs(
-        local, mbs, cfg.rollout.temperature, with_entropy=True, mini_batch_groups=cfg.mini_batch_prompts // dp_size
-    )
-    metrics = {}
-    if getattr(out, "entropy", None) is not None:
-        m = local.response_mask.float()
-        metrics["actor/entropy"] = (out.entropy * m).sum() / m.sum().clamp(min=1.0)
-    local, correction = rollout_mismatch(cfg, local.with_(old_logp=out.token_logp))
+    if getattr(actor, "reference", None) is not None:  # algorithm.kl_loss_coef > 0 (actor/reference.py)
+        ref_mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
+        ref = actor.compute_ref_logprobs(local, ref_mbs, cfg.rollout.temperature, cfg.mini_batch_prompts // dp_size)
+        local = local.with_(ref_logp=ref)
+    first = forward_rows(cfg, dp_size)
+    old = torch.full(local.input_ids.shape, float("nan"))
+    entropy = torch.full(local.input_ids.shape, float("nan"))
+    if first < len(local):  # mini-batches after the first: the no-grad pass under pi_old
+        mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
+        out = actor.compute_logprobs(
+            local.rows(first, len(local)),
+            mbs,
+            cfg.rollout.temperature,
+            with_entropy=True,
+            mini_batch_groups=cfg.mini_batch_prompts // dp_size,
+        )
+        old[first:], entropy[first:] = out.token_logp, out.entropy
+    local = local.with_(old_logp=old, old_entropy=entropy)
+    return (local, {}) if first else finish_old_logp(cfg, local)
+
+
+def finish_old_logp(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict]:
+    """Once every row has its old log-probs: the policy's entropy, the rollout mismatch and, with
+    ``algorithm.rollout_correction``, the importance weights."""
+    m = local.response_mask.float()
+    metrics = {"actor/entropy": (local.old_entropy * m).sum() / m.sum().clamp(min=1.0)}
+    local, correction = rollout_mismatch(cfg, local)
     return local, metrics | correction
 
 
 def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict:
-    """``ppo_epochs`` passes over mini-batches of whole groups, one optimizer step each."""
+    """``ppo_epochs`` passes over mini-batches of whole groups, one optimizer step each. The first
+    mini-batch of the first epoch fills its own old log-probs when :func:`forward_rows` says so."""
     per_rank_prompts = cfg.mini_batch_prompts // dp_size
+    first = forward_rows(cfg, dp_size)
     history: list[dict] = []
+    extra: dict = {}
     skipped_before = actor.skipped_steps
     for _ in range(cfg.algorithm.ppo_epochs):
         for mini in split_mini_batches(local, per_rank_prompts):
-            history.append(actor.train_step(mini))
+            if first and not history:
+                metrics, fwd = actor.train_step_from_forward(mini)
+                old, entropy = local.old_logp.clone(), local.old_entropy.clone()
+                old[:first], entropy[:first] = fwd.token_logp, fwd.entropy
+                local, extra = finish_old_logp(cfg, local.with_(old_logp=old, old_entropy=entropy))
+                history.append(metrics)
+            else:
+                history.append(actor.train_step(mini))
     metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0] if k != "actor/max_abs_logratio"}
     # Before any update the policy equals the rollout policy: any non-zero log-ratio here is noise
     # between the old-log-prob pass and the training forward, i.e. noise in PACS's reward.
@@ -139,7 +217,7 @@ def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict
     metrics["actor/skipped_steps"] = history[-1].get("actor/skipped_steps", 0.0)
     metrics["actor/updates"] = float(len(history) - (actor.skipped_steps - skipped_before))  # applied, not skipped
     metrics |= post_update_metrics(cfg, actor, local)  # pacs/post_*: the classifier after the update
-    return metrics
+    return metrics | extra
 
 
 def format_warmup(cfg: RunConfig, rt, c) -> dict:
@@ -191,4 +269,6 @@ def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dic
         algo.is_cap,
         algo.resolved_is_level,
     )
+    if local.is_weights is not None:  # truncated rows already weighted 0 (algorithm.overlong.mask_truncated)
+        w = w * local.is_weights
     return local.with_(is_weights=w), metrics | m

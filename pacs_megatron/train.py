@@ -13,13 +13,14 @@ from dataclasses import replace
 
 import psutil
 
-from pacs_megatron import critic_stages, stages
+from pacs_megatron import critic_stages, sampling_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.config.training import stop_deadline
 from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
 from pacs_megatron.utils.checkpoint import CheckpointManager
 from pacs_megatron.utils.logging import get_logger
-from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress
+from pacs_megatron.utils.memory import StepMemory
+from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress, format_metrics
 from pacs_megatron.utils.preemption import PreemptionFlag
 from pacs_megatron.utils.run_record import RunRecord
 from pacs_megatron.weight_sync import WeightSyncError
@@ -57,7 +58,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     flag = PreemptionFlag(replace(cfg.trainer, stop_after_s=0.0, deadline_unix=stop_deadline(cfg.trainer, launched)))
     writer.truncate_after(start)  # metrics, rollouts and TensorBoard end at the resumed step
     if rt.resume is None and cfg.trainer.sft_warmup_steps:
-        logger.info("format warm-up: %s", stages.format_warmup(cfg, rt, c))
+        logger.info("format warm-up: %s", format_metrics(stages.format_warmup(cfg, rt, c)))
         critic_stages.init_after_warmup(cfg, c)  # the critic starts from the warmed-up policy
     c.sync.sync()  # the engine starts from the actor's weights, verified
     if rt.resume is None and cfg.trainer.val_before_train:
@@ -65,12 +66,12 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         writer.log(0, stages.validate(cfg, c, 0))
     progress = Progress(cfg.trainer.total_steps, start, rt.is_rank0 and cfg.logging.progress_bar)
 
-    step = start
+    step, memory = start, StepMemory(rt.groups.device)
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         timer, t0 = PhaseTimer(), time.perf_counter()
+        memory.start()
         with timer("rollout"):
-            records = c.dataset.next_batch(cfg.trainer.train_batch_size)
-            batch, metrics, samples = stages.collect_batch(cfg, c, records, step)
+            batch, metrics, samples = sampling_stages.collect_step(cfg, c, step)  # prompts, rollouts, rewards
             c.engine.sleep()  # colocated: free the engine's memory while the actor trains
         with timer("old_logprob"):
             local, m = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size)
@@ -90,7 +91,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
             with timer("eval"):
                 metrics |= stages.validate(cfg, c, step)  # the engine stays awake: the next rollout uses it
-        metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0}
+        metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0} | memory.metrics()
         metrics["perf/tokens_per_s"] = metrics["data/tokens"] / metrics["timing/step_s"]
         writer.log(step, metrics)
         stages.save_samples(rt, samples)

@@ -1,5 +1,7 @@
 """Config loading: YAML + overrides, validation errors that name the key and the fix."""
 
+from pathlib import Path
+
 import pytest
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
@@ -74,3 +76,33 @@ def test_rollout_correction_refuses_truncated_sampling(truncation):
         assert "algorithm.rollout_correction" in str(e.value) and truncation.split("=")[0] in str(e.value)
     assert load_config(None, [truncation]).rollout.top_k in (-1, 20)  # without a correction: allowed
     assert load_config(None, ["algorithm.rollout_correction=tis", "rollout.top_k=-1", "rollout.top_p=1.0"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.n=1", "algorithm.pacs.adv_estimator=naive"],  # issue 29: the fix led to a second error
+        ["algorithm.micro_batch_size=7"],
+        ["algorithm.micro_batch_size=48"],
+        ["rollout.n=3", "algorithm.micro_batch_size=80"],
+        ["algorithm.logprob_micro_batch_size=24"],
+        ["parallel.dp=2", "algorithm.micro_batch_size=160"],
+        ["critic.micro_batch_size=5"],
+    ],
+)
+def test_a_batch_size_error_offers_a_fix_that_works(overrides):
+    """Every micro-batch error says "set KEY=VALUE" with a value that loads as it stands (cpu_tiny: n=16,
+    mini-batches of 10 prompts), and calls the size a number of sequences, as the docstrings do."""
+    import re
+
+    config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "cpu_tiny.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_config(config, overrides)
+    fix = re.search(r"set (\S+=\d+)$", str(e.value))
+    assert fix and "sequences" in str(e.value), str(e.value)
+    load_config(config, [*overrides, fix.group(1)])
+
+
+def test_rloo_with_one_response_is_named_before_any_batch_size():
+    with pytest.raises(ConfigError, match=r"^rollout.n=1 with algorithm.pacs.adv_estimator=rloo"):
+        load_config(Path(__file__).resolve().parents[1] / "examples" / "configs" / "cpu_tiny.yaml", ["rollout.n=1"])

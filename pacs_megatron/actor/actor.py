@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from pacs_megatron.actor import checkpoint as ckpt
-from pacs_megatron.actor.forward import forward_logprobs, run_schedule
+from pacs_megatron.actor.forward import forward_logprobs, gather_rows, run_schedule
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
 from pacs_megatron.actor.moe import MoeStats
 from pacs_megatron.actor.moe_aux import MoeAuxLoss
@@ -34,8 +34,10 @@ from pacs_megatron.actor.optimizer import (
     use_distributed_optimizer,
     wrap_ddp,
 )
+from pacs_megatron.actor.reference import ReferencePolicy
 from pacs_megatron.actor.thd import use_thd
 from pacs_megatron.actor.train_step import (
+    FORWARD_KEYS,
     check_train_batch,
     loss_units,
     reduce_metrics,
@@ -46,7 +48,7 @@ from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save
 from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.data.packing import pack_micro_batches, token_budget
-from pacs_megatron.pacs import get_loss
+from pacs_megatron.pacs import get_loss, regularize
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
 
@@ -93,6 +95,9 @@ def _seed_for_init(seed: int, on_gpu: bool) -> None:
 class MegatronActor:
     """The trainable policy (see module docstring)."""
 
+    reference: ReferencePolicy | None = None
+    """The frozen reference policy of the KL term (algorithm.kl_loss_coef > 0), else None: nothing built."""
+
     def __init__(self, cfg: RunConfig, groups: ParallelGroups, model_dir: str) -> None:
         from transformers import AutoConfig
 
@@ -132,7 +137,8 @@ class MegatronActor:
         self.moe_aux = MoeAuxLoss(chunks, coeff, groups) if self.spec.is_moe and coeff > 0 else None
         """The load-balancing loss (actor/moe_aux.py), when model.moe_aux_loss_coeff > 0."""
         self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device)
-        """THD-packed micro-batches (GPU + Transformer Engine; unverified, actor/thd.py)."""
+        """THD-packed micro-batches (actor/thd.py; CPU, and GPU with Transformer Engine: unverified there;
+        MoE routing replay follows the packing, actor/moe.py)."""
         self.optimizer = build_optimizer(self.model, cfg, groups, self.param_dtype)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.iteration = 0
@@ -142,6 +148,8 @@ class MegatronActor:
         self.nan_skipped_steps = 0
         """Steps skipped because the loss or a metric (log-probs, old log-probs) was NaN/inf."""
         self.offloader = ActorOffload(self.model, self.optimizer, groups.device)
+        if cfg.algorithm.kl_loss_coef > 0:
+            self.reference = ReferencePolicy(self)
         if cfg.actor.offload_during_rollout:  # free the (empty) grad buffer before the engine sizes its memory
             self.offload()
         n_params = sum(p.numel() for c in self.model for p in c.parameters())
@@ -184,6 +192,16 @@ class MegatronActor:
         seq_logp = (token_logp * batch.response_mask.to(token_logp.dtype)).sum(dim=-1)
         return LogprobResult(token_logp, seq_logp, entropy)
 
+    def compute_ref_logprobs(
+        self, batch: TrainBatch, micro_batch_size: int, temperature: float, mini_batch_groups: int = 0
+    ) -> torch.Tensor:
+        """No-grad ``[B, T]`` log-probs of the frozen reference policy (needs algorithm.kl_loss_coef > 0),
+        on the micro-batches of :meth:`compute_logprobs` (collective)."""
+        if self.reference is None:
+            raise ValueError("compute_ref_logprobs needs a reference policy: set algorithm.kl_loss_coef > 0")
+        packed = self._packed(batch, mini_batch_groups)
+        return self.reference.logprobs(self, batch, micro_batch_size, temperature, packed, self.thd)
+
     # ------------------------------------------------------------------ training
 
     def _loss_config(self, name: str):
@@ -195,12 +213,29 @@ class MegatronActor:
     def train_step(self, batch: TrainBatch, loss_name: str | None = None) -> dict[str, float]:
         """One optimizer step on this DP rank's share of one mini-batch (collective); metrics are
         reduced over DP and identical on every rank."""
+        return self._train_step(batch, loss_name, old_from_forward=False)[0]
+
+    def train_step_from_forward(self, batch: TrainBatch) -> tuple[dict[str, float], LogprobResult]:
+        """:meth:`train_step` where pi_theta = pi_old (the first mini-batch after a rollout): the old
+        log-probs are the training forward's own, detached, so ``batch.old_logp`` is not read and no
+        separate pass is needed. Returns the metrics and those log-probs with their entropy (collective;
+        the same on every rank of the replica), bit-identical to :meth:`compute_logprobs` before the step."""
+        metrics, result = self._train_step(batch, None, old_from_forward=True)
+        assert result is not None
+        return metrics, result
+
+    def _train_step(
+        self, batch: TrainBatch, loss_name: str | None, old_from_forward: bool
+    ) -> tuple[dict[str, float], LogprobResult | None]:
         name = loss_name or self.cfg.algorithm.loss
         loss = get_loss(name)
-        check_train_batch(batch, loss, name)
+        if name == self.cfg.algorithm.loss:  # the RL loss gets the recipe's KL / entropy terms, if any
+            a = self.cfg.algorithm
+            loss = regularize(loss, a.kl_loss_coef, a.kl_loss_type, a.entropy_coeff)
+        check_train_batch(batch, loss, name, old_from_forward)
         mbs = self.cfg.algorithm.micro_batch_size
         packed = self._packed(batch, 0)
-        micro = packed[0] if packed else split_micro_batches(batch, min(mbs, len(batch)))
+        micro, rows = packed or (split_micro_batches(batch, min(mbs, len(batch))), torch.arange(len(batch)))
         loss_cfg = step_loss_config(self._loss_config(name), batch.input_ids.shape[1])
         make = partial(
             train_loss_func,
@@ -209,18 +244,26 @@ class MegatronActor:
             loss=loss,
             loss_cfg=loss_cfg,
             temperature=self.cfg.rollout.temperature,
+            old_from_forward=old_from_forward,
         )
-        if self.moe_aux is None:
-            return self._update(micro, make)
-        self.moe_aux.begin(micro, loss_units(micro, loss, loss_cfg))  # its scale needs the loss units
+        store: list = []
+        if self.moe_aux is not None:  # its scale needs the loss units
+            self.moe_aux.begin(micro, loss_units(micro, loss, loss_cfg))
         try:
-            return self._update(micro, make)
+            metrics = self._update(micro, make, store)
         finally:
-            self.moe_aux.end()
+            if self.moe_aux is not None:
+                self.moe_aux.end()
+        if not old_from_forward:
+            return metrics, None
+        token_logp, entropy = gather_rows(micro, rows, store, FORWARD_KEYS, tuple(batch.input_ids.shape), self.groups)
+        seq_logp = (token_logp * batch.response_mask.to(token_logp.dtype)).sum(dim=-1)
+        return metrics, LogprobResult(token_logp, seq_logp, entropy)
 
-    def _update(self, micro: list[TrainBatch], make) -> dict[str, float]:
+    def _update(self, micro: list[TrainBatch], make, store_out: list | None = None) -> dict[str, float]:
         """Forward/backward of ``micro`` with megatron loss functions from ``make``, then one optimizer
-        step; the DP-reduced metrics of the loss functions plus the step's (shared with the critic)."""
+        step; the DP-reduced metrics of the loss functions plus the step's (shared with the critic).
+        ``store_out`` receives what the loss functions reported (last pipeline stage)."""
         self.offloader.restore()  # optimizer state back from the host (actor.offload_during_rollout)
         for c in self.model:
             c.train()
@@ -229,6 +272,8 @@ class MegatronActor:
         if self.moe_stats is not None:
             self.moe_stats.start()
         store = run_schedule(self.model, micro, make, self.groups, forward_only=False, thd=self.thd)
+        if store_out is not None:
+            store_out.extend(store)
         metrics = reduce_metrics(store, self.groups)
         if self.moe_stats is not None:
             metrics.update(self.moe_stats.finish(self.groups, self.spec.moe_layers))
@@ -293,6 +338,8 @@ class MegatronActor:
         was_offloaded = self.offloader.offloaded
         self.offloader.restore()
         ckpt.save_actor_checkpoint(self, path, extra_state)
+        if self.reference is not None:
+            self.reference.save(self, path)
         if was_offloaded:  # a save between update and rollout: keep the rollout's memory free
             self.offloader.offload()
 
@@ -300,5 +347,7 @@ class MegatronActor:
         """Restore a checkpoint written at any TP/PP layout; returns the saved extra_state (collective)."""
         self.offloader.restore()
         extra = ckpt.load_actor_checkpoint(self, path)
+        if self.reference is not None:
+            self.reference.load(path)
         apply_lr_config(self.optimizer, self.scheduler, self.cfg)  # a changed lr applies on resume
         return extra

@@ -28,16 +28,20 @@ import torch.distributed as dist
 
 from pacs_megatron.actor.forward import token_logprobs
 from pacs_megatron.actor.model import ModelSpec
+from pacs_megatron.actor.thd import ThdBatch
 from pacs_megatron.data.batching import TrainBatch
 from pacs_megatron.pacs import LossInputs, LossSpec
 from pacs_megatron.parallel import ParallelGroups
 
 _DENOM = "_denominator"
 _MAXLR = "actor/max_abs_logratio"
+FORWARD_KEYS = ("_token_logp", "_entropy")
+"""What a loss function with ``old_from_forward`` reports besides metrics: its forward's ``[b, T]`` log-probs
+and entropy (detached), the old log-probs of its rows (private keys: never reduced as metrics)."""
 
 
-def check_train_batch(batch: TrainBatch, loss: LossSpec, loss_name: str) -> None:
-    if batch.old_logp is None:
+def check_train_batch(batch: TrainBatch, loss: LossSpec, loss_name: str, old_from_forward: bool = False) -> None:
+    if batch.old_logp is None and not old_from_forward:
         raise ValueError(
             "train_step needs batch.old_logp (fill it with compute_logprobs first; for loss 'sft' pass zeros)"
         )
@@ -55,25 +59,35 @@ def step_loss_config(loss_cfg: Any, width: int) -> Any:
     return loss_cfg
 
 
-def loss_inputs(mb: TrainBatch, logp: torch.Tensor) -> LossInputs:
-    """The micro-batch's LossInputs around ``logp`` (on ``logp``'s device)."""
+def loss_inputs(
+    mb: TrainBatch, logp: torch.Tensor, old_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None
+) -> LossInputs:
+    """The micro-batch's LossInputs around ``logp`` (on ``logp``'s device); ``old_logp`` replaces
+    ``mb.old_logp`` (the forward's own under ``old_from_forward``)."""
     dev = logp.device
     return LossInputs(
         logp=logp,
-        old_logp=mb.old_logp.to(dev),
+        old_logp=mb.old_logp.to(dev) if old_logp is None else old_logp,
         response_mask=mb.response_mask.to(dev),
         scores=mb.scores.to(dev),
         group_size=mb.group_size,
         advantages=None if mb.advantages is None else mb.advantages.to(dev),
         group_ids=mb.group_ids.to(dev),
         is_weights=None if mb.is_weights is None else mb.is_weights.to(dev),
+        ref_logp=None if mb.ref_logp is None else mb.ref_logp.to(dev),
+        entropy=entropy,
     )
 
 
 def loss_units(micro: list[TrainBatch], loss: LossSpec, loss_cfg: Any) -> float:
     """The sum of the unit counts the loss functions of ``micro`` will return (``LossSpec.denominator``
-    depends on the masks only): what ``finalize_model_grads`` divides the gradients by on this rank."""
-    return sum(float(loss.denominator(loss_inputs(mb, mb.old_logp), loss_cfg).round()) for mb in micro)
+    depends on the masks only, so zeros stand in for the log-probs, which ``old_from_forward`` has
+    not yet): what ``finalize_model_grads`` divides the gradients by on this rank."""
+    total = 0.0
+    for mb in micro:
+        zeros = torch.zeros(mb.response_mask.shape, dtype=torch.float32)
+        total += float(loss.denominator(loss_inputs(mb, zeros, old_logp=zeros), loss_cfg).round())
+    return total
 
 
 def train_loss_func(
@@ -85,13 +99,28 @@ def train_loss_func(
     loss: LossSpec,
     loss_cfg: Any,
     temperature: float,
+    old_from_forward: bool = False,
+    thd: ThdBatch | None = None,
 ):
     """megatron ``loss_func`` of one micro-batch (runs on the last pipeline stage). A ``dummy``
-    (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight."""
+    (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight.
+
+    ``old_from_forward`` (pi_theta = pi_old, the first mini-batch of a step): the old log-probs are this
+    forward's own, detached, bit-identical to what the no-grad pass gives (same kernel, same micro-batch);
+    they and the entropy are reported under :data:`FORWARD_KEYS`."""
 
     def loss_func(logits):
-        token_logp, _ = token_logprobs(logits, ids, spec, groups, temperature, inplace_backward=True)
-        inputs = loss_inputs(mb, token_logp)
+        token_logp, entropy = token_logprobs(
+            logits,
+            ids,
+            spec,
+            groups,
+            temperature,
+            with_entropy=old_from_forward or loss.needs_entropy,
+            inplace_backward=True,
+            thd=thd,
+        )
+        inputs = loss_inputs(mb, token_logp, token_logp.detach() if old_from_forward else None, entropy)
         mask, old, dev = inputs.response_mask, inputs.old_logp, token_logp.device
         value, metrics = loss.fn(inputs, loss_cfg)
         denom = loss.denominator(inputs, loss_cfg)
@@ -102,6 +131,8 @@ def train_loss_func(
             reported = {k: torch.as_tensor(v).detach().double().reshape(()) for k, v in metrics.items()}
             reported[_DENOM] = denom.detach().double().reshape(())
             reported[_MAXLR] = ratio.double()
+            if old_from_forward:
+                reported.update(zip(FORWARD_KEYS, (token_logp.detach(), entropy.detach())))
         n = denom.detach().round().to(torch.int).to(dev)
         return value * denom.to(value.dtype), n, reported
 
@@ -115,7 +146,7 @@ def reduce_metrics(store: list[dict], groups: ParallelGroups) -> dict[str, float
     """
     out: dict[str, float] | None = None
     if groups.is_last_stage:
-        keys = sorted(k for k in store[0] if k not in (_DENOM, _MAXLR))
+        keys = sorted(k for k in store[0] if k != _MAXLR and not k.startswith("_"))
         den = torch.stack([d[_DENOM] for d in store]).cpu()
         vals = torch.stack([torch.stack([d[k] for k in keys]) for d in store]).cpu() if keys else None
         sums = torch.cat(

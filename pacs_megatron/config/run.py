@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,20 +13,21 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pacs_megatron.config.actor import ActorConfig, check_routing_replay
+from pacs_megatron.config.actor import ActorConfig
 from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.critic import CriticConfig
 from pacs_megatron.config.data import DataConfig, RewardConfig
 from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig
-from pacs_megatron.config.quantization import check_rollout_quantization
 from pacs_megatron.config.rollout import RolloutConfig, SyncConfig
+from pacs_megatron.config.switches import check_run_switches
 from pacs_megatron.config.training import AlgorithmConfig, LoggingConfig, OptimizerConfig, TrainerConfig
 
 
 @dataclass
 class RunConfig:
-    """Everything one run needs. Cross-area checks live here."""
+    """Everything one run needs. Cross-area checks live here; those that need the device or an import
+    (quantized rollouts, routing replay) are launch/device_checks.py's, run by the preflight."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path="outputs/model"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -43,14 +46,12 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         n, algo, dp = self.rollout.n, self.algorithm, self.parallel.dp
-        if algo.micro_batch_size % n:
+        estimator = algo.loss_config().adv_estimator
+        if n < 2 and estimator in ("rloo", "grpo"):  # first: the batch-size fixes below depend on n
+            key = "algorithm.pacs.adv_estimator" if algo.loss == "pacs" else "algorithm.policy.adv_estimator"
             raise ConfigError(
-                f"algorithm.micro_batch_size={algo.micro_batch_size} would split a prompt group of rollout.n={n}: "
-                f"use a multiple of {n}"
-            )
-        if algo.logprob_micro_batch_size % n:
-            raise ConfigError(
-                f"algorithm.logprob_micro_batch_size={algo.logprob_micro_batch_size}: use a multiple of {n}"
+                f"rollout.n={n} with {key}={estimator} (algorithm.loss={algo.loss}): the estimator compares the "
+                "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
             )
         mini = self.mini_batch_prompts
         if self.trainer.train_batch_size % mini:
@@ -60,14 +61,16 @@ class RunConfig:
         if mini % dp:
             raise ConfigError(f"algorithm.mini_batch_size={mini} prompts must split evenly over parallel.dp={dp} ranks")
         rows_per_rank = mini // dp * n
-        for key, mbs in (
-            ("micro_batch_size", algo.micro_batch_size),
-            ("logprob_micro_batch_size", algo.logprob_micro_batch_size),
+        for key, mbs, whole in (
+            ("algorithm.micro_batch_size", algo.micro_batch_size, True),
+            ("algorithm.logprob_micro_batch_size", algo.logprob_micro_batch_size, True),
+            ("critic.micro_batch_size", self.critic.micro_batch_size, False),
         ):
-            if mbs and rows_per_rank % mbs:
+            if mbs and (mbs % n or (whole and rows_per_rank % mbs)):  # one wording, one valid fix, for all three
                 raise ConfigError(
-                    f"algorithm.{key}={mbs} must divide the {rows_per_rank} sequences each DP rank holds per "
-                    f"mini-batch (mini_batch_size/dp*n); e.g. use {n}"
+                    f"{key}={mbs} sequences: a micro-batch holds whole prompt groups (a multiple of {n} = rollout.n)"
+                    f" and divides the {rows_per_rank} sequences each DP rank holds per mini-batch (mini_batch_size"
+                    f"/dp*n): set {key}={fitting_micro_batch(mbs, n, rows_per_rank)}"
                 )
         if algo.dynamic_batching and algo.max_tokens_per_micro_batch:
             longest = -(-(self.data.max_prompt_length + self.rollout.max_response_length) // 8) * 8
@@ -88,17 +91,9 @@ class RunConfig:
                 raise ConfigError("model.tiny.num_layers must be divisible by parallel.pp * parallel.vpp")
         if algo.loss == "pacs" and algo.policy.adv_estimator == "gae":
             raise ConfigError("algorithm.policy.adv_estimator=gae is for loss ppo/grpo: set algorithm.loss=ppo")
-        if self.critic.micro_batch_size % n:
-            raise ConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size}: use a multiple of {n}")
+        check_run_switches(self)  # dynamic sampling, overlong shaping, KL / entropy (config/switches.py)
         if self.data.task == "arith" and self.reward.fn == "math":
             raise ConfigError("data.task=arith is scored by reward.fn=arith (exact match), not 'math'")
-        estimator = algo.loss_config().adv_estimator
-        if n < 2 and estimator in ("rloo", "grpo"):
-            key = "algorithm.pacs.adv_estimator" if algo.loss == "pacs" else "algorithm.policy.adv_estimator"
-            raise ConfigError(
-                f"rollout.n={n} with {key}={estimator} (algorithm.loss={algo.loss}): the estimator compares the "
-                "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
-            )
         truncated = [f for f, on in (("top_k", self.rollout.top_k > 0), ("top_p", self.rollout.top_p < 1)) if on]
         if algo.rollout_correction != "none" and truncated:
             # the engines report log-probs of the top-k/top-p renormalised distribution they sample from
@@ -109,24 +104,38 @@ class RunConfig:
                 "actor does not score, so the weights would correct the truncation, not the engine mismatch: set "
                 "rollout.top_k=-1 and rollout.top_p=1, or algorithm.rollout_correction=none"
             )
-        check_rollout_quantization(self.rollout, self.parallel.backend)
-        check_routing_replay(self.actor, self.rollout, self.parallel.backend)
 
     @property
     def mini_batch_prompts(self) -> int:
         return self.algorithm.mini_batch_size or self.trainer.train_batch_size
 
 
+def fitting_micro_batch(mbs: int, n: int, rows: int) -> int:
+    """The micro-batch size (sequences) nearest ``mbs`` from below that holds whole groups of ``n`` and
+    divides ``rows``: the fix a batch-size error offers, valid as it stands.
+
+    Example:
+        >>> fitting_micro_batch(80, 16, 160), fitting_micro_batch(80, 1, 10), fitting_micro_batch(7, 4, 40)
+        (80, 10, 4)
+    """
+    fits = [m for m in range(n, rows + 1, n) if rows % m == 0]
+    return max((m for m in fits if m <= mbs), default=fits[0])
+
+
 def _format_omegaconf_error(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None)
     msg = str(e).splitlines()[0]
+    if key and _field_kind(str(key)) == "list":
+        msg += f" ({key} is a list: write {key}=[a,b], or {key}=a for one item)"
     return f"config key {key!r}: {msg}" if key else msg
 
 
-def _yaml_chain(path: Path, depth: int = 0) -> list:
+def _yaml_chain(path: Path, depth: int = 0, named_by: Path | None = None) -> list:
     """The YAML file and the files it names under ``base:`` (relative to it), base first."""
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        what = "is a directory, not a YAML file" if path.is_dir() else "does not exist"
+        where = f" (named by 'base:' in {named_by})" if named_by is not None else ""
+        raise ConfigError(f"config file {str(path)!r}{where} {what}")
     if depth > 8:
         raise ConfigError(f"config file {str(path)!r}: 'base:' chain deeper than 8 (a cycle?)")
     try:
@@ -139,7 +148,42 @@ def _yaml_chain(path: Path, depth: int = 0) -> list:
     base = layer.pop("base", None)
     if base is None:
         return [layer]
-    return _yaml_chain(path.parent / str(base), depth + 1) + [layer]
+    return _yaml_chain(path.parent / str(base), depth + 1, named_by=path) + [layer]
+
+
+def _field_kind(key: str) -> str:
+    """ "list", "str" or "other": the type of the RunConfig field a dotted ``key`` names."""
+    cls: Any = RunConfig
+    hint: Any = None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return "other"
+        hint = typing.get_type_hints(cls).get(part)
+        if hint is None:
+            return "other"
+        cls = hint
+    if hint is str:
+        return "str"
+    return "list" if typing.get_origin(hint) is list else "other"
+
+
+def _apply_overrides(merged, overrides: list[str]):
+    """Merge ``a.b.c=value`` overrides in order. A list field takes a bare value as a one-item list
+    (``data.train_files=my.jsonl``; ``a,b`` is two items, as is ``[a,b]``); a string field takes the text
+    as written (``trainer.resume=yes`` stays "yes", not YAML's True)."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like a.b.c=value, got {bad}")
+    for item in overrides:
+        key, value = (x.strip() for x in item.split("=", 1))
+        kind = _field_kind(key)
+        if kind == "str" and "${" not in value and not value.startswith(("'", '"')):
+            OmegaConf.update(merged, key, value, merge=True)
+            continue
+        if kind == "list" and not value.startswith("["):
+            item = f"{key}=[{value}]"
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+    return merged
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -151,10 +195,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             for layer in _yaml_chain(Path(path)):
                 merged = OmegaConf.merge(merged, layer)
         if overrides:
-            bad = [o for o in overrides if "=" not in o]
-            if bad:
-                raise ConfigError(f"overrides must look like a.b.c=value, got {bad}")
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+            merged = _apply_overrides(merged, list(overrides))
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_format_omegaconf_error(e)) from None

@@ -46,6 +46,9 @@ class TrainBatch:
     """n responses per prompt."""
     old_logp: torch.Tensor | None = None
     """``[B, T]`` float32 log-probs of the rollout policy (filled by the old-log-prob pass)."""
+    old_entropy: torch.Tensor | None = None
+    """``[B, T]`` float32 entropy of pi_old's predictive distribution at each position (filled with
+    ``old_logp``; the step's ``actor/entropy``)."""
     advantages: torch.Tensor | None = None
     """``[B]`` float32 outcome advantages (baselines only), or ``[B, T]`` per-token GAE advantages."""
     rollout_logp: torch.Tensor | None = None
@@ -61,6 +64,8 @@ class TrainBatch:
     """MoE routing replay (actor.routing_replay=rollout): per row, the experts the rollout engine chose
     for each token, per layer, unpadded and compact (data/routing.py); the actor pads them per
     micro-batch. Row selections carry them along; ``to(device)`` leaves them on the host."""
+    ref_logp: torch.Tensor | None = None
+    """``[B, T]`` float32 log-probs of the frozen reference policy (algorithm.kl_loss_coef > 0, actor/reference.py)."""
 
     def __post_init__(self) -> None:
         check_groups(self.input_ids.shape[0], self.group_size, self.group_ids)

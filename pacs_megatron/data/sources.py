@@ -7,7 +7,7 @@ Accepted rows:
 - PACS (ritzz-ai/PACS ``preprocess_dataset.py``): ``prompt`` = list of ``{role, content}`` messages
   (instruction already in the user turn), ``reward_model.ground_truth``, ``data_source``, ``extra_info``.
 
-A bad row (not JSON, not an object, a missing or empty field, a wrong type) raises
+A bad row (not UTF-8, not JSON, not an object, a missing or empty field, a wrong type) raises
 :class:`DataFormatError` naming file, line and field with ``bad_records="error"``, or is skipped and
 counted with ``"skip"``. Names of the shared sets resolve against the data root (see :data:`DATASETS`).
 """
@@ -87,16 +87,6 @@ def load_problems(path: str | Path, bad_records: str = "error", source: str | No
     return problems
 
 
-def first_problem(path: str | Path) -> Problem:
-    """The first row of ``path``, parsed (a cheap pre-flight check of a data file's format)."""
-    path = Path(path)
-    for where, row in _rows(path):
-        if isinstance(row, DataFormatError):
-            raise row
-        return _parse(row, where, path, path.stem)
-    raise DataFormatError(f"dataset file {path}: no rows")
-
-
 def _rows(path: Path) -> Iterator[tuple[str, Any]]:
     """``(location, row or DataFormatError)`` for every row of the file."""
     if path.suffix == ".parquet":
@@ -105,8 +95,12 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
             yield f"row {i}", row
     elif path.suffix == ".json":
+        raw = path.read_bytes()
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise DataFormatError(_not_utf8(path, line, raw[e.start], e.start - raw.rfind(b"\n", 0, e.start))) from None
         except json.JSONDecodeError as e:
             raise DataFormatError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(data, list):
@@ -114,14 +108,26 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(data, start=1):
             yield f"item {i}", row
     else:
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, start=1):
+        with open(path, "rb") as f:  # bytes: a byte that is not UTF-8 is named with its line, not a traceback
+            for i, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield f"line {i}", DataFormatError(_not_utf8(path, i, raw[e.start], e.start + 1))
+                    continue
                 if not line.strip():
                     continue
                 try:
                     yield f"line {i}", json.loads(line)
                 except json.JSONDecodeError as e:
                     yield f"line {i}", DataFormatError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})")
+
+
+def _not_utf8(path: Path, line: int, byte: int, column: int) -> str:
+    return (
+        f"{path}:{line}: byte 0x{byte:02x} at column {column} is not UTF-8: re-save the file as UTF-8 "
+        "(e.g. iconv -f latin1 -t utf-8), or fix that line"
+    )
 
 
 def _field(row: dict, key: str, where: str, path: Path, required: bool = True) -> Any:

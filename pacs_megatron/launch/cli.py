@@ -3,7 +3,8 @@
 Under torchrun / srun the ranks already exist and each one runs :func:`pacs_megatron.train.train`.
 Started by hand, it spawns ``tp * pp * dp`` local ranks itself (like ``torchrun --standalone``), so
 the README's command is one line. Configuration errors surface here, before any process or model
-is started; ``--dry-run`` prints the resolved config and the layout and exits.
+is started, as one line and exit 2 (the error boundary every command shares: launch/errors.py);
+``--dry-run`` prints the resolved config and the layout and exits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
-from pacs_megatron.launch.local import spawn_local
+from pacs_megatron.launch.local import on_ranks
 from pacs_megatron.launch.preflight import preflight
 from pacs_megatron.launch.rank import run_rank
 from pacs_megatron.launch.slurm import apply_srun_env, srun_exit_code
@@ -87,13 +88,10 @@ def main(args: argparse.Namespace) -> int:
         overrides.append("trainer.overwrite=true")
     if args.dry_run:
         overrides.append("trainer.dry_run=true")
-    try:
-        cfg = load_config(args.config, overrides)
-        preflight(cfg)  # model paths, reward.fn, --resume, run dir, data files: before any rank or model starts
-        layout = layout_summary(cfg)
-    except ConfigError as e:
-        logger.error("config error: %s", e)
-        return 2
+    # A ConfigError from here on is one line and exit 2 (the CLI's error boundary, launch/errors.py).
+    cfg = load_config(args.config, overrides)
+    preflight(cfg)  # model paths, reward.fn, --resume, run dir, data files: before any rank or model starts
+    layout = layout_summary(cfg)
     try:
         if cfg.launcher.kind != "ray":  # a Ray driver inside a multi-task srun step is no rank
             apply_srun_env()  # srun started this rank directly (examples/slurm): RANK etc. from SLURM_*
@@ -112,10 +110,13 @@ def main(args: argparse.Namespace) -> int:
     if cfg.launcher.kind == "torchrun" and not under_launcher():
         logger.error("launcher.kind=torchrun but RANK/WORLD_SIZE are not set: start with torchrun or srun")
         return 2
-    if under_launcher() or cfg.parallel.world_size == 1:
-        from pacs_megatron.train import train
-
-        # srun: 75 means "checkpointed, requeue me"; run_rank: one error per job, not one traceback per rank
-        return srun_exit_code(run_rank(train, cfg))
     argv = ["pacs_megatron", "train", "--config", args.config, *overrides]
-    return spawn_local(argv, cfg.parallel.world_size)
+    return on_ranks(argv, cfg.parallel.world_size, lambda: _train_here(cfg))
+
+
+def _train_here(cfg: RunConfig) -> int:
+    """This process is a rank (or the only one): train."""
+    from pacs_megatron.train import train
+
+    # srun: 75 means "checkpointed, requeue me"; run_rank: one error per job, not one traceback per rank
+    return srun_exit_code(run_rank(train, cfg))

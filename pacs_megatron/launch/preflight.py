@@ -1,8 +1,8 @@
 """Checks that need the file system or an import, run by the launcher before any rank or model starts.
 
     pacs-megatron train --config c.yaml reward.fn=my_rewards:scroe
-    [.. E pacs_megatron.launch.cli] config error: reward.fn='my_rewards:scroe': module 'my_rewards'
-    has no attribute 'scroe'                                           (one line in the terminal)
+    [.. E pacs_megatron.launch.errors] train: config error: reward.fn='my_rewards:scroe': module
+    'my_rewards' has no attribute 'scroe'                              (one line in the terminal)
     (exit 2; nothing was spawned, loaded or written)
 
 At 7B scale a bad reward name or data path found inside the ranks costs minutes of model loading and
@@ -10,22 +10,29 @@ one traceback per rank; here it costs a second. What needs no file system (``rol
 the RLOO / GRPO estimators, divisibility, choices) is already checked by the config dataclasses'
 ``__post_init__``; this module adds:
 
+- ``rollout.quantization`` / ``rollout.quant_recipe`` and ``actor.routing_replay``: runnable on this
+  device with this install (modelopt importable, recipe runs on CPU, vLLM's FP8 scale layouts, routing
+  replay only where vLLM can return routed experts): launch/device_checks.py;
 - ``reward.fn``: importable, callable, and its signature takes ``(prompt, response, ground_truth, extra)``;
 - ``trainer.resume`` (``--resume``): a named checkpoint directory exists, and the checkpoint a resume
   would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
   shape (``utils/resume.py``);
-- ``trainer.output_dir``: not locked by a running run, and a fresh start does not land on an old run
-  (``utils/run_dir.py``; checked by the launcher and rank 0 only, since rank 0 takes the lock);
-- every model path: ``model.path`` holds a ``config.json`` that parses (and, for ``init=pretrained``,
-  safetensors weights), ``model.tokenizer`` (or ``model.path``) holds a tokenizer, and ``critic.init``,
-  when the learned critic is on and it names a directory, holds a config.json and weights too;
+- ``model.dtype=bfloat16`` on CPU and ``rollout.engine=vllm`` without vllm installed (device_checks.py);
+- ``trainer.output_dir``: writable (not read-only, not a file: ``utils/paths.py``), not locked by a
+  running run, a fresh start does not land on an old run (``utils/run_dir.py``), and its disk has room
+  for a checkpoint (the last one's size, or an estimate from the model's size before the first);
+  checked by the launcher and rank 0 only, since rank 0 takes the lock;
+- every model path, with the check every command shares (``utils/model_dir.py``): ``model.path`` holds a
+  ``config.json`` that parses (and, for ``init=pretrained``, readable safetensors weights that agree with
+  it), ``model.tokenizer`` (or ``model.path``) holds a tokenizer, and ``critic.init``, when the learned
+  critic is on and it names a directory, holds a config.json and weights too;
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
-  under the data root and its first row parses;
+  under the data root and its rows parse (a byte that is not UTF-8 is named with its line);
 - ``rollout.engine=vllm``: ``data.max_prompt_length + rollout.max_response_length`` fits the model's
   ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start).
 
 Every failure is a :class:`~pacs_megatron.config.ConfigError` naming the key and the fix, which the
-launcher prints as one line and turns into exit code 2.
+CLI's error boundary (launch/errors.py) prints as one line and turns into exit code 2.
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ import os
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig
+from pacs_megatron.launch.device_checks import check_device
 from pacs_megatron.utils.resume import preflight_resume
 
 
 def preflight(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` for the first problem found (see the module docstring)."""
+    check_device(cfg)
     check_model_paths(cfg)
     check_reward(cfg)
     check_resume(cfg)
@@ -50,14 +59,21 @@ def preflight(cfg: RunConfig) -> None:
 
 
 def check_reward(cfg: RunConfig) -> None:
+    check_reward_fn("reward.fn", cfg.reward.fn)
+
+
+def check_reward_fn(key: str, spec: str) -> None:
+    """The reward ``spec`` loads and takes (prompt, response, ground_truth, extra); ConfigError naming ``key``
+    (``reward.fn`` for train, ``--reward`` for eval)."""
     from pacs_megatron.reward.registry import RewardFunctionError, load_reward_fn
+    from pacs_megatron.utils.paths import named
 
     try:
-        load_reward_fn(cfg.reward.fn)
+        load_reward_fn(spec)
     except RewardFunctionError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(str(e).replace(f"reward.fn={spec!r}", named(key, spec))) from None
     except Exception as e:  # noqa: BLE001 - the user's module failed while importing
-        raise ConfigError(f"reward.fn={cfg.reward.fn!r}: importing it raised {type(e).__name__}: {e}") from None
+        raise ConfigError(f"{named(key, spec)}: importing it raised {type(e).__name__}: {e}") from None
 
 
 def check_resume(cfg: RunConfig) -> None:
@@ -73,20 +89,56 @@ def check_resume(cfg: RunConfig) -> None:
 def check_run_dir(cfg: RunConfig) -> None:
     """trainer.output_dir: no live lock, and no old run under a fresh start (the other ranks of a job skip
     it: by the time they look, their own rank 0 may hold the lock)."""
+    from pacs_megatron.utils.paths import check_writable_dir
     from pacs_megatron.utils.run_dir import RunDir
 
     if int(os.environ.get("RANK", "0")) != 0:
         return
+    check_writable_dir("trainer.output_dir", cfg.trainer.output_dir)  # read-only, a file, under a file
     problem = RunDir.from_config(cfg).problem()
     if problem:
         raise ConfigError(problem)
+    check_checkpoint_space(cfg)
+
+
+def checkpoint_bytes(cfg: RunConfig) -> int:
+    """About how large one checkpoint of this run is: parameters x (their bytes + Adam's two fp32 moments
+    + an fp32 master copy for bf16); 0 when the model's config cannot say (the check is then skipped)."""
+    import json
+
+    from pacs_megatron.tools.memory import total_params
+
+    config_json = Path(cfg.model.path) / "config.json"
+    try:
+        if config_json.is_file():
+            hf = json.loads(config_json.read_text(encoding="utf-8"))
+        elif cfg.model.init == "tiny":
+            from pacs_megatron.data.synthetic import EOS_ID, PAD_ID, VOCAB, tiny_model_config
+
+            hf = tiny_model_config(cfg.model.tiny, len(VOCAB), EOS_ID, PAD_ID)
+        else:
+            return 0
+        params = total_params(hf)
+    except (KeyError, TypeError, ValueError):
+        return 0
+    return params * (4 + 8 if cfg.model.dtype != "bfloat16" else 2 + 8 + 4)
+
+
+def check_checkpoint_space(cfg: RunConfig) -> None:
+    """trainer.output_dir's disk holds the next checkpoint (the last one's size, or before the first an
+    estimate from the model: utils/checkpoint.py), so a full disk is found at launch, not after training."""
+    from pacs_megatron.utils.checkpoint import CheckpointManager
+
+    problem = CheckpointManager(cfg.trainer.output_dir, first_size=checkpoint_bytes(cfg)).space_problem()
+    if problem:
+        raise ConfigError(f"trainer.output_dir={cfg.trainer.output_dir!r}: {problem}")
 
 
 def check_data(cfg: RunConfig) -> None:
     if cfg.data.task != "math":
         return
     from pacs_megatron.data.records import DataFormatError
-    from pacs_megatron.data.sources import first_problem, resolve_dataset
+    from pacs_megatron.data.sources import load_problems, resolve_dataset
 
     root = cfg.data.resolved_root()
     files = [("data.train_files", f) for f in cfg.data.train_files]
@@ -95,64 +147,28 @@ def check_data(cfg: RunConfig) -> None:
     for key, name in files:
         try:
             _, path = resolve_dataset(name, root)
-            first_problem(path)
+            load_problems(path, cfg.data.bad_records)  # every row, as the ranks will read it (~0.1 s per 10k)
         except (FileNotFoundError, DataFormatError) as e:
             raise ConfigError(f"{key} has {name!r}: {e}") from None
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""Any one of these makes a directory loadable by ``AutoTokenizer`` (fast, sentencepiece or BPE files)."""
-
-
-def read_hf_config(key: str, directory: str | Path) -> dict:
-    """``directory/config.json`` parsed, or ConfigError naming ``key`` and what is wrong."""
-    import json
-
-    path = Path(directory) / "config.json"
-    if not Path(directory).is_dir():
-        raise ConfigError(f"{key}={str(directory)!r}: no such directory; point it at a Hugging Face model directory")
-    if not path.is_file():
-        raise ConfigError(f"{key}={str(directory)!r} has no config.json: point it at a Hugging Face model directory")
-    try:
-        hf = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{key}={str(directory)!r}: {path} is not valid JSON ({e})") from None
-    if not isinstance(hf, dict) or "model_type" not in hf:
-        raise ConfigError(f"{key}={str(directory)!r}: {path} has no model_type: not a Hugging Face model config")
-    return hf
-
-
-def _check_weights(key: str, directory: str | Path) -> None:
-    d = Path(directory)
-    if not (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file()):
-        raise ConfigError(
-            f"{key}={str(directory)!r} holds no *.safetensors weights: download the model's weights there "
-            "(model.init=random trains from a random initialisation instead)"
-        )
-
-
 def check_model_paths(cfg: RunConfig) -> None:
-    """model.path (config.json parsed, weights), model.tokenizer, critic.init: before any rank loads them."""
+    """model.path, model.tokenizer, critic.init: utils/model_dir.py's one check, before any rank loads them.
+
+    ``init=pretrained`` needs readable weights that agree with config.json; ``init=random`` the config
+    only; ``init=tiny`` nothing until the run has written its model directory."""
     from pacs_megatron.config.critic import critic_enabled
+    from pacs_megatron.utils.model_dir import check_model_dir, check_tokenizer
 
     m = cfg.model
     tiny_to_write = m.init == "tiny" and not (Path(m.path) / "config.json").is_file()
     if not tiny_to_write:
-        read_hf_config("model.path", m.path)
-        if m.init == "pretrained":
-            _check_weights("model.path", m.path)
+        check_model_dir("model.path", m.path, weights=m.init == "pretrained", tokenizer=False)
     if m.tokenizer or not tiny_to_write:
         key, tok = ("model.tokenizer", m.tokenizer) if m.tokenizer else ("model.path", m.path)
-        if not Path(tok).is_dir():
-            raise ConfigError(f"{key}={tok!r}: no such tokenizer directory")
-        if not any((Path(tok) / f).is_file() for f in TOKENIZER_FILES):
-            raise ConfigError(
-                f"{key}={tok!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): set model.tokenizer "
-                "to the model's tokenizer directory"
-            )
+        check_tokenizer(key, tok)
     if critic_enabled(cfg) and cfg.critic.init != "actor":
-        read_hf_config("critic.init", cfg.critic.init)
-        _check_weights("critic.init", cfg.critic.init)
+        check_model_dir("critic.init", cfg.critic.init, tokenizer=False)
 
 
 def unused_critic_settings(cfg: RunConfig) -> list[str]:
@@ -186,6 +202,8 @@ def check_vllm_context(cfg: RunConfig) -> None:
     if cfg.rollout.engine != "vllm":
         return
     if (Path(cfg.model.path) / "config.json").is_file():
+        from pacs_megatron.utils.model_dir import read_hf_config
+
         limit = read_hf_config("model.path", cfg.model.path).get("max_position_embeddings")
     elif cfg.model.init == "tiny":
         limit = cfg.model.tiny.max_position_embeddings

@@ -4,8 +4,9 @@ When something fails inside the ranks, every rank usually fails the same way (th
 code on the same config), or the others fail *because* one did (a collective whose peer is gone).
 So:
 
-- rank 0 logs the error once: one line for a user error (config, data, reward), with the traceback
-  for anything else (a bug);
+- rank 0 logs the error once: one line for a user error (config, data, reward, a file that cannot be
+  written: the classification every command shares, launch/errors.py), with the traceback for
+  anything else (a bug);
 - every other rank logs one line (its own exception, which names the cause when rank 0 only saw
   the fallout) and exits with the same code, 1;
 - ``SystemExit`` (pre-emption, an abandoned reward batch) passes through;
@@ -26,6 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from pacs_megatron.launch.errors import user_message
 from pacs_megatron.utils.early_signals import ignore_late_warnings
 from pacs_megatron.utils.logging import get_logger, init_logging, quiet_import_noise
 from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, install_early_handlers
@@ -41,17 +43,6 @@ def quiet_megatron_warnings() -> None:
     # GPUs need it, on Blackwell (sm_100+) users may set another value themselves (docs/launch.md).
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     quiet_import_noise()  # before megatron is imported: its import-time notices say nothing about the run
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors whose message is the whole story (they name the key or file and the fix)."""
-    from pacs_megatron.config import ConfigError
-    from pacs_megatron.data.records import DataFormatError
-    from pacs_megatron.reward import RewardFailureError, RewardFunctionError
-    from pacs_megatron.utils.checkpoint import CheckpointWriteError
-
-    errors = ConfigError, DataFormatError, RewardFunctionError, RewardFailureError, FileNotFoundError
-    return (*errors, CheckpointWriteError)
 
 
 def run_rank(fn: Callable[..., int], *args) -> int:
@@ -70,8 +61,8 @@ def run_rank(fn: Callable[..., int], *args) -> int:
         summary = f"{type(e).__name__}: {e}".splitlines()[0]
         if rank != 0:
             logger.error("rank %d failed: %s", rank, summary)
-        elif isinstance(e, _user_errors()):
-            logger.error("%s", summary)
+        elif user_message(e) is not None:
+            logger.error("%s: %s", type(e).__name__, user_message(e))
             logger.debug("traceback", exc_info=True)
         else:
             logger.error("run failed: %s", summary, exc_info=True)

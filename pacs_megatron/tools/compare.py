@@ -59,8 +59,8 @@ from pacs_megatron.tools.compare_report import (
     run_score,
     table,
 )
+from pacs_megatron.tools.plot import read_metrics
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.plot import read_metrics
 from pacs_megatron.utils.proc import die_with_parent
 
 logger = get_logger(__name__)
@@ -265,10 +265,12 @@ def _stop_runs(running: dict, grace_s: float = 120.0) -> None:
 def check_validates(args: argparse.Namespace) -> str | None:
     """Why the runs would never validate (the comparison's score), or None: checked before any run starts."""
     from pacs_megatron.config import ConfigError, load_config
+    from pacs_megatron.launch.device_checks import check_device
 
     steps = [f"trainer.total_steps={args.steps}"] if args.steps else []
     try:
         cfg = load_config(args.config, [*args.overrides, *steps])
+        check_device(cfg)  # a quantization the device cannot run fails every run: say so before any starts
     except ConfigError as e:
         return str(e)
     t = cfg.trainer
@@ -353,8 +355,17 @@ def compare(args: argparse.Namespace) -> dict:
     return summary
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in str(text).split(",") if x]
+def _floats(flag: str, text: str) -> list[float]:
+    """``"3e-4,1e-3"`` -> ``[0.0003, 0.001]``; ConfigError naming ``flag`` for anything else (all > 0)."""
+    from pacs_megatron.config import ConfigError
+
+    try:
+        values = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give comma-separated numbers, e.g. {flag} 3e-4,1e-3,3e-3") from None
+    if any(not v > 0 for v in values):
+        raise ConfigError(f"{flag} {text!r}: every value must be > 0")
+    return values
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -378,18 +389,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="a.b=c overrides applied to every run")
 
 
-def main(args: argparse.Namespace) -> int:
-    init_logging()
-    args.methods = [m for m in args.methods.split(",") if m]
+def check_args(args: argparse.Namespace) -> None:
+    """Parse and check every flag before any run starts; ConfigError naming the flag and the fix."""
+    from pacs_megatron.config import ConfigError
+    from pacs_megatron.utils.paths import check_writable_dir
+
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in args.methods if m not in METHODS]
-    if bad:
-        logger.error("--methods has %s: choose from %s", bad, sorted(METHODS))
-        return 2
-    args.lrs, args.critic_lrs = _floats(args.lrs), _floats(args.critic_lrs)
+    if bad or not args.methods:
+        raise ConfigError(f"--methods has {bad or 'nothing'}: choose from {sorted(METHODS)}")
+    args.lrs, args.critic_lrs = _floats("--lrs", args.lrs), _floats("--critic-lrs", args.critic_lrs)
+    if not args.lrs:
+        raise ConfigError("--lrs is empty: give at least one lr, e.g. --lrs 1e-3")
+    for flag, value, least in (
+        ("--seeds", args.seeds, 1),
+        ("--tune-seeds", args.tune_seeds, 1),
+        ("--steps", args.steps, 0),
+        ("--jobs", args.jobs, 0),
+        ("--max-extend", args.max_extend, 0),
+    ):
+        if value < least:
+            raise ConfigError(f"{flag} {value} must be >= {least}")
+    check_writable_dir("--out", args.out)
     problem = check_validates(args)
     if problem:
-        logger.error("%s", problem)
-        return 2
+        raise ConfigError(problem)
+
+
+def main(args: argparse.Namespace) -> int:
+    init_logging()
+    check_args(args)
     if args.background:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

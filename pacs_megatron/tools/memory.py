@@ -12,6 +12,12 @@ From the Hugging Face ``config.json`` and the run config, for the worst pipeline
   working set; without it ~34 bytes per token per hidden unit and layer (Korthikanti et al. 2022,
   flash attention so no seq^2 term; /TP with sequence parallelism, (10 + 24/TP) without), plus the
   fp32 logits and their gradient (8 bytes x seq x micro-batch x vocab / TP).
+- reference policy (``algorithm.kl_loss_coef`` > 0, actor/reference.py): the parameters once more in
+  the actor's dtype (2 or 4 bytes per parameter of the rank's shard), no gradients or optimizer state;
+  resident in both phases, or in neither with ``actor.offload_reference`` (host memory, brought in
+  only for its log-prob pass, between rollout and training). 0 when the coefficient is 0. The entropy
+  bonus (``algorithm.entropy_coeff``) costs nothing here: the fused kernel returns the entropy from
+  its one pass over the logits and its backward writes into the logits buffer (no N x V tensor).
 - vLLM: ``gpu_memory_utilization`` x the GPU's memory while awake (weights + KV cache + graphs);
   asleep (``enable_sleep_mode``) it frees that, colocated it holds it during training otherwise.
 
@@ -61,6 +67,8 @@ class MemoryPlan:
     """GPU: one micro-batch's routing replay indices (part of train_gib)."""
     replay_host_gib: float = 0.0
     """Host memory of the routing replay records per rank (not part of the GPU plan)."""
+    reference_gib: float = 0.0
+    """The frozen reference policy of the KL term, resident in both phases (0: none, or offloaded)."""
 
     @property
     def peak_gib(self) -> float:
@@ -133,11 +141,13 @@ def estimate(
     offload_during_rollout: bool = False,
     ep: int = 1,
     replay_rows: tuple[int, int] | None = None,
+    reference: bool = False,
+    offload_reference: bool = False,
 ) -> MemoryPlan:
     """The plan for one rank (see the module docstring for each term). ``vllm_utilization=0`` means no
     colocated vLLM (the HF engine); ``offload_during_rollout`` moves the actor to CPU while vLLM runs.
     ``replay_rows``: MoE routing replay, ``(rows the rank trains on, rows its engine replica generates)``
-    per step."""
+    per step; ``reference``: a KL reference policy, kept in host memory with ``offload_reference``."""
     c = param_counts(hf)
     layers = c["layers"] // pp
     stage_layers = layers * (c["layer_split"] / tp + c["layer_norms"] + c["experts"] / ep + c["router"])
@@ -170,9 +180,12 @@ def estimate(
         replay_host = seq_len * ids * (own * width + replica * (2 + width)) / GIB
     vllm = vllm_utilization * gpu_gib
     actor = params + grads + optimizer
-    rollout = (0.0 if offload_during_rollout else actor) + vllm
-    train = actor + act_gib + replay + (0.0 if vllm_sleeps else vllm)
-    return MemoryPlan(n, params, grads, optimizer, act_gib, vllm, rollout, train, gpu_gib, replay, replay_host)
+    ref = params if reference and not offload_reference else 0.0
+    rollout = (0.0 if offload_during_rollout else actor) + vllm + ref
+    train = actor + act_gib + replay + (0.0 if vllm_sleeps else vllm) + ref
+    return MemoryPlan(
+        n, params, grads, optimizer, act_gib, vllm, rollout, train, gpu_gib, replay, replay_host, reference_gib=ref
+    )
 
 
 def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | None = None) -> MemoryPlan:
@@ -205,4 +218,6 @@ def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | N
         offload_during_rollout=offload_during_rollout,
         ep=getattr(par, "ep", 1),
         replay_rows=replay_rows,
+        reference=cfg.algorithm.kl_loss_coef > 0,
+        offload_reference=bool(getattr(getattr(cfg, "actor", None), "offload_reference", False)),
     )

@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
+from pacs_megatron.config import ConfigError
 from pacs_megatron.tools.selftest_checks import CHECKS, Context, Skip
 from pacs_megatron.utils.logging import get_logger, init_logging
+from pacs_megatron.utils.paths import check_writable_dir
 
 logger = get_logger(__name__)
 
@@ -114,8 +116,9 @@ def main(args: argparse.Namespace) -> int:
     init_logging()
     names = list(CHECKS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in CHECKS]
-    if unknown:
-        raise SystemExit(f"selftest --only: unknown check(s) {unknown}; choose from {list(CHECKS)}")
+    if unknown or not names:
+        raise ConfigError(f"--only {args.only!r}: unknown check(s) {unknown}; choose from {list(CHECKS)}")
+    check_writable_dir("--out", args.out)  # before the checks run: their report must have a place
     out = Path(args.out).resolve()
     (out / "work").mkdir(parents=True, exist_ok=True)
     report = {"environment": _environment(), "quick": bool(args.quick)}

@@ -15,8 +15,11 @@ costs the last good one.
 A full disk is named, not buried: before writing, the free space of the checkpoint directory is
 compared with the size of the last checkpoint (the next one is as large) and a save that cannot fit is
 refused with one line; after each save a warning says when the *next* one will not fit, while there
-is still time to free space. A write that fails with an ``OSError`` anywhere in its exception chain
-(megatron's writers often re-raise ENOSPC as "unexpected pos ...") raises
+is still time to free space; before the first save the check uses an estimate from the model's size
+(``first_size``; the launcher's preflight makes the same check, launch/preflight.py). A write that
+fails with an ``OSError`` anywhere in its exception chain (megatron's writers often re-raise ENOSPC
+as "unexpected pos ...") or with torch's ``CheckpointException`` (a *BaseException* whose per-rank
+failures carry the errno only as text, "Worker failure: [Errno 28] ...") raises
 :class:`CheckpointWriteError` naming the directory and the errno, and the half-written ``.tmp`` dir is
 removed to give the space back.
 
@@ -50,15 +53,35 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, quota, permissions): one line naming the directory."""
 
 
-def _os_error(exc: BaseException | None) -> OSError | None:
-    """The first OSError in ``exc``'s chain (cause / context), if any."""
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")
+_FULL = 1 << 20
+"""Free bytes below which a failed write is taken for a full disk when the writer gave no errno."""
+
+
+def _write_errno(exc: BaseException | None) -> int | None:
+    """The errno of the OSError behind a failed write: the first in ``exc``'s chain (cause / context), or,
+    for torch.distributed.checkpoint's ``CheckpointException`` (a BaseException whose per-rank failures
+    megatron's writer workers turned into text, e.g. "Worker failure: [Errno 28] No space left on
+    device"), the first ``[Errno N]`` in its failures. None when there is none."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, OSError) and exc.errno:
-            return exc
+            return exc.errno
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                found = _write_errno(failure) if isinstance(failure, BaseException) else None
+                m = found or _ERRNO_TEXT.search(str(failure))
+                if m:
+                    return found or int(m.group(1))
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    """An error of the checkpoint writer (caught even though torch's CheckpointException is a BaseException)."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "CheckpointException"
 
 
 def _disk_free(path: Path) -> int:
@@ -104,6 +127,7 @@ class CheckpointManager:
         keep_last: int = 2,
         validate: Callable[[Path], str | None] = checkpoint_problem,
         disk_free: Callable[[Path], int] = _disk_free,
+        first_size: int = 0,
     ) -> None:
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
@@ -112,6 +136,8 @@ class CheckpointManager:
         """Path -> what is wrong with it, or None."""
         self.disk_free = disk_free
         """Path -> free bytes on its file system (shutil.disk_usage)."""
+        self.first_size = first_size
+        """Estimated bytes of a checkpoint while none exists yet (0: no check before the first save)."""
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -178,15 +204,21 @@ class CheckpointManager:
         return target
 
     def space_problem(self) -> str | None:
-        """Why the next checkpoint will not fit (free space < the last checkpoint's size), or None."""
+        """Why the next checkpoint will not fit (free space < the last checkpoint's size, or before the first
+        one :attr:`first_size`), or None."""
         latest = self.latest()
-        if latest is None:
+        if latest is None and not self.first_size:
             return None
-        need, free = _size(latest), self.disk_free(self.root)
+        need = _size(latest) if latest is not None else self.first_size
+        where = self.root if self.root.exists() else self.root.parent
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        free = self.disk_free(where)
         if free >= need:
             return None
+        size_of = f"the size of {latest.name}" if latest is not None else "estimated from the model's size"
         return (
-            f"{self.root} has {_gib(free)} free but a checkpoint takes about {_gib(need)} (the size of {latest.name}):"
+            f"{self.root} has {_gib(free)} free but a checkpoint takes about {_gib(need)} ({size_of}):"
             " free space there, lower trainer.keep_checkpoints, or point trainer.output_dir at a larger disk"
         )
 
@@ -210,17 +242,24 @@ class CheckpointManager:
         start = time.perf_counter()
         try:
             write(tmp)
-        except Exception as e:
-            cause = _os_error(e)
-            if cause is None:
-                raise
+        except BaseException as e:
+            if not _is_write_failure(e):
+                raise  # KeyboardInterrupt, SystemExit
+            free = self.disk_free(self.root)  # before the partial checkpoint is removed
+            code = _write_errno(e)
+            checkpoint_exception = type(e).__name__ == "CheckpointException"
+            text = f"{e} {getattr(e, 'failures', '')}"
+            if code is None and ("unexpected pos" in text or (checkpoint_exception and free < _FULL)):
+                code = errno.ENOSPC  # PyTorch's zip writer reports a full disk as "unexpected pos N vs M"
+            if code is None and not checkpoint_exception:
+                raise  # a bug, not the disk
             if _rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            name = errno.errorcode.get(cause.errno, str(cause.errno))
+            why = f"{errno.errorcode.get(code, str(code))} ({os.strerror(code)})" if code else "a rank's writer failed"
             raise CheckpointWriteError(
-                cause.errno,
-                f"checkpoint step {step} could not be written to {tmp}: {name} ({os.strerror(cause.errno)}); "
-                f"{_gib(self.disk_free(self.root))} free there",
+                code or errno.EIO,
+                f"checkpoint step {step} could not be written to {tmp}: {why}; {_gib(free)} was free there; "
+                f"the steps so far are logged in {self.root.parent / 'metrics.jsonl'}",
             ) from None
         _barrier()
         if _rank() == 0:

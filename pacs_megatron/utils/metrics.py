@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -39,6 +40,17 @@ SUMMARY_KEYS = (
 )
 
 
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """``{"sft/loss": 2.514111, "actor/lr": 0.0003}`` -> ``"sft/loss=2.514 actor/lr=0.0003"``: a metrics dict
+    as one readable log line (4 significant digits), not Python's repr.
+
+    Example:
+        >>> format_metrics({"sft/loss": 2.514111280441284, "actor/lr": 0.0003, "actor/skipped_steps": 0.0})
+        'sft/loss=2.514 actor/lr=0.0003 actor/skipped_steps=0'
+    """
+    return " ".join(f"{k}={to_float(v):.4g}" for k, v in metrics.items())
+
+
 def to_float(v: Any) -> float:
     if isinstance(v, torch.Tensor):
         return float(v.detach().float().item())
@@ -46,18 +58,24 @@ def to_float(v: Any) -> float:
 
 
 class PhaseTimer:
-    """Wall time per named phase of a step: ``with timer("rollout"): ...`` -> ``timing/rollout_s``."""
+    """Wall time per named phase of a step: ``with timer("rollout"): ...`` -> ``timing/rollout_s``; and
+    this process's CPU time in it (all its threads), ``timing/rollout_cpu_s``: on a machine shared with
+    other work the CPU time still measures the phase's own work (bench/rl_step.py prints both)."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
-            self.times[f"timing/{name}_s"] = self.times.get(f"timing/{name}_s", 0.0) + time.perf_counter() - start
+            for key, spent in (
+                (f"timing/{name}_s", time.perf_counter() - start),
+                (f"timing/{name}_cpu_s", time.process_time() - cpu),
+            ):
+                self.times[key] = self.times.get(key, 0.0) + spent
 
 
 class MetricsWriter:
@@ -91,14 +109,33 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps > ``step`` (a resumed run rewrites what the killed run logged after its
-        last checkpoint, so no log holds a step twice); TensorBoard hides them via ``purge_step``."""
+        last checkpoint, so no log holds a step twice); TensorBoard hides them via ``purge_step``.
+
+        ``step=0`` with rows of later steps is a run restarted from scratch (``--resume auto`` found no
+        valid checkpoint): those rows are not dropped but kept aside, whole, in
+        ``metrics.before-restart-<time>.jsonl`` (and the same for ``rollouts.jsonl``), with a warning."""
         if not self.enabled:
             return
         if step > 0:
             self._purge_step = step + 1
+        stamp = time.strftime("%Y%m%d-%H%M%S")
         for path in [self.path, *self.side_logs]:
             if path.exists():
                 rows = [ln for ln in path.read_text().splitlines() if ln.strip()]
+                later = [ln for ln in rows if json.loads(ln).get("step", 0) > step]
+                if step == 0 and later:
+                    aside = path.with_name(f"{path.stem}.before-restart-{stamp}{path.suffix}")
+                    os.replace(path, aside)
+                    if path == self.path:
+                        logger.warning(
+                            "no checkpoint to resume from in %s: the run restarts at step 0; the %d rows of the "
+                            "earlier attempt (up to step %d) are kept in %s",
+                            path.parent,
+                            len(rows),
+                            max(json.loads(ln).get("step", 0) for ln in later),
+                            aside,
+                        )
+                    continue
                 path.write_text("".join(ln + "\n" for ln in rows if json.loads(ln).get("step", 0) <= step))
 
     def _tensorboard(self):

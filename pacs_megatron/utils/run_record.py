@@ -5,17 +5,20 @@ launch that actually started (written after the checkpoint was restored, so a la
 earlier leaves nothing), headed by comments saying where it resumed from and what changed;
 ``OUTPUT_DIR/config.yaml`` is a copy of the latest. At the end (or when a launch finds the run
 already complete) rank 0 logs a summary and writes the same data to ``final.json``: steps, wall
-time, reward first -> last, best validation pass@k per set, the last checkpoint and the commands
-that export and evaluate it. Everything is read back from ``metrics.jsonl``, so the summary covers
-all launches of the run. A run in which every optimizer update was skipped (``actor/updates`` is 0 on
-every step: non-finite losses or gradients) ends with status ``no_update``, not ``complete``, and the
-trainer exits 1: it learnt nothing.
+time, reward first -> last, the best and the last validation pass@k per set, the last checkpoint and
+the shell-quoted commands that export and evaluate it (the eval command repeats the run's validation:
+its sets, n, k, temperature, top-p and response length; the synthetic task's sets are written to
+``OUTPUT_DIR/eval_sets/`` so that it names real files). Everything is read back from
+``metrics.jsonl``, so the summary covers all launches of the run. A run in which every optimizer
+update was skipped (``actor/updates`` is 0 on every step: non-finite losses or gradients) ends with
+status ``no_update``, not ``complete``, and the trainer exits 1: it learnt nothing.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from pathlib import Path
 
@@ -65,11 +68,14 @@ class RunRecord:
         if status == "complete" and updates and sum(updates) == 0:
             status = "no_update"  # every optimizer step was skipped: the run learnt nothing
         best: dict[str, dict] = {}
+        last: dict[str, dict] = {}
         for r in rows:
             for key, value in r.items():
                 m = _VAL_KEY.match(key)
-                if m and isinstance(value, float) and (key not in best or value > best[key]["value"]):
-                    best[key] = {"set": m.group(1), "metric": m.group(2), "value": value, "step": r["step"]}
+                if m and isinstance(value, float):
+                    last[key] = {"set": m.group(1), "metric": m.group(2), "value": value, "step": r["step"]}
+                    if key not in best or value > best[key]["value"]:
+                        best[key] = last[key]
         launches = len(list((self.output_dir / "configs").glob("launch_*.yaml")))
         hf_dir = self.output_dir / "hf"
         ckpt = str(last_checkpoint) if last_checkpoint else None
@@ -84,20 +90,57 @@ class RunRecord:
             "reward_first": {"step": rewards[0][0], "value": rewards[0][1]} if rewards else None,
             "reward_last": {"step": rewards[-1][0], "value": rewards[-1][1]} if rewards else None,
             "best_val": dict(sorted(best.items())),
+            "last_val": dict(sorted(last.items())),
             "output_dir": str(self.output_dir),
             "last_checkpoint": ckpt,
-            "export_command": f"pacs-megatron export {ckpt} {hf_dir}" if ckpt else None,
+            "export_command": shlex.join(["pacs-megatron", "export", ckpt, str(hf_dir)]) if ckpt else None,
             "eval_command": self._eval_command(hf_dir),
         }
 
     def _eval_command(self, hf_dir: Path) -> str:
-        t, data = self.cfg.trainer, self.cfg.data
-        if data.task == "arith":  # the synthetic task: its problems are not a shared set
-            sets = "FILE.jsonl --chat-template none --reward arith"
-        else:
-            sets = ",".join(data.val_files) or "math500,aime2024,aime2025,amc23"
-        ks = ",".join(str(k) for k in t.val_k)
-        return f"pacs-megatron eval --model {hf_dir} --data {sets} --n {t.val_n} --k {ks}"
+        """The ``eval`` command that repeats this run's validation on the exported model (shell-quoted)."""
+        t, data, cfg = self.cfg.trainer, self.cfg.data, self.cfg
+        sets = [str(p) for p in self.write_eval_sets()] or list(data.val_files) or ["math500,aime2024,aime2025,amc23"]
+        argv = ["pacs-megatron", "eval", "--model", str(hf_dir), "--data", ",".join(sets)]
+        argv += [
+            "--n",
+            str(t.val_n),
+            "--k",
+            ",".join(str(k) for k in t.val_k),
+            "--temperature",
+            f"{t.val_temperature:g}",
+        ]
+        argv += ["--top-p", f"{t.val_top_p:g}", "--max-tokens", str(cfg.rollout.max_response_length)]
+        argv += ["--chat-template", data.chat_template, "--reward", cfg.reward.fn]
+        if data.data_root and data.task != "arith":
+            argv += ["--data-root", data.data_root]
+        return shlex.join(argv)
+
+    def write_eval_sets(self) -> list[Path]:
+        """The synthetic task's validation sets as JSONL files in the run dir (``eval_sets/NAME.jsonl``, the
+        PACS message format with the raw ``a+b=`` prompt), so the printed eval command names real files;
+        [] for file-based tasks (their ``data.val_files`` are the files). Rank 0 writes, once."""
+        if self.cfg.data.task != "arith":
+            return []
+        from pacs_megatron.data.synthetic import arith_splits
+
+        splits = arith_splits(self.cfg.data.arith, self.cfg.data.seed)
+        named = {"arith_heldout" if self.cfg.data.arith.test_fraction else "arith": splits["test"]}
+        if splits["val"]:
+            named["arith_val"] = splits["val"]
+        out = []
+        for name, problems in named.items():
+            path = self.output_dir / "eval_sets" / f"{name}.jsonl"
+            if self.is_rank0 and not path.is_file():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                rows = [
+                    {"id": p.id, "prompt": [{"role": "user", "content": p.problem}], "data_source": name}
+                    | {"reward_model": {"ground_truth": p.answer}}
+                    for p in problems
+                ]
+                path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            out.append(path)
+        return out
 
     def finish(self, last_step: int, last_checkpoint: Path | None, status: str = "complete") -> dict:
         """Log the summary and write ``final.json`` (rank 0; other ranks get an empty dict)."""
@@ -135,8 +178,12 @@ def format_summary(s: dict) -> str:
         lines.append(
             f"  reward/mean   {first['value']:.3f} (step {first['step']}) -> {last['value']:.3f} (step {last['step']})"
         )
-    for v in s["best_val"].values():
-        lines.append(f"  best val      {v['set']} {v['metric']} = {v['value']:.3f} (step {v['step']})")
+    for key, v in s["best_val"].items():
+        last = s.get("last_val", {}).get(key, v)
+        lines.append(
+            f"  val           {v['set']} {v['metric']}: best {v['value']:.3f} (step {v['step']}), "
+            f"last {last['value']:.3f} (step {last['step']})"
+        )
     lines += [
         f"  output dir    {s['output_dir']}",
         f"  checkpoint    {s['last_checkpoint'] or '(none)'}",

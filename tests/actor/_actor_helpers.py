@@ -205,29 +205,3 @@ def allow_cpu_sequence_parallel() -> None:
 
     new._sp_on_cpu = True
     torch_norm.WrappedTorchNorm.__new__ = new
-
-
-def allow_cpu_thd() -> None:
-    """Let megatron's local attention run THD-packed sequences on CPU (call in each spawned rank), as
-    Transformer Engine does on GPU: causal attention restarted at every ``cu_seqlens`` boundary, one
-    segment at a time through megatron's own DotProductAttention. Megatron's attention module already
-    squeezes q/k/v to ``[t, heads, dim]`` and applies RoPE per segment before calling it."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    original = DotProductAttention.forward
-    if getattr(original, "_thd_on_cpu", False):
-        return
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kw):
-        packed_seq_params = kw.get("packed_seq_params")
-        if packed_seq_params is None:
-            return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias)
-        cu = packed_seq_params.cu_seqlens_q.tolist()
-        parts = [
-            original(self, query[s:e, None], key[s:e, None], value[s:e, None], None, attn_mask_type)
-            for s, e in zip(cu[:-1], cu[1:])
-        ]
-        return torch.cat(parts, 0)
-
-    forward._thd_on_cpu = True
-    DotProductAttention.forward = forward

@@ -7,7 +7,8 @@ rows (the optimizer step is skipped, the router weights' main grads are read aft
 2-rank launch, every layout holding the whole batch per replica:
 - TP=1, DP=2 (each DP rank the same rows: sums over DP then equal one replica's): PACS (rows as loss
   units), GRPO and PPO (response tokens), fixed and token-budget micro-batches of the same groups (other
-  padding, other order);
+  padding, other order); and the first mini-batch's step that takes its old log-probs from its own
+  forward (``train_step_from_forward``, no ``old_logp`` given);
 - TP=2 with sequence parallelism (forced on CPU): each TP rank routes its shard;
 - PP=2 x VPP=2 over 3 micro-batches: the interleaved schedule adds one dummy micro-batch.
 """
@@ -46,7 +47,7 @@ def _actor(model_dir, layout, coeff):
     return MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
 
 
-def _router_grads(actor, batch, loss, dynamic):
+def _router_grads(actor, batch, loss, dynamic, from_forward=False):
     """Per global layer, the router weight's gradient of one train step (the step itself skipped)."""
     from pacs_megatron.actor.moe import routers
 
@@ -59,11 +60,19 @@ def _router_grads(actor, batch, loss, dynamic):
         return {}
 
     actor._optimizer_step = capture
-    actor.train_step(batch, loss_name=loss)
+    if from_forward:  # pi_theta = pi_old: the loss units must not need old_logp
+        actor.train_step_from_forward(batch.with_(old_logp=None))
+    else:
+        actor.train_step(batch, loss_name=loss)
     return grads
 
 
-RUNS = {"ref": [(loss, dyn) for loss in ("pacs", "grpo", "ppo") for dyn in (False, True)], "sp": [("pacs", False)]}
+RUNS = {
+    "ref": [(loss, dyn, False) for loss in ("pacs", "grpo", "ppo") for dyn in (False, True)]
+    + [("pacs", False, True), ("pacs", True, True)],
+    "sp": [("pacs", False, False)],
+}
+"""layout -> (loss, dynamic batching, old log-probs from the training forward)"""
 
 
 def _body(rank, world, model_dir, batch):
@@ -73,9 +82,9 @@ def _body(rank, world, model_dir, batch):
         with_aux, without = _actor(model_dir, layout, COEFF), _actor(model_dir, layout, 0.0)
         old = with_aux.compute_logprobs(batch, micro_batch_size=GROUP, temperature=1.0).token_logp
         b = batch.with_(old_logp=old)
-        for loss, dyn in RUNS.get(layout, [("pacs", False)]):
-            g1, g0 = _router_grads(with_aux, b, loss, dyn), _router_grads(without, b, loss, dyn)
-            out[(layout, loss, dyn)] = {layer: g1[layer] - g0[layer] for layer in g1}
+        for loss, dyn, fwd in RUNS.get(layout, [("pacs", False, False)]):
+            g1, g0 = _router_grads(with_aux, b, loss, dyn, fwd), _router_grads(without, b, loss, dyn, fwd)
+            out[(layout, loss, dyn, fwd)] = {layer: g1[layer] - g0[layer] for layer in g1}
     return out
 
 
@@ -97,12 +106,12 @@ def _rel(a: dict, b: dict) -> float:
 
 
 def test_aux_gradient_is_independent_of_the_rl_loss_and_the_batching(aux_grads):
-    ref = aux_grads[("ref", "pacs", False)]
+    ref = aux_grads[("ref", "pacs", False, False)]
     assert max(float(g.abs().max()) for g in ref.values()) > 1e-3, "no aux gradient to compare"
-    for loss, dyn in RUNS["ref"]:
-        assert _rel(ref, aux_grads[("ref", loss, dyn)]) <= 1e-4, (loss, "dynamic" if dyn else "fixed")
+    for loss, dyn, fwd in RUNS["ref"]:
+        assert _rel(ref, aux_grads[("ref", loss, dyn, fwd)]) <= 1e-4, (loss, "dynamic" if dyn else "fixed", fwd)
 
 
 @pytest.mark.parametrize("layout", ["sp", "vpp"])
 def test_aux_gradient_is_independent_of_the_layout_and_dummy_micro_batches(aux_grads, layout):
-    assert _rel(aux_grads[("ref", "pacs", False)], aux_grads[(layout, "pacs", False)]) <= 1e-4, layout
+    assert _rel(aux_grads[("ref", "pacs", False, False)], aux_grads[(layout, "pacs", False, False)]) <= 1e-4, layout

@@ -1,6 +1,7 @@
 """Qwen3-MoE on the GPU-only layouts, forced on CPU: sequence parallelism (``allow_cpu_sequence_parallel``:
-each TP rank's routers see only their ``[s/tp, b]`` shard) and THD packing (``allow_cpu_thd``: the rows
-of a micro-batch concatenated into one ``[N, 1]`` sequence, attention restarted per row as TE does).
+each TP rank's routers see only their ``[s/tp, b]`` shard) and THD packing (the rows of a micro-batch
+concatenated into one ``[N, 1]`` sequence; on CPU through actor/attention.py's SDPA, restarted per row as
+TE does on GPU).
 
 One 2-rank launch builds, on the same weights and the HF engine's rollout (experts recorded):
 TP=2 + SP, TP=2 + SP + THD, THD at TP=1, and plain TP=1 (DP=2, EP=2 everywhere), and checks
@@ -20,7 +21,6 @@ import torch
 from _actor_helpers import (
     GROUP,
     allow_cpu_sequence_parallel,
-    allow_cpu_thd,
     hf_config,
     hf_engine_rollout,
     hf_logprobs,
@@ -49,7 +49,7 @@ def _actor(model_dir, tp, sp, thd):
         actor=replace(cfg.actor, routing_replay="rollout"),
     )
     actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
-    actor.thd = thd  # what use_thd() decides on GPU with TE and dynamic batching
+    actor.thd = thd  # what use_thd() decides with dynamic batching; forced, so one config runs every layout
     return actor
 
 
@@ -59,7 +59,6 @@ def _lp(actor, batch):
 
 def _body(rank, world, model_dir, batch):
     allow_cpu_sequence_parallel()
-    allow_cpu_thd()
     out = {}
     for name, (tp, sp, thd) in LAYOUTS.items():
         actor = _actor(model_dir, tp, sp, thd)

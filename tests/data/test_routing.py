@@ -48,7 +48,8 @@ class RecordingEngine:
 
 class FakeActor:
     def compute_logprobs(self, batch, micro_batch_size, temperature, with_entropy=False, mini_batch_groups=0):
-        return SimpleNamespace(token_logp=torch.zeros(batch.input_ids.shape), entropy=None)
+        zeros = torch.zeros(batch.input_ids.shape)
+        return SimpleNamespace(token_logp=zeros, entropy=zeros)
 
 
 class FakeScorer:

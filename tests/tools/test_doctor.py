@@ -73,8 +73,12 @@ def test_doctor_reports_this_machine_and_a_7b_plan(tmp_path, capsys, monkeypatch
         assert code == 1  # the config needs vLLM: a hard problem, named with its fix
         assert any("vllm" in p["message"] and "pip install vllm" in p["message"] for p in report["problems"])
 
-    code, report = _doctor(capsys, "--config", cfg, f"model.path={model}", "optimizer.use_distributed_optimizer=false")
+    no_dist_opt = ["--config", cfg, f"model.path={model}", "optimizer.use_distributed_optimizer=false"]
+    code, report = _doctor(capsys, *no_dist_opt, "--gpu-gib", "80")
     assert code == 1 and any("memory plan needs" in p["message"] for p in report["problems"])
+    if not report["torch"]["gpus"]:  # issue 29: no GPU here and no --gpu-gib: no plan for an imagined 80 GiB GPU
+        report = _doctor(capsys, *no_dist_opt)[1]
+        assert "memory" not in report and "--gpu-gib" in report["memory_note"]
     code, report = _doctor(capsys, "--config", cfg, f"model.path={tmp_path}/none")
     assert code == 1 and any("has no config.json" in p["message"] for p in report["problems"])
 
@@ -158,7 +162,7 @@ def test_memory_plan_counts_routing_replay():
     recipe = str(REPO / "examples/configs/qwen3_30b_a3b_pacs.yaml")
     off = estimate_run(load_config(recipe, []), QWEN3_30B_A3B, 80.0)
     gpu = ["parallel.backend=nccl", "actor.routing_replay=rollout", "model.recompute_activations=false"]
-    cfg = load_config(recipe, gpu)  # the config refuses vLLM replay on CPU
+    cfg = load_config(recipe, gpu)  # the preflight refuses vLLM replay on CPU
     on = estimate_run(cfg, QWEN3_30B_A3B, 80.0)
     assert off.replay_host_gib == 0.0 and off.replay_gib == 0.0
     per_row = (512 + 4096) * 48 * 8  # tokens x layers x k expert ids, one byte each (128 experts)
@@ -169,3 +173,21 @@ def test_memory_plan_counts_routing_replay():
     assert on.replay_gib == pytest.approx(tokens * 48 * 8 * 8 / GIB)
     no_replay = estimate_run(replace(cfg, actor=replace(cfg.actor, routing_replay="none")), QWEN3_30B_A3B, 80.0)
     assert on.train_gib == pytest.approx(no_replay.train_gib + on.replay_gib)
+
+
+def test_doctor_on_a_cpu_machine_fails_nothing_optional(tmp_path, capsys, monkeypatch):
+    """Issue 29: on CPU, the absent GPU-only packages (Transformer Engine, Apex) read "FAILS" and were warned
+    about; a GPU config's bf16 was an error although the ranks run on GPUs (a login node)."""
+    monkeypatch.setattr(
+        doctor, "torch_report", lambda: {"torch": "2", "cuda": None, "cuda_available": False, "nccl": None, "gpus": []}
+    )
+    cfg = str(REPO / "examples" / "configs" / "qwen2.5_7b_pacs.yaml")
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
+    code = main(["doctor", "--config", cfg, f"model.path={tmp_path}"])
+    out = capsys.readouterr().out
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("transformer_engine", "apex"))}
+    assert all("FAILS" not in ln and "not installed" in ln for ln in rows.values()) or not rows, rows
+    assert "WARNING     transformer_engine" not in out and "WARNING     apex" not in out
+    assert "config on this device: model.dtype=bfloat16 on CPU" in out and "fine on a login node" in out
+    assert "memory/GPU  no GPU here: pass --gpu-gib" in out
+    assert code == 1  # sequence parallelism without TE / Apex: a real error, still reported

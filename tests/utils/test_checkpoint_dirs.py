@@ -63,3 +63,41 @@ def test_a_full_disk_is_named_in_one_line_and_checked_before_saving(tmp_path):
     with pytest.raises(CheckpointWriteError, match="checkpoint step 5 not written: .* free but a checkpoint takes"):
         tight.save(5, lambda d: pytest.fail("must not start writing"))
     assert [s for s, _ in tight.complete()] == [4]
+
+
+def test_a_full_disk_inside_torch_distributed_checkpoint_is_one_line_too(tmp_path):
+    """Issue 29 item 3: megatron's writer workers turn ENOSPC into text inside torch's CheckpointException,
+    a BaseException: it escaped every ``except Exception`` (111 lines of traceback, one set per rank)."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pacs_megatron.utils.checkpoint import CheckpointWriteError
+
+    mgr = CheckpointManager(tmp_path, validate=lambda p: None)
+    enospc = RuntimeError("Worker failure: [Errno 28] No space left on device")
+    pos = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    for failures, code in (({0: (enospc, None), 1: (pos, None)}, errno.ENOSPC), ({1: (pos, None)}, errno.ENOSPC)):
+
+        def write(d, failures=failures):
+            (d / "half").write_bytes(b"x" * 100)
+            raise CheckpointException("write", failures)
+
+        with pytest.raises(CheckpointWriteError, match=r"step 3 could not be written to .*ENOSPC .*metrics.jsonl") as e:
+            mgr.save(3, write)
+        assert e.value.errno == code and "\n" not in str(e.value)
+        assert not list(mgr.root.glob(".tmp_step_*"))
+    # the other ranks' view: torch gives them the exception without the failures; still one line
+    with pytest.raises(CheckpointWriteError, match="a rank's writer failed"):
+        mgr.save(3, lambda d: (_ for _ in ()).throw(CheckpointException("write", {})))
+    with pytest.raises(KeyboardInterrupt):  # not a write failure: passes through
+        mgr.save(3, lambda d: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+
+def test_the_first_checkpoint_is_checked_against_an_estimate(tmp_path):
+    """Before any checkpoint exists, the free-space check uses ``first_size`` (the launcher's estimate)."""
+    assert CheckpointManager(tmp_path, disk_free=lambda p: 4000).space_problem() is None  # no estimate: no check
+    tight = CheckpointManager(tmp_path / "run", first_size=5000, disk_free=lambda p: 4000)
+    assert "has 3.9 KiB free but a checkpoint takes about 4.9 KiB (estimated from the model's size)" in (
+        tight.space_problem()
+    )

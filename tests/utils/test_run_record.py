@@ -81,9 +81,40 @@ def test_launch_configs_and_summary(tmp_path, caplog):
     assert s["launches"] == 2 and s["train_time_s"] == 3.5
     assert s["reward_first"] == {"step": 1, "value": 0.1} and s["reward_last"] == {"step": 3, "value": 0.7}
     assert s["best_val"]["val/arith/pass@1"]["value"] == 0.8 and s["best_val"]["val/arith/pass@4"]["step"] == 2
+    assert s["last_val"]["val/arith/pass@4"] == {"set": "arith", "metric": "pass@4", "value": 0.85, "step": 3}
     assert s["export_command"] == f"pacs-megatron export {plan.path} {tmp_path / 'hf'}"
-    assert s["eval_command"] == f"pacs-megatron eval --model {tmp_path / 'hf'} --data math500 --n 4 --k 1,4"
+    assert s["eval_command"] == (
+        f"pacs-megatron eval --model {tmp_path / 'hf'} --data math500 --n 4 --k 1,4 --temperature 0.6 --top-p 0.95 "
+        "--max-tokens 1024 --chat-template qwen2.5 --reward math"
+    )
     assert format_summary(s) in caplog.text and "0.100 (step 1) -> 0.700 (step 3)" in caplog.text
+    assert "arith pass@4: best 0.900 (step 2), last 0.850 (step 3)" in caplog.text  # best AND last (issue 29)
+
+
+def test_summary_commands_are_shell_quoted_and_name_real_files(tmp_path):
+    """Issue 29: the printed commands broke on a path with a space, and eval's named a placeholder FILE.jsonl
+    for the synthetic task; now its validation set is written into the run dir, in the PACS format."""
+    import shlex
+
+    from pacs_megatron.data import load_dataset
+    from pacs_megatron.data.synthetic import build_arith_tokenizer
+
+    out = tmp_path / "my run"
+    config = "examples/configs/cpu_tiny.yaml"
+    cfg = load_config(
+        config, [f"trainer.output_dir={out}", "data.arith.test_fraction=0.2", "data.arith.val_fraction=0.2"]
+    )
+    s = RunRecord(cfg, out, True, None).summary(3, out / "checkpoints" / "step_00000003", "complete")
+    export = shlex.split(s["export_command"])
+    assert export == ["pacs-megatron", "export", str(out / "checkpoints" / "step_00000003"), str(out / "hf")]
+    evaluate = shlex.split(s["eval_command"])
+    files = evaluate[evaluate.index("--data") + 1].split(",")
+    assert [f.rsplit("/", 1)[-1] for f in files] == ["arith_heldout.jsonl", "arith_val.jsonl"]
+    assert evaluate[evaluate.index("--reward") + 1] == "arith" and "--max-tokens" in evaluate
+    tok = build_arith_tokenizer()
+    name, records = load_dataset(files[0], cfg.data, tok)
+    assert name == "arith_heldout" and records and all(r.prompt_text.endswith("=") for r in records)
+    assert all("+" in r.prompt_text and len(r.prompt_text) <= 4 for r in records)  # the raw "a+b=", as in training
 
 
 def test_resume_trims_rollouts_and_purges_tensorboard(tmp_path):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pacs_megatron.config import SyncConfig
+from pacs_megatron.rollout.base import PROBE_LEN
 from pacs_megatron.rollout.types import Response
 from pacs_megatron.weight_sync import SyncResult, WeightSync, WeightSyncError, probe_prompts
-from pacs_megatron.weight_sync.sync import PROBE_LEN
 
 VOCAB = 50
 HALF = PROBE_LEN // 2

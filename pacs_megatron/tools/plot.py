@@ -41,10 +41,28 @@ DEFAULT_KEYS = (
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl`` by step; ConfigError / DataFormatError naming what is wrong."""
+    from pacs_megatron.config import ConfigError
+    from pacs_megatron.data.records import DataFormatError
+
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: pass a trainer.output_dir of a run")
-    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+        what = "does not exist" if not Path(run_dir).exists() else "has no metrics.jsonl"
+        raise ConfigError(f"run {run_dir} {what}: pass the trainer.output_dir of a run that has logged a step")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    rows = []
+    for i, ln in enumerate(lines, 1):
+        try:
+            row = json.loads(ln) if ln.strip() else None
+        except ValueError:
+            if i == len(lines):  # the last line of a run killed while writing it
+                logger.warning("%s:%d: skipped a half-written last line", path, i)
+                continue
+            raise DataFormatError(f"{path}:{i}: not a JSON object; fix or delete that line") from None
+        if row is not None:
+            if not isinstance(row, dict) or "step" not in row:
+                raise DataFormatError(f"{path}:{i}: not a metrics row (no 'step'); fix or delete that line")
+            rows.append(row)
     by_step = {r["step"]: r for r in rows}  # a resumed run may have rewritten steps: the last wins
     return [by_step[s] for s in sorted(by_step)]
 
@@ -86,7 +104,12 @@ def plot_runs(
 
     keys = select_keys(runs, keys, keep_constant)
     if not keys:
-        raise ValueError("none of the requested metric keys is present (and changing) in the runs")
+        from pacs_megatron.config import ConfigError
+
+        raise ConfigError(
+            "--keys: none of the requested metric keys is present (and changing) in the runs; "
+            "see the keys in metrics.jsonl (--keep-constant also draws constant ones)"
+        )
     cols = min(3, len(keys))
     nrows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.2 * nrows), squeeze=False)
@@ -121,16 +144,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pacs_megatron.config import ConfigError
+    from pacs_megatron.utils.paths import check_writable_file
+
     init_logging()
     labels = args.labels.split(",") if args.labels else [Path(r).name for r in args.runs]
     if len(labels) != len(args.runs):
-        logger.error("--labels has %d names for %d runs", len(labels), len(args.runs))
-        return 2
+        raise ConfigError(f"--labels has {len(labels)} names for {len(args.runs)} runs")
     if len(args.runs) > 1 and not args.out:
-        logger.error("several runs: pass --out FILE.png")
-        return 2
+        raise ConfigError("several runs: pass --out FILE.png")
     out = Path(args.out) if args.out else Path(args.runs[0]) / "plots" / "curves.png"
     runs = {label: read_metrics(r) for label, r in zip(labels, args.runs)}
+    check_writable_file("--out", out)
     plot_runs(runs, [k for k in args.keys.split(",") if k], out, args.title, args.keep_constant)
     logger.info("wrote %s", out)
     return 0

@@ -5,12 +5,15 @@
 Writes ``OUT_DIR/config.json``, ``model*.safetensors`` and the tokenizer files, loadable by
 transformers (``AutoModelForCausalLM.from_pretrained``) and by ``pacs-megatron eval --model``.
 
-Design: the checkpoint is validated first (utils/checkpoint_check.py), and the model directory and
+Design: the arguments are validated first, before any rank starts: the checkpoint (complete and
+undamaged, utils/checkpoint_check.py), OUT_DIR writable (utils/paths.py), the model directory's
+config and tokenizer (utils/model_dir.py) and the layout (``--tp/--pp`` against the heads and layers);
+each problem is one line and exit 2 (the CLI's error boundary). The model directory and
 shape it was trained with are read from its ``extra_state.json`` (``--model-dir`` overrides, and must
 hold the same shape). Only the model is built and loaded (no DDP buffers, no optimizer: an export
 needs a third of the memory of training) through megatron's dist_checkpointing, which reshards, so
 any ``--tp/--pp`` loads any checkpoint; by default the checkpoint's own TP x PP, so what fit in
-training fits here. Started by hand it spawns ``tp * pp`` local ranks itself (launch/local.py);
+training fits here. Started by hand it spawns ``tp * pp`` local ranks itself (launch/local.py ``on_ranks``);
 under torchrun it uses the ranks it finds. The weights are written by ``actor/weights.save_hf``, the
 same code as ``trainer.export_hf``, so both give the same files.
 """
@@ -24,16 +27,24 @@ from pathlib import Path
 
 import torch
 
-from pacs_megatron.launch.local import spawn_local
+from pacs_megatron.config import ConfigError
+from pacs_megatron.launch.local import on_ranks
 from pacs_megatron.utils.checkpoint import MARKER
 from pacs_megatron.utils.checkpoint_check import MEGATRON_DIR, checkpoint_problem, parameter_dtype, read_extra_state
-from pacs_megatron.utils.dist import under_launcher
+from pacs_megatron.utils.checkpoint_data import TRUST, load_common
 from pacs_megatron.utils.logging import get_logger, init_logging
+from pacs_megatron.utils.model_dir import check_model_dir
+from pacs_megatron.utils.paths import check_writable_dir
 
 logger = get_logger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Trust: every pickle in the checkpoint is checked to hold data only (code is refused, nothing runs), "
+        "then megatron loads it with pickle (weights_only=False), which a file changed in between escapes: "
+        f"{TRUST}."
+    )
     p.add_argument("checkpoint", help="a checkpoint directory (OUTPUT_DIR/checkpoints/step_XXXXXXXX)")
     p.add_argument("out", help="output Hugging Face model directory")
     p.add_argument("--tp", type=int, default=0, help="tensor-parallel size to load at (default: the checkpoint's)")
@@ -44,27 +55,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
-    """(model dir, tokenizer dir, tp, pp) for this checkpoint; ValueError with the fix."""
-    from pacs_megatron.utils.resume import check_model_unchanged
-
-    ckpt = Path(args.checkpoint)
+def _checkpoint_dir(path: str) -> Path:
+    """CHECKPOINT_DIR as given: a complete, undamaged step directory, or ConfigError with the fix."""
+    ckpt = Path(path)
+    runs = ckpt / "checkpoints"
+    if runs.is_dir():  # a run's output dir: name its newest checkpoint
+        steps = sorted(p for p in runs.glob("step_*") if (p / MARKER).is_file())
+        example = steps[-1] if steps else runs / "step_XXXXXXXX"
+        raise ConfigError(f"CHECKPOINT_DIR {ckpt} is a run's output dir: give one of its checkpoints, e.g. {example}")
+    if not ckpt.is_dir():
+        what = "is a file" if ckpt.exists() else "does not exist"
+        raise ConfigError(f"CHECKPOINT_DIR {ckpt} {what}: give a checkpoint directory (OUTPUT_DIR/checkpoints/step_N)")
     if not (ckpt / MARKER).is_file():
-        raise ValueError(f"{ckpt} is not a complete checkpoint (no {MARKER} marker): give a step_XXXXXXXX directory")
+        raise ConfigError(
+            f"CHECKPOINT_DIR {ckpt} is not a complete checkpoint (no {MARKER} marker; one being written or left by "
+            "a crash): give a step_XXXXXXXX directory that holds it"
+        )
     problem = checkpoint_problem(ckpt)
     if problem:
-        raise ValueError(f"{ckpt} is damaged: {problem}; export an older checkpoint")
+        raise ConfigError(f"CHECKPOINT_DIR {ckpt} is damaged: {problem}; export an older checkpoint")
+    return ckpt
+
+
+def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
+    """(model dir, tokenizer dir, tp, pp) for this checkpoint; ConfigError naming the argument and the fix."""
+    from pacs_megatron.config import ParallelConfig
+    from pacs_megatron.parallel import check_layout
+    from pacs_megatron.utils.resume import check_model_unchanged
+
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+        if value < 0:
+            raise ConfigError(f"{flag} {value} must be >= 1 (or 0: the checkpoint's own)")
+    ckpt = _checkpoint_dir(args.checkpoint)
+    if Path(args.out).resolve().is_relative_to(ckpt.resolve()):
+        raise ConfigError(f"OUT_DIR {args.out} is inside the checkpoint {ckpt}: write the export elsewhere")
+    check_writable_dir("OUT_DIR", args.out)  # before any rank starts
     extra = read_extra_state(ckpt)
     model_cfg = extra.get("config", {}).get("model", {})
     model_dir = args.model_dir or model_cfg.get("path")
-    if not model_dir or not (Path(model_dir) / "config.json").is_file():
-        raise ValueError(
-            f"no HF config for {ckpt}: the run's model.path ({model_dir!r}) has no config.json; pass --model-dir"
-        )
-    check_model_unchanged(extra.get("model"), json.loads((Path(model_dir) / "config.json").read_text()), ckpt)
+    key = "--model-dir" if args.model_dir else f"the run's model.path (pass --model-dir to override; {ckpt})"
+    if not model_dir:
+        raise ConfigError(f"no HF config for {ckpt}: its extra_state.json names no model.path; pass --model-dir")
     tokenizer_dir = model_cfg.get("tokenizer") if not args.model_dir else ""
-    layout = torch.load(ckpt / MEGATRON_DIR / "common.pt", map_location="cpu", weights_only=False).get("layout", {})
-    return model_dir, tokenizer_dir or model_dir, args.tp or layout.get("tp", 1), args.pp or layout.get("pp", 1)
+    hf = check_model_dir(key, model_dir, weights=False, tokenizer_key="model.tokenizer", tokenizer_dir=tokenizer_dir)
+    check_model_unchanged(extra.get("model"), hf, ckpt)
+    layout = load_common(ckpt / MEGATRON_DIR).get("layout", {})
+    tp, pp = args.tp or layout.get("tp", 1), args.pp or layout.get("pp", 1)
+    try:
+        check_layout(ParallelConfig(tp=tp, pp=pp), hf, training=False)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("parallel.tp", "--tp").replace("parallel.pp", "--pp")) from None
+    return model_dir, tokenizer_dir or model_dir, tp, pp
 
 
 def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, pp: int) -> int:
@@ -109,19 +150,13 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
 
 def main(args: argparse.Namespace) -> int:
     init_logging()
-    try:
-        model_dir, tokenizer_dir, tp, pp = _plan(args)
-    except ValueError as e:
-        logger.error("export: %s", e)
-        return 2
-    if not under_launcher() and tp * pp > 1:
-        argv = ["pacs_megatron", "export", args.checkpoint, args.out, "--tp", str(tp), "--pp", str(pp)]
-        argv += ["--dtype", args.dtype] + (["--model-dir", args.model_dir] if args.model_dir else [])
-        return spawn_local(argv, tp * pp)
-    return run(args, model_dir, tokenizer_dir, tp, pp)
+    model_dir, tokenizer_dir, tp, pp = _plan(args)  # a ConfigError is one line, exit 2 (cli.py's boundary)
+    argv = ["pacs_megatron", "export", args.checkpoint, args.out, "--tp", str(tp), "--pp", str(pp)]
+    argv += ["--dtype", args.dtype] + (["--model-dir", args.model_dir] if args.model_dir else [])
+    return on_ranks(argv, tp * pp, lambda: run(args, model_dir, tokenizer_dir, tp, pp))
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="pacs_megatron.actor.export")
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    from pacs_megatron.cli import run as run_command
+
+    sys.exit(run_command("export", sys.argv[1:], prog="pacs_megatron.tools.export"))

@@ -5,8 +5,9 @@ import json
 import pytest
 
 from pacs_megatron.cli import main as cli_main
+from pacs_megatron.config import ConfigError
+from pacs_megatron.tools.plot import read_metrics
 from pacs_megatron.utils.metrics import MetricsWriter
-from pacs_megatron.utils.plot import read_metrics
 
 
 def test_writer_truncates_on_resume_and_plot(tmp_path):
@@ -34,5 +35,25 @@ def test_plot_two_runs_needs_out(tmp_path):
     out = tmp_path / "cmp.png"
     assert cli_main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--keys", "reward/mean"]) == 0
     assert out.exists()
-    with pytest.raises(FileNotFoundError, match="output_dir"):
+    with pytest.raises(ConfigError, match="trainer.output_dir"):
         read_metrics(tmp_path / "missing")
+
+
+def test_a_restart_from_step_0_keeps_the_earlier_rows_aside(tmp_path, caplog):
+    """Issue 29: ``--resume auto`` with no checkpoint restarts at step 0; it used to truncate metrics.jsonl
+    (and rollouts.jsonl) without a word."""
+    w = MetricsWriter(tmp_path, enabled=True, tensorboard=False)
+    for s in (1, 2, 3):
+        w.log(s, {"reward/mean": 0.1 * s})
+    (tmp_path / "rollouts.jsonl").write_text('{"step": 1, "text": "a"}\n')
+    with caplog.at_level("WARNING", logger="pacs_megatron"):
+        w.truncate_after(0)
+    aside = list(tmp_path.glob("metrics.before-restart-*.jsonl"))
+    assert len(aside) == 1 and len(aside[0].read_text().splitlines()) == 3
+    assert len(list(tmp_path.glob("rollouts.before-restart-*.jsonl"))) == 1
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert "no checkpoint to resume from" in caplog.text and "up to step 3" in caplog.text
+    w.log(1, {"reward/mean": 0.5})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    w.truncate_after(-1)  # a fresh run's step-0 validation: nothing of a later step to keep
+    assert len(list(tmp_path.glob("metrics.before-restart-*.jsonl"))) == 1

@@ -6,7 +6,7 @@
 Writes ``eval_rollout.jsonl`` (one row per problem: id, dataset, problem, prompt, answer, responses,
 scores, finish_reasons, num_tokens) and ``eval_metrics.json`` (per dataset and ``overall``, their
 mean) into ``--out`` or, by default, the model directory, as the PACS reference (``src/inference.py``)
-does. Rollouts are cached under a key (see :mod:`.cache`: model, data, n, temperature, top_p, top_k,
+does. Rollouts are cached under a key (see :mod:`pacs_megatron.eval.cache`: model, data, n, temperature, top_p, top_k,
 max tokens, seed, template, tokenizer, reward): a re-run with the same key only recomputes the
 metrics (e.g. for another ``--k``); a different key samples anew and says what changed; ``--reuse``
 recomputes from the existing rollouts anyway and says what differs; ``--resample`` always samples.
@@ -15,6 +15,10 @@ Rows also carry the PACS reference's field names (``data_source``, ``output``, `
 
 Prompts are built as for training: the PACS instruction in one user turn under ``--chat-template``
 (Qwen2.5 ChatML by default), tokenized with ``--tokenizer`` (default: the model directory).
+
+Before anything is sampled, every flag is checked (``--out`` writable, ``--reward`` loadable, ``--device``
+present, the model directory's weights, config and tokenizer: utils/model_dir.py); a problem is one
+line and exit 2 (the CLI's error boundary).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pacs_megatron.config import ConfigError, RolloutConfig
 from pacs_megatron.eval.cache import cache_key, differences, read_key, write_key
 from pacs_megatron.eval.progress import EvalProgress
 from pacs_megatron.eval.runner import (
@@ -35,6 +40,8 @@ from pacs_megatron.eval.runner import (
     write_rollouts,
 )
 from pacs_megatron.utils.logging import get_logger, init_logging
+from pacs_megatron.utils.model_dir import check_model_dir
+from pacs_megatron.utils.paths import check_writable_dir
 
 logger = get_logger(__name__)
 
@@ -79,37 +86,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> list[int]:
-    """Check the numeric arguments; the k list, or ValueError naming the flag."""
+    """Check the flags before any model loads; the k list, or ConfigError naming the flag."""
+    from pacs_megatron.launch.device_checks import check_engine_installed
+    from pacs_megatron.launch.preflight import check_reward_fn
+
     if args.n < 1:
-        raise ValueError(f"--n {args.n}: sample at least one response per problem")
-    ks = parse_k_list(args.k)
-    check_k(ks, args.n)
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens {args.max_tokens} must be >= 1")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
+        raise ConfigError(f"--n {args.n}: sample at least one response per problem")
+    try:
+        ks = parse_k_list(args.k)
+        check_k(ks, args.n)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for flag, value, ok, need in (
+        ("--max-tokens", args.max_tokens, args.max_tokens >= 1, ">= 1"),
+        ("--temperature", args.temperature, args.temperature >= 0, ">= 0 (0: greedy)"),
+        ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+        ("--limit", args.limit, args.limit >= 0, ">= 0 (0: all problems)"),
+        ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
+    ):
+        if not ok:
+            raise ConfigError(f"{flag} {value} must be {need}")
     if args.temperature == 0 and args.n > 1:
         logger.warning("--temperature 0 is greedy: the %d samples of a problem will be identical", args.n)
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
-    if args.limit < 0:
-        raise ValueError(f"--limit {args.limit} must be >= 0 (0: all problems)")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
     if not [d for d in args.data.split(",") if d.strip()]:
-        raise ValueError("--data is empty: name at least one set, e.g. --data math500")
+        raise ConfigError("--data is empty: name at least one set, e.g. --data math500")
+    check_reward_fn("--reward", args.reward)  # before any model loads
+    _check_device(args.device)
+    check_engine_installed(RolloutConfig(engine=args.engine))
     return ks
+
+
+def _check_device(device: str) -> None:
+    """``--device``: auto, cpu, or a CUDA device this machine has."""
+    import torch
+
+    if device == "auto":
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device}: not a device; use auto, cpu or cuda[:i]") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: use auto, cpu or cuda[:i]")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: this machine has no CUDA device; use --device cpu (or auto)")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def main(args: argparse.Namespace) -> int:
     init_logging(args.log_level)
-    try:
-        ks = validate(args)
-    except ValueError as e:
-        logger.error("%s", e)
-        return 2
+    ks = validate(args)
     model_dir = Path(args.model)
     out_dir = Path(args.out) if args.out else model_dir
+    check_writable_dir("--out", out_dir)  # before sampling: a result that cannot be written is never computed
     rollout_path, metrics_path = out_dir / ROLLOUT_FILE, out_dir / METRICS_FILE
     data_cfg = _data_config(args)
     key = cache_key(args, model_dir, data_cfg.resolved_root())
@@ -127,20 +157,14 @@ def main(args: argparse.Namespace) -> int:
             metrics = compute_metrics(rows, ks)
         except ValueError as e:
             n = (cached or {}).get("n", "?")
-            logger.error("%s: %s (its rollouts hold n=%s samples per problem)", rollout_path, e, n)
-            return 2
+            raise ConfigError(f"{rollout_path}: {e} (its rollouts hold n={n} samples per problem)") from None
     else:
         if changed and not args.resample:
             logger.info("sampling anew: %s was sampled with other settings (%s)", rollout_path, "; ".join(changed))
-        if not (model_dir / "config.json").is_file():
-            logger.error("--model %s has no config.json: give a Hugging Face model directory", model_dir)
-            return 2
-        try:
-            _check_data_root(args, data_cfg)
-            metrics, rows = _sample_and_score(args, ks, model_dir, data_cfg)
-        except (ValueError, FileNotFoundError) as e:  # bad data, names, tokenizer: a message, not a traceback
-            logger.error("%s", e)
-            return 2
+        # weights readable and agreeing with config.json, a tokenizer: utils/model_dir.py, as every command
+        check_model_dir("--model", model_dir, tokenizer_key="--tokenizer", tokenizer_dir=args.tokenizer)
+        _check_data_root(args, data_cfg)
+        metrics, rows = _sample_and_score(args, ks, model_dir, data_cfg)
         write_rollouts(rollout_path, rows)
         write_key(rollout_path, key)
         logger.info("wrote %d rollout rows to %s", len(rows), rollout_path)
@@ -172,7 +196,7 @@ def _check_data_root(args: argparse.Namespace, data_cfg) -> None:
     root = data_cfg.resolved_root()
     for spec in (d.strip() for d in args.data.split(",") if d.strip()):
         if spec in DATASETS and not (root / DATASETS[spec]).is_file():
-            raise FileNotFoundError(
+            raise ConfigError(
                 f"--data {spec}: {root / DATASETS[spec]} does not exist; pass --data-root (or set $PACS_DATA_ROOT) "
                 "to the folder holding eval/ and train/"
             )
@@ -199,7 +223,7 @@ def _vllm_run_config(run_cfg, args: argparse.Namespace, datasets: dict):
 def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path, data_cfg):
     import torch
 
-    from pacs_megatron.config import ModelConfig, RolloutConfig, RunConfig
+    from pacs_megatron.config import ModelConfig, RunConfig
     from pacs_megatron.data import load_dataset, load_tokenizer
     from pacs_megatron.rollout import build_engine
 
@@ -208,7 +232,7 @@ def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path, 
     for spec in (d.strip() for d in args.data.split(",") if d.strip()):
         name, records = load_dataset(spec, data_cfg, tokenizer, limit=args.limit)
         if name in datasets:
-            raise ValueError(f"--data names {name!r} twice")
+            raise ConfigError(f"--data names {name!r} twice")
         datasets[name] = records
     device = args.device
     if device == "auto":

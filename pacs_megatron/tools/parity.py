@@ -10,7 +10,9 @@ absolute difference per token (response tokens) and per sequence (sum over the r
 HF's sequence log-prob is at most ``--rtol``: sums of long random sequences are of order 10^2).
 Under torchrun the ranks exist; started by hand it
 spawns ``tp * pp * dp`` local ranks itself, dp the smallest data-parallel size that EP fits in
-(``--ep 2 --tp 1``: two ranks; EP ranks are drawn from the TP x DP ranks).
+(``--ep 2 --tp 1``: two ranks; EP ranks are drawn from the TP x DP ranks). The arguments are checked
+before any rank starts (:func:`check_args`: the model directory as every command checks it, the layout
+against its heads, layers and experts, ``--data`` readable, ``--out`` writable): one line, exit 2.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pacs_megatron.launch.local import spawn_local
-from pacs_megatron.utils.dist import under_launcher
+from pacs_megatron.launch.local import on_ranks
 from pacs_megatron.utils.logging import get_logger, init_logging
 
 logger = get_logger(__name__)
@@ -57,16 +58,27 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 def load_samples(path: str | None, vocab_size: int) -> list[tuple[list[int], list[int]]]:
     """(prompt_ids, response_ids) pairs from a JSONL file, or 6 built-in pseudo-random sequences."""
+    from pacs_megatron.data.records import DataFormatError
+
     if path:
         rows = []
-        for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        for i, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
             if line.strip():
-                rec = json.loads(line)
-                if "prompt_ids" not in rec or "response_ids" not in rec:
-                    raise ValueError(f"{path}:{i}: each row needs 'prompt_ids' and 'response_ids'")
-                rows.append(([int(t) for t in rec["prompt_ids"]], [int(t) for t in rec["response_ids"]]))
+                try:
+                    rec = json.loads(line)
+                    ids = [int(t) for t in rec["prompt_ids"]], [int(t) for t in rec["response_ids"]]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise DataFormatError(
+                        f"--data {path}:{i}: each row needs 'prompt_ids' and 'response_ids' lists of token ids ({e})"
+                    ) from None
+                bad = [t for t in (*ids[0], *ids[1]) if not 0 <= t < vocab_size]
+                if bad:
+                    raise DataFormatError(
+                        f"--data {path}:{i}: token id {bad[0]} outside the vocabulary 0..{vocab_size - 1}"
+                    )
+                rows.append(ids)
         if not rows:
-            raise ValueError(f"{path} has no rows")
+            raise DataFormatError(f"--data {path} has no rows")
         return rows
     g = torch.Generator().manual_seed(BUILTIN_SEED)
     lengths = [(3, 5), (8, 12), (5, 1), (16, 20), (2, 9), (11, 7)]
@@ -177,15 +189,42 @@ def run(args: argparse.Namespace) -> int:
         destroy_parallel()
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every argument, before any rank starts or any model loads; ConfigError naming the flag and the fix."""
+    from pacs_megatron.config import ConfigError, ParallelConfig
+    from pacs_megatron.parallel import check_layout
+    from pacs_megatron.utils.model_dir import check_model_dir
+    from pacs_megatron.utils.paths import check_readable_file, check_writable_file
+
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    for flag, value in (("--tolerance", args.tolerance), ("--rtol", args.rtol)):
+        if not value >= 0:
+            raise ConfigError(f"{flag} {value} must be >= 0")
+    hf = check_model_dir("--hf-model", args.hf_model, tokenizer=False)  # weights readable and agreeing
+    try:
+        par = ParallelConfig(tp=args.tp, pp=args.pp, dp=min_dp(args.tp, args.ep), ep=args.ep)
+        check_layout(par, hf, training=False)
+    except ConfigError as e:
+        flags = (("parallel.tp", "--tp"), ("parallel.pp", "--pp"), ("parallel.ep", "--ep"), ("parallel.dp", "dp"))
+        msg = str(e)
+        for key, flag in flags:
+            msg = msg.replace(key, flag)
+        raise ConfigError(msg) from None
+    if args.data:
+        check_readable_file("--data", args.data)
+    if args.out:
+        check_writable_file("--out", args.out)
+
+
 def main(args: argparse.Namespace) -> int:
     init_logging()
-    world = args.tp * args.pp * min_dp(args.tp, args.ep)
-    if not under_launcher() and world > 1:
-        return spawn_local(_argv(args), world)
-    return run(args)
+    check_args(args)
+    return on_ranks(_argv(args), args.tp * args.pp * min_dp(args.tp, args.ep), lambda: run(args))
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="pacs_megatron.actor.parity")
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    from pacs_megatron.cli import run as run_command
+
+    sys.exit(run_command("parity", sys.argv[1:], prog="pacs_megatron.tools.parity"))

@@ -1,72 +1,33 @@
-"""Evaluation end to end: the library entry with a scripted engine (known metrics), and the
-``pacs-megatron eval`` command on CPU with a tiny random Qwen2 and the shared Qwen2.5 tokenizer."""
+"""The ``pacs-megatron eval`` command end to end on CPU with a tiny random Qwen2 and the shared Qwen2.5
+tokenizer (the library entry with a scripted engine: tests/eval/test_eval_runner.py)."""
 
-import argparse
 import json
 
 import pytest
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from pacs_megatron.config import ArithTaskConfig, RewardConfig, TinyModelConfig
-from pacs_megatron.data.synthetic import arith_problems, arith_records, build_arith_tokenizer, tiny_qwen2_config
-from pacs_megatron.eval import cli
-from pacs_megatron.eval.runner import evaluate
-from pacs_megatron.reward import RewardScorer
-from pacs_megatron.rollout.types import Response, SamplingParams
+from pacs_megatron.cli import main
+from pacs_megatron.config import TinyModelConfig
+from pacs_megatron.data.synthetic import tiny_qwen2_config
 
 
-class ScriptedEngine:
-    """Answers each prompt with scripted texts (one per sample), whatever the sampling."""
-
-    def __init__(self, tok, script: dict[str, list[str]]):
-        self.tok, self.script, self.calls = tok, script, []
-
-    def generate(self, prompt_token_ids, sampling):
-        self.calls.append(sampling)
-        out = []
-        for ids in prompt_token_ids:
-            texts = self.script[self.tok.decode(list(ids))][: sampling.n]
-            out.append([Response(tuple(self.tok(t)["input_ids"]), t, "stop") for t in texts])
-        return out
-
-
-@pytest.mark.parametrize("sharded", [False, True])
-def test_evaluate_metrics_and_rows(sharded):
-    tok = build_arith_tokenizer()
-    recs = arith_records(arith_problems(ArithTaskConfig(max_operand=1, modulo=0)), tok)  # 0+0 0+1 1+0 1+1
-    script = {"0+0=": ["0", "0"], "0+1=": ["1", "2"], "1+0=": ["2", "3"], "1+1=": ["2", "0"]}
-    engine = ScriptedEngine(tok, script)
-    sampling = SamplingParams(n=2, max_tokens=2, seed=3)
-    with RewardScorer(RewardConfig(fn="arith", num_workers=0)) as scorer:
-        metrics, rows = evaluate(engine, {"x": recs[:2], "y": recs[2:]}, sampling, [1, 2], scorer, sharded=sharded)
-    # x: [1,1] and [1,0] -> pass@1 (1 + .5)/2, pass@2 1; y: [0,0] and [1,0] -> pass@1 .25, pass@2 .5
-    assert metrics["val/x/pass@1"] == pytest.approx(0.75) and metrics["val/x/pass@2"] == pytest.approx(1.0)
-    assert metrics["val/y/pass@1"] == pytest.approx(0.25) and metrics["val/y/pass@2"] == pytest.approx(0.5)
-    assert metrics["val/overall/pass@1"] == pytest.approx(0.5)
-    assert metrics["val/reward_errors"] == 0 and metrics["val/reward_timeouts"] == 0
-    assert [r["id"] for r in rows] == ["arith-0+0", "arith-0+1", "arith-1+0", "arith-1+1"]
-    assert rows[1]["responses"] == ["1", "2"] and rows[1]["scores"] == [1.0, 0.0] and rows[1]["dataset"] == "x"
-    assert rows[3]["prompt"] == "1+1=" and rows[3]["answer"] == "2"
-    assert len(engine.calls) == 1  # all datasets in one generate call
-    with pytest.raises(ValueError, match="k=\\[4\\]"):
-        evaluate(engine, {"x": recs}, sampling, [4], scorer)
-
-
-def _args(**kw) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+def _run(**kw) -> int:
+    """``pacs-megatron eval --key value ...`` through the CLI (its error boundary included)."""
     argv = []
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
-    return parser.parse_args(argv)
+    return main(["eval", *argv])
 
 
 @pytest.fixture(scope="module")
 def qwen_tiny_dir(tmp_path_factory, data_root):
-    """config.json of a tiny random Qwen2 over the shared Qwen2.5 tokenizer's vocabulary."""
+    """A tiny random Qwen2 (config.json + weights) over the shared Qwen2.5 tokenizer's vocabulary; eval refuses
+    a model directory without weights (issue 29: it used to score a random initialisation)."""
     path = tmp_path_factory.mktemp("qwen_tiny")
     tiny = TinyModelConfig(hidden_size=16, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
     cfg = tiny_qwen2_config(tiny, 151665, eos_id=151645, pad_id=151643)
     (path / "config.json").write_text(json.dumps(cfg))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path))).save_pretrained(str(path))  # random weights
     return path
 
 
@@ -74,7 +35,7 @@ def test_eval_cli_end_to_end_and_recompute(qwen_tiny_dir, data_root, tmp_path, c
     out = tmp_path / "out"
     tokenizer = data_root / "tokenizers" / "qwen2.5"
     common = dict(data="math500,amc23", n=2, k="1,2", limit=2, reward_workers=0, out=out)
-    rc = cli.main(_args(model=qwen_tiny_dir, tokenizer=tokenizer, max_tokens=4, temperature=0, seed=1, **common))
+    rc = _run(model=qwen_tiny_dir, tokenizer=tokenizer, max_tokens=4, temperature=0, seed=1, **common)
     assert rc == 0
     rows = [json.loads(line) for line in (out / "eval_rollout.jsonl").read_text().splitlines()]
     first_ids = {
@@ -105,7 +66,7 @@ def test_eval_cli_end_to_end_and_recompute(qwen_tiny_dir, data_root, tmp_path, c
     (out / "eval_rollout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     capsys.readouterr()
     same = dict(model=qwen_tiny_dir, tokenizer=tokenizer, max_tokens=4, temperature=0, seed=1, **common)
-    assert cli.main(_args(**same)) == 0
+    assert _run(**same) == 0
     assert "sampled with these settings: recomputing metrics only" in capsys.readouterr().err
     metrics = json.loads((out / "eval_metrics.json").read_text())
     assert metrics["math500"]["pass@1"] == pytest.approx(0.25) and metrics["math500"]["pass@2"] == pytest.approx(0.5)
@@ -114,29 +75,30 @@ def test_eval_cli_end_to_end_and_recompute(qwen_tiny_dir, data_root, tmp_path, c
 
     # Another n: sampled anew, saying why (a model dir without config.json stops it right after).
     other = dict(same, model=tmp_path / "no_model", n=4)
-    assert cli.main(_args(**other)) == 2
+    assert _run(**other) == 2
     err = capsys.readouterr().err
     assert "sampling anew" in err and "n: 2 -> 4" in err and "config.json" in err
     # --reuse recomputes from the old rollouts anyway, says what differs, and records their settings.
-    assert cli.main(_args(**dict(other, n=2, max_tokens=8, reuse=True))) == 0
+    assert _run(**dict(other, n=2, max_tokens=8, reuse=True)) == 0
     assert "max_tokens: 4 -> 8" in capsys.readouterr().err
     assert json.loads((out / "eval_metrics.json").read_text())["sampling"]["max_tokens"] == 4
-    assert cli.main(_args(**dict(other, k="1,4", reuse=True))) == 2  # k=4 > the cached n=2
+    assert _run(**dict(other, k="1,4", reuse=True)) == 2  # k=4 > the cached n=2
     err = capsys.readouterr().err
     assert "n=2 samples per problem" in err and "--n" not in err
 
 
 def test_eval_cli_argument_errors(qwen_tiny_dir, data_root, tmp_path, capsys):
-    assert cli.main(_args(model=tmp_path, n=2, k="1,4")) == 2
+    assert _run(model=tmp_path, n=2, k="1,4") == 2
     assert "k=[4]" in capsys.readouterr().err
-    assert cli.main(_args(model=tmp_path, n=2, k="1", top_p=1.5)) == 2
+    assert _run(model=tmp_path, n=2, k="1", top_p=1.5) == 2
     assert "--top-p" in capsys.readouterr().err
-    assert cli.main(_args(model=tmp_path, n=2, k="1")) == 2  # no config.json, no rollouts
+    assert _run(model=tmp_path, n=2, k="1") == 2  # no config.json, no rollouts
     assert "config.json" in capsys.readouterr().err
     tokenizer = data_root / "tokenizers" / "qwen2.5"
-    assert cli.main(_args(model=qwen_tiny_dir, tokenizer=tokenizer, n=1, k="1", data="no_such_set", out=tmp_path)) == 2
+    assert _run(model=qwen_tiny_dir, tokenizer=tokenizer, n=1, k="1", data="no_such_set", out=tmp_path) == 2
     assert "'no_such_set'" in capsys.readouterr().err
-    nowhere = dict(model=qwen_tiny_dir, n=1, k="1", data="math500", out=tmp_path, data_root=tmp_path / "nowhere")
-    assert cli.main(_args(**nowhere)) == 2
+    nowhere = dict(model=qwen_tiny_dir, tokenizer=tokenizer, n=1, k="1", data="math500", out=tmp_path)
+    nowhere["data_root"] = tmp_path / "nowhere"
+    assert _run(**nowhere) == 2
     err = capsys.readouterr().err
     assert "--data-root" in err and "data.data_root" not in err

@@ -1,0 +1,34 @@
+"""The README's metrics table names every key the code logs (issue 29: 33 of 47 were named)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NAMESPACES = "actor|critic|data|moe|overlong|pacs|perf|policy|response|reward|rollout|sampling|sft|sync|timing"
+KEY = re.compile(rf"[\"']((?:{NAMESPACES})/[a-z0-9_@]+)[\"']")
+
+
+def logged_keys() -> set[str]:
+    """Metric keys spelled out in the package (string literals ``"ns/name"``), expanded where the code
+    builds them: the post-update copies of the PACS metrics and the phase timers."""
+    keys = set()
+    for path in (REPO / "pacs_megatron").rglob("*.py"):
+        keys |= set(KEY.findall(path.read_text()))
+    keys = {k for k in keys if not k.endswith("_")}  # prefixes ("pacs/post_") are expanded below
+    keys -= {"critic/megatron"}  # a checkpoint folder (utils/checkpoint_check.py), not a metric
+    from pacs_megatron.diagnostics import POST_PREFIX
+
+    keys |= {POST_PREFIX + k.split("/", 1)[1] for k in keys if k.startswith("pacs/") and "post" not in k}
+    keys -= {"pacs/post_mixed_group_frac", "pacs/post_first_minibatch_max_logratio"}  # not recomputed after
+    phases = re.findall(r'timer\("(\w+)"\)', (REPO / "pacs_megatron" / "train.py").read_text())
+    return keys | {f"timing/{p}_s" for p in phases} | {f"timing/{p}_cpu_s" for p in phases}
+
+
+def test_every_logged_metric_is_in_the_readme_table():
+    readme = (REPO / "README.md").read_text()
+    keys = logged_keys()
+    assert {"reward/mean", "pacs/post_loss", "timing/rollout_s", "critic/value_loss"} <= keys  # the scan works
+    missing = sorted(k for k in keys if f"`{k}`" not in readme)
+    assert not missing, f"README.md's metrics table lacks {missing}"

@@ -64,8 +64,10 @@ class DataConfig:
     """Train sets: names of the shared sets (math_train, deepscaler_subset803, ...) or file paths."""
     val_files: list[str] = field(default_factory=lambda: ["math500"])
     """Validation sets (names or paths) for periodic pass@k."""
-    chat_template: str = "qwen2.5"
-    """"qwen2.5" (ChatML, shipped in the package) or "none" (raw prompt text)."""
+    chat_template: str = "auto"
+    """"auto": the tokenizer's own template (as verl and TRL), else the shipped Qwen2.5 ChatML for a Qwen2
+    tokenizer, else an error; "model": the tokenizer's own, an error without one; "qwen2.5": the shipped
+    ChatML; "none": raw prompt text. Only data.task=math renders prompts (data/prompts.py)."""
     max_prompt_length: int = 512
     """Prompts longer than this (in tokens) are handled per ``overlong_prompts``."""
     overlong_prompts: str = "drop"
@@ -81,7 +83,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _choice("data.task", self.task, ("math", "arith"))
-        _choice("data.chat_template", self.chat_template, ("qwen2.5", "none"))
+        _choice("data.chat_template", self.chat_template, ("auto", "model", "qwen2.5", "none"))
         _choice("data.overlong_prompts", self.overlong_prompts, ("drop", "error"))
         _choice("data.bad_records", self.bad_records, ("error", "skip"))
         _positive("data.max_prompt_length", self.max_prompt_length)

@@ -16,8 +16,10 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
   shape (``utils/resume.py``);
 - ``trainer.output_dir``: not locked by a running run, and a fresh start does not land on an old run
   (``utils/run_dir.py``; checked by the launcher and rank 0 only, since rank 0 takes the lock);
-- every model path: ``model.path`` holds a ``config.json`` that parses (and, for ``init=pretrained``,
-  safetensors weights), ``model.tokenizer`` (or ``model.path``) holds a tokenizer, and ``critic.init``,
+- every model path: ``model.path`` holds a ``config.json`` that parses (and, for ``init=pretrained``
+  and ``gguf``, safetensors weights), or for ``init=gguf`` without one, ``model.gguf`` is a GGUF file of an
+  architecture transformers reads (an existing ``model.path`` must come from that same file),
+  ``model.tokenizer`` (or ``model.path``) holds a tokenizer, and ``critic.init``,
   when the learned critic is on and it names a directory, holds a config.json and weights too;
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
   under the data root and its first row parses;
@@ -136,12 +138,14 @@ def check_model_paths(cfg: RunConfig) -> None:
     from pacs_megatron.config.critic import critic_enabled
 
     m = cfg.model
-    tiny_to_write = m.init == "tiny" and not (Path(m.path) / "config.json").is_file()
-    if not tiny_to_write:
+    to_write = m.written_by_run and not (Path(m.path) / "config.json").is_file()
+    if m.init == "gguf":
+        check_gguf(cfg, to_write)
+    if not to_write:
         read_hf_config("model.path", m.path)
-        if m.init == "pretrained":
+        if m.init in ("pretrained", "gguf"):
             _check_weights("model.path", m.path)
-    if m.tokenizer or not tiny_to_write:
+    if m.tokenizer or not to_write:
         key, tok = ("model.tokenizer", m.tokenizer) if m.tokenizer else ("model.path", m.path)
         if not Path(tok).is_dir():
             raise ConfigError(f"{key}={tok!r}: no such tokenizer directory")
@@ -150,9 +154,50 @@ def check_model_paths(cfg: RunConfig) -> None:
                 f"{key}={tok!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): set model.tokenizer "
                 "to the model's tokenizer directory"
             )
+    check_chat_template(cfg, to_write)
     if critic_enabled(cfg) and cfg.critic.init != "actor":
         read_hf_config("critic.init", cfg.critic.init)
         _check_weights("critic.init", cfg.critic.init)
+
+
+def check_chat_template(cfg: RunConfig, to_write: bool) -> None:
+    """data.task=math: ``data.chat_template`` finds a template for this tokenizer (data/prompts.py), read from
+    its files (or, for a GGUF still to import, from the file's metadata) without loading it."""
+    import json
+
+    from pacs_megatron.data.prompts import is_qwen_tokenizer, select_template
+
+    m = cfg.model
+    if cfg.data.task != "math" or cfg.data.chat_template == "none" or (to_write and m.init == "tiny"):
+        return
+    if to_write and not m.tokenizer:  # init=gguf: the tokenizer comes out of the file
+        from pacs_megatron.actor.gguf_import import read_gguf_info
+
+        info = read_gguf_info(m.gguf)
+        own, qwen, where = info.has_chat_template, info.config.get("model_type") == "qwen2", f"model.gguf={m.gguf}"
+    else:
+        tok_dir = Path(m.tokenizer or m.path)
+        config_path = tok_dir / "tokenizer_config.json"
+        tok_cfg = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        own = (tok_dir / "chat_template.jinja").is_file() or bool(tok_cfg.get("chat_template"))
+        qwen, where = is_qwen_tokenizer(tok_cfg.get("tokenizer_class")), f"the tokenizer in {tok_dir}"
+    select_template(cfg.data.chat_template, "(its own)" if own else None, qwen, where)
+
+
+def check_gguf(cfg: RunConfig, to_import: bool) -> None:
+    """model.init=gguf: the file is a GGUF transformers reads (when it is still to be imported), or the
+    existing model.path was imported from this same file (sha256 in its provenance record)."""
+    from pacs_megatron.actor.gguf_import import GGUFImportError, check_imported, read_gguf_info
+
+    try:
+        if to_import:
+            read_gguf_info(cfg.model.gguf)
+            return
+        problem = check_imported(cfg.model.path, cfg.model.gguf)
+    except GGUFImportError as e:
+        raise ConfigError(f"model.gguf={cfg.model.gguf!r}: {e}") from None
+    if problem:
+        raise ConfigError(problem)
 
 
 def unused_critic_settings(cfg: RunConfig) -> list[str]:

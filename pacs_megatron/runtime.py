@@ -226,7 +226,7 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     from pacs_megatron.rollout import build_engine
     from pacs_megatron.weight_sync import WeightSync
 
-    template = cfg.data.chat_template if cfg.data.task == "math" else "none"  # the arith task's prompts are raw
+    template = cfg.data.chat_template if cfg.data.renders_prompts else "none"  # the raw arith prompts have none
     tokenizer = load_tokenizer(cfg.model.tokenizer or str(rt.model_dir), template)
     dataset = build_train_dataset(cfg, tokenizer)
     val_sets = build_val_datasets(cfg, tokenizer) if cfg.trainer.test_freq else {}

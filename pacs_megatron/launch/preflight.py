@@ -161,14 +161,15 @@ def check_model_paths(cfg: RunConfig) -> None:
 
 
 def check_chat_template(cfg: RunConfig, to_write: bool) -> None:
-    """data.task=math: ``data.chat_template`` finds a template for this tokenizer (data/prompts.py), read from
-    its files (or, for a GGUF still to import, from the file's metadata) without loading it."""
+    """Math prompts (data.task=math, arith in words): ``data.chat_template`` finds a template for this
+    tokenizer (data/prompts.py), read from its files (or, for a GGUF still to import, from the file's
+    metadata) without loading it."""
     import json
 
     from pacs_megatron.data.prompts import is_qwen_tokenizer, select_template
 
     m = cfg.model
-    if cfg.data.task != "math" or cfg.data.chat_template == "none" or (to_write and m.init == "tiny"):
+    if not cfg.data.renders_prompts or cfg.data.chat_template == "none" or (to_write and m.init == "tiny"):
         return
     if to_write and not m.tokenizer:  # init=gguf: the tokenizer comes out of the file
         from pacs_megatron.actor.gguf_import import read_gguf_info

@@ -54,6 +54,18 @@ def math_reward(response: str, ground_truth: str) -> float:
     return float(score)
 
 
+def has_boxed(response: str) -> bool:
+    """Whether ``response`` states an answer the way the PACS instruction asks: a non-empty ``\\boxed{...}``
+    (math_reward also accepts a bare final number, so a right answer is not necessarily a boxed one).
+
+    Example:
+        >>> has_boxed("so \\\\boxed{7}."), has_boxed("the answer is 7"), has_boxed("\\\\boxed{}")
+        (True, False, False)
+    """
+    start = response.rfind("\\boxed{")
+    return start >= 0 and response.find("}", start) > start + len("\\boxed{")
+
+
 def arith_reward(response: str, ground_truth: str) -> float:
     """Exact match of the synthetic task: the stripped response equals the answer string.
 

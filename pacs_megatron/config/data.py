@@ -127,8 +127,9 @@ class RewardConfig:
     """The verifiable reward."""
 
     fn: str = "math"
-    """"math" (math-verify), "arith" (exact match of the synthetic task) or "module.path:function"
-    with signature (prompt, response, ground_truth, extra) -> float."""
+    """"math" (math-verify, PACS's reward), "math_boxed" (math-verify on the last \\boxed{} only, a number
+    boxed as a number: no box, no reward), "arith" (exact match of the synthetic task) or
+    "module.path:function" with signature (prompt, response, ground_truth, extra) -> float."""
     num_workers: int = 2
     """Scoring processes (math-verify's timeouts only work outside threads); 0 means one: rewards
     never run unprotected in the trainer's process."""
@@ -143,8 +144,8 @@ class RewardConfig:
     spread over the Ray cluster of $RAY_ADDRESS, or a private one; see reward/ray_backend.py)."""
 
     def __post_init__(self) -> None:
-        if self.fn not in ("math", "arith") and ":" not in self.fn:
-            raise ConfigError(f"reward.fn={self.fn!r}: use 'math', 'arith' or 'package.module:function'")
+        if self.fn not in ("math", "math_boxed", "arith") and ":" not in self.fn:
+            raise ConfigError(f"reward.fn={self.fn!r}: use 'math', 'math_boxed', 'arith' or 'package.module:function'")
         _positive("reward.num_workers", self.num_workers, allow_zero=True)
         _positive("reward.timeout_s", self.timeout_s)
         _positive("reward.max_failure_steps", self.max_failure_steps, allow_zero=True)

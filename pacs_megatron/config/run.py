@@ -90,15 +90,15 @@ class RunConfig:
             raise ConfigError("algorithm.policy.adv_estimator=gae is for loss ppo/grpo: set algorithm.loss=ppo")
         if self.critic.micro_batch_size % n:
             raise ConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size}: use a multiple of {n}")
-        if self.data.task == "arith" and self.data.arith.style == "raw" and self.reward.fn == "math":
+        if self.data.task == "arith" and self.data.arith.style == "raw" and self.reward.fn in ("math", "math_boxed"):
             raise ConfigError(
-                "data.task=arith is scored by reward.fn=arith (exact match), not 'math' (data.arith.style=words "
-                "asks in words, scored by math)"
+                f"data.task=arith is scored by reward.fn=arith (exact match), not {self.reward.fn!r} "
+                "(data.arith.style=words asks in words, scored by math_boxed or math)"
             )
         if self.data.task == "arith" and self.data.arith.style == "words" and self.reward.fn == "arith":
             raise ConfigError(
-                "data.arith.style=words asks for the answer in \\boxed{}: score it with reward.fn=math, not the "
-                "exact match 'arith'"
+                "data.arith.style=words asks for the answer in \\boxed{}: score it with reward.fn=math_boxed (or "
+                "math), not the exact match 'arith'"
             )
         estimator = algo.loss_config().adv_estimator
         if n < 2 and estimator in ("rloo", "grpo"):

@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--data-root", default="", help="folder of the shared sets (default: $PACS_DATA_ROOT)")
     p.add_argument("--max-prompt-length", type=int, default=8192, help="longer prompts are dropped (logged)")
-    p.add_argument("--reward", default="math", help="'math', 'arith' or 'package.module:function'")
+    p.add_argument("--reward", default="math", help="'math', 'math_boxed', 'arith' or 'package.module:function'")
     p.add_argument("--reward-workers", type=int, default=2, help="reward processes (0: one)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="per-response reward timeout (s)")
     p.add_argument("--resample", action="store_true", help="sample again even if eval_rollout.jsonl exists")

@@ -92,7 +92,9 @@ class RunRecord:
 
     def _eval_command(self, hf_dir: Path) -> str:
         t, data = self.cfg.trainer, self.cfg.data
-        if data.task == "arith":  # the synthetic task: its problems are not a shared set
+        if data.task == "arith" and data.arith.style == "words":  # the generated problems are no shared set
+            sets = f"FILE.jsonl --chat-template {data.chat_template} --reward {self.cfg.reward.fn}"
+        elif data.task == "arith":
             sets = "FILE.jsonl --chat-template none --reward arith"
         else:
             sets = ",".join(data.val_files) or "math500,aime2024,aime2025,amc23"

@@ -5,6 +5,7 @@ import random
 from collections import Counter
 
 import pytest
+from _runs import REPO
 
 from pacs_megatron.config import ArithTaskConfig, ConfigError, TinyModelConfig
 from pacs_megatron.data.synthetic import (
@@ -204,3 +205,21 @@ def test_words_style_pairs_and_range():
     assert {p.answer for p in s["train"] + s["test"]} <= {str(x) for x in range(20, 25)}
     with pytest.raises(ConfigError, match="min_operand=5 exceeds"):
         ArithTaskConfig(min_operand=5, max_operand=4)
+
+
+def test_smollm2_recipe_splits_are_disjoint():
+    """The real-model recipe's train / validation / held-out problems: no problem twice, no commuted
+    twin across splits, the validation split apart from the held-out one, and the same split for
+    every training seed."""
+    from pacs_megatron.config import load_config
+
+    cfg = load_config(str(REPO / "examples" / "configs" / "cpu_smollm2.yaml"), ["data.seed=7"])
+    assert cfg.data.arith.style == "words" and cfg.reward.fn == "math_boxed"
+    s = arith_splits(cfg.data.arith)
+    assert [len(s[k]) for k in ("train", "val", "test")] == [120, 40, 40]
+    texts = [p.problem for v in s.values() for p in v]
+    assert len(texts) == len(set(texts)) == cfg.data.arith.num_problems
+    pairs = {k: {frozenset(p.id.removeprefix("arith-").split("+")) for p in v} for k, v in s.items()}
+    assert not (pairs["train"] & pairs["val"] or pairs["train"] & pairs["test"] or pairs["val"] & pairs["test"])
+    assert all(int(p.answer) == sum(map(int, p.id.removeprefix("arith-").split("+"))) for p in s["test"])
+    assert arith_splits(load_config(str(REPO / "examples" / "configs" / "cpu_smollm2.yaml")).data.arith) == s

@@ -28,6 +28,7 @@ from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.pacs import get_loss, outcome_advantages
 from pacs_megatron.pacs.rollout_correction import importance_weights, mismatch_metrics
 from pacs_megatron.reward.rollouts import score_rollouts
+from pacs_megatron.reward.verifiers import has_boxed
 from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.types import Response, SamplingParams
 
@@ -126,6 +127,7 @@ def assemble_batch(cfg: RunConfig, c, scored: ScoredGroups, step: int) -> tuple[
         "response/length_mean": lengths.mean(),
         "response/length_max": lengths.max(),
         "response/truncation_rate": torch.tensor([float(resp.truncated) for _, resp in flat]).mean(),
+        "response/boxed_rate": torch.tensor([float(has_boxed(resp.text)) for _, resp in flat]).mean(),
         "data/tokens": float(batch.seq_lens.sum()),
         **reward_metrics,
     }

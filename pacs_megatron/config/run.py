@@ -92,8 +92,16 @@ class RunConfig:
         if algo.loss == "pacs" and algo.policy.adv_estimator == "gae":
             raise ConfigError("algorithm.policy.adv_estimator=gae is for loss ppo/grpo: set algorithm.loss=ppo")
         check_run_switches(self)  # dynamic sampling, overlong shaping, KL / entropy (config/switches.py)
-        if self.data.task == "arith" and self.reward.fn == "math":
-            raise ConfigError("data.task=arith is scored by reward.fn=arith (exact match), not 'math'")
+        if self.data.task == "arith" and self.data.arith.style == "raw" and self.reward.fn in ("math", "math_boxed"):
+            raise ConfigError(
+                f"data.task=arith is scored by reward.fn=arith (exact match), not {self.reward.fn!r} "
+                "(data.arith.style=words asks in words, scored by math_boxed or math)"
+            )
+        if self.data.task == "arith" and self.data.arith.style == "words" and self.reward.fn == "arith":
+            raise ConfigError(
+                "data.arith.style=words asks for the answer in \\boxed{}: score it with reward.fn=math_boxed (or "
+                "math), not the exact match 'arith'"
+            )
 
     @property
     def mini_batch_prompts(self) -> int:

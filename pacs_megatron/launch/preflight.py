@@ -17,15 +17,17 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
 - ``trainer.resume`` (``--resume``): a named checkpoint directory exists, and the checkpoint a resume
   would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
   shape (``utils/resume.py``);
-- ``model.dtype=bfloat16`` on CPU and ``rollout.engine=vllm`` without vllm installed (device_checks.py);
+- ``rollout.engine=vllm`` without vllm installed (device_checks.py);
 - ``trainer.output_dir``: writable (not read-only, not a file: ``utils/paths.py``), not locked by a
   running run, a fresh start does not land on an old run (``utils/run_dir.py``), and its disk has room
   for a checkpoint (the last one's size, or an estimate from the model's size before the first);
   checked by the launcher and rank 0 only, since rank 0 takes the lock;
 - every model path, with the check every command shares (``utils/model_dir.py``): ``model.path`` holds a
-  ``config.json`` that parses (and, for ``init=pretrained``, readable safetensors weights that agree with
-  it), ``model.tokenizer`` (or ``model.path``) holds a tokenizer, and ``critic.init``, when the learned
-  critic is on and it names a directory, holds a config.json and weights too;
+  ``config.json`` that parses (and, for ``init=pretrained`` and ``gguf``, readable safetensors weights that
+  agree with it), or for ``init=gguf`` without one, ``model.gguf`` is a GGUF file of an architecture
+  transformers reads (an existing ``model.path`` must come from that same file), ``model.tokenizer`` (or
+  ``model.path``) holds a tokenizer, and ``critic.init``, when the learned critic is on and it names a
+  directory, holds a config.json and weights too; ``data.chat_template`` finds a template for that tokenizer;
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
   under the data root and its rows parse (a byte that is not UTF-8 is named with its line);
 - ``rollout.engine=vllm``: ``data.max_prompt_length + rollout.max_response_length`` fits the model's
@@ -161,14 +163,58 @@ def check_model_paths(cfg: RunConfig) -> None:
     from pacs_megatron.utils.model_dir import check_model_dir, check_tokenizer
 
     m = cfg.model
-    tiny_to_write = m.init == "tiny" and not (Path(m.path) / "config.json").is_file()
-    if not tiny_to_write:
-        check_model_dir("model.path", m.path, weights=m.init == "pretrained", tokenizer=False)
-    if m.tokenizer or not tiny_to_write:
+    to_write = m.written_by_run and not (Path(m.path) / "config.json").is_file()
+    if m.init == "gguf":
+        check_gguf(cfg, to_write)
+    if not to_write:
+        check_model_dir("model.path", m.path, weights=m.init in ("pretrained", "gguf"), tokenizer=False)
+    if m.tokenizer or not to_write:
         key, tok = ("model.tokenizer", m.tokenizer) if m.tokenizer else ("model.path", m.path)
         check_tokenizer(key, tok)
+    check_chat_template(cfg, to_write)
     if critic_enabled(cfg) and cfg.critic.init != "actor":
         check_model_dir("critic.init", cfg.critic.init, tokenizer=False)
+
+
+def check_chat_template(cfg: RunConfig, to_write: bool) -> None:
+    """Math prompts (data.task=math, arith in words): ``data.chat_template`` finds a template for this
+    tokenizer (data/prompts.py), read from its files (or, for a GGUF still to import, from the file's
+    metadata) without loading it."""
+    import json
+
+    from pacs_megatron.data.prompts import is_qwen_tokenizer, select_template
+
+    m = cfg.model
+    if not cfg.data.renders_prompts or cfg.data.chat_template == "none" or (to_write and m.init == "tiny"):
+        return
+    if to_write and not m.tokenizer:  # init=gguf: the tokenizer comes out of the file
+        from pacs_megatron.actor.gguf_import import read_gguf_info
+
+        info = read_gguf_info(m.gguf)
+        own, qwen, where = info.has_chat_template, info.config.get("model_type") == "qwen2", f"model.gguf={m.gguf}"
+    else:
+        tok_dir = Path(m.tokenizer or m.path)
+        config_path = tok_dir / "tokenizer_config.json"
+        tok_cfg = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        own = (tok_dir / "chat_template.jinja").is_file() or bool(tok_cfg.get("chat_template"))
+        qwen, where = is_qwen_tokenizer(tok_cfg.get("tokenizer_class")), f"the tokenizer in {tok_dir}"
+    select_template(cfg.data.chat_template, "(its own)" if own else None, qwen, where)
+
+
+def check_gguf(cfg: RunConfig, to_import: bool) -> None:
+    """model.init=gguf: the file is a GGUF transformers reads (when it is still to be imported), or the
+    existing model.path was imported from this same file (sha256 in its provenance record)."""
+    from pacs_megatron.actor.gguf_import import GGUFImportError, check_imported, read_gguf_info
+
+    try:
+        if to_import:
+            read_gguf_info(cfg.model.gguf)
+            return
+        problem = check_imported(cfg.model.path, cfg.model.gguf)
+    except GGUFImportError as e:
+        raise ConfigError(f"model.gguf={cfg.model.gguf!r}: {e}") from None
+    if problem:
+        raise ConfigError(problem)
 
 
 def unused_critic_settings(cfg: RunConfig) -> list[str]:

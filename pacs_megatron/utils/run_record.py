@@ -124,7 +124,7 @@ class RunRecord:
             return []
         from pacs_megatron.data.synthetic import arith_splits
 
-        splits = arith_splits(self.cfg.data.arith, self.cfg.data.seed)
+        splits = arith_splits(self.cfg.data.arith)
         named = {"arith_heldout" if self.cfg.data.arith.test_fraction else "arith": splits["test"]}
         if splits["val"]:
             named["arith_val"] = splits["val"]

@@ -82,6 +82,12 @@ class DataConfig:
     """"auto": the tokenizer's own template (as verl and TRL), else the shipped Qwen2.5 ChatML for a Qwen2
     tokenizer, else an error; "model": the tokenizer's own, an error without one; "qwen2.5": the shipped
     ChatML; "none": raw prompt text. Only data.task=math renders prompts (data/prompts.py)."""
+    shots: list[list[str]] = field(default_factory=list)
+    """Worked examples shown before every problem, as earlier turns of the chat: ``[[problem, response],
+    ...]``; each problem gets the PACS instruction like the real one, each response must end its answer
+    in ``\\boxed{}``. Empty (the default, PACS's setting): the problem alone. A small instruct model that
+    rarely boxes its answer (SmolLM2-135M: 3% of one-digit sums) learns the answer format from one shot;
+    pick examples outside the task's problems so no held-out answer is shown."""
     max_prompt_length: int = 512
     """Prompts longer than this (in tokens) are handled per ``overlong_prompts``."""
     overlong_prompts: str = "drop"
@@ -101,6 +107,13 @@ class DataConfig:
         _choice("data.overlong_prompts", self.overlong_prompts, ("drop", "error"))
         _choice("data.bad_records", self.bad_records, ("error", "skip"))
         _positive("data.max_prompt_length", self.max_prompt_length)
+        for i, shot in enumerate(self.shots):
+            if len(shot) != 2 or not all(isinstance(x, str) and x.strip() for x in shot):
+                raise ConfigError(f"data.shots[{i}]={shot!r}: give [problem, response], two non-empty strings")
+            if "\\boxed{" not in shot[1]:
+                raise ConfigError(f"data.shots[{i}]: the response shows no \\boxed{{}} answer; end it with one")
+        if self.shots and not self.renders_prompts:
+            raise ConfigError("data.shots needs prompts rendered as math problems (data.task=math, or arith in words)")
         if self.task == "math" and not self.train_files:
             raise ConfigError("data.train_files is empty: name at least one set, e.g. data.train_files=[math_train]")
 

@@ -35,7 +35,7 @@ def load_dataset(name_or_path: str, data: DataConfig, tokenizer, limit: int = 0)
     if limit:
         problems = problems[:limit]
     records = build_records(
-        problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name=name
+        problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name, data.shots
     )
     logger.info("dataset %s: %d prompts from %s", name, len(records), path)
     return name, records
@@ -48,7 +48,7 @@ def arith_prompt_records(problems, data: DataConfig, tokenizer, name: str) -> li
     ``data.chat_template``)."""
     if data.arith.style == "words":
         return build_records(
-            problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name
+            problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name, data.shots
         )
     texts = [p.problem for p in problems]
     return tokenize_prompts(problems, texts, tokenizer, data.max_prompt_length, data.overlong_prompts, name)

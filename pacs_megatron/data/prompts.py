@@ -110,18 +110,25 @@ def load_tokenizer(path: str | Path, template: str = "auto"):
     return tok
 
 
-def render(problem: Problem, tokenizer, template: str) -> str:
+def render(problem: Problem, tokenizer, template: str, shots: Sequence[Sequence[str]] = ()) -> str:
     """The prompt text of a math problem under ``template`` (any of :data:`CHOICES`; the tokenizer's
     ``chat_template`` is the one :func:`load_tokenizer` selected).
 
     Rows that already hold chat messages (PACS parquet) are rendered as they are; plain rows get the
-    PACS instruction in one user turn.
+    PACS instruction in one user turn. ``shots`` (``data.shots``: [problem, response] pairs) come first as
+    earlier user/assistant turns (with ``template="none"``, as text above the problem).
     """
     messages = [{"role": r, "content": c} for r, c in problem.messages or ()] or [
         {"role": "user", "content": with_instruction(problem.problem)}
     ]
+    examples = [
+        {"role": role, "content": text}
+        for question, response in shots
+        for role, text in (("user", with_instruction(question)), ("assistant", response))
+    ]
+    messages = examples + messages
     if template == "none":
-        return messages[-1]["content"]
+        return "\n\n".join(m["content"] for m in messages[-1 - len(examples) :])
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template: load it with load_tokenizer(path, template)")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -178,8 +185,14 @@ def tokenize_prompts(
 
 
 def build_records(
-    problems: Sequence[Problem], tokenizer, template: str, max_prompt_length: int, overlong: str = "drop", name=""
+    problems: Sequence[Problem],
+    tokenizer,
+    template: str,
+    max_prompt_length: int,
+    overlong: str = "drop",
+    name="",
+    shots: Sequence[Sequence[str]] = (),
 ) -> list[PromptRecord]:
-    """Render and tokenize math problems (instruction + template), applying the length filter."""
-    texts = [render(p, tokenizer, template) for p in problems]
+    """Render and tokenize math problems (shots + instruction + template), applying the length filter."""
+    texts = [render(p, tokenizer, template, shots) for p in problems]
     return tokenize_prompts(problems, texts, tokenizer, max_prompt_length, overlong, name)

@@ -80,6 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="as data.chat_template: auto (the tokenizer's own; Qwen2.5 ChatML for a Qwen2 tokenizer without one), "
         "model, qwen2.5, none",
     )
+    p.add_argument(
+        "--shots",
+        type=_shots,
+        default=[],
+        help='as data.shots: worked examples before each problem, JSON [["problem", "response"], ...]',
+    )
     p.add_argument("--data-root", default="", help="folder of the shared sets (default: $PACS_DATA_ROOT)")
     p.add_argument("--max-prompt-length", type=int, default=8192, help="longer prompts are dropped (logged)")
     p.add_argument("--reward", default="math", help="'math', 'math_boxed', 'arith' or 'package.module:function'")
@@ -184,12 +190,26 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shots(text: str) -> list[list[str]]:
+    """``--shots`` JSON -> [[problem, response], ...] (DataConfig checks the pairs)."""
+    import json
+
+    try:
+        shots = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(shots, list):
+        raise argparse.ArgumentTypeError("give a JSON list of [problem, response] pairs")
+    return shots
+
+
 def _data_config(args: argparse.Namespace):
     from pacs_megatron.config import DataConfig
 
     return DataConfig(
         data_root=args.data_root,
         chat_template=args.chat_template,
+        shots=args.shots,
         max_prompt_length=args.max_prompt_length,
         overlong_prompts="drop",
         bad_records="error",

@@ -146,3 +146,30 @@ def test_template_choice_checked_before_any_rank(plain_toks, tmp_path, capfd):
     assert main(argv) == 2  # the default --chat-template auto, refused before any engine is built
     lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "chat_template" in lines[0] and "auto" in lines[0], lines
+
+
+def test_shots_come_first_as_earlier_turns(qwen_tok):
+    from pacs_megatron.config import ConfigError, DataConfig
+
+    shot = ["What is 23 + 45?", "23 + 45 = 68. The answer is \\boxed{68}."]
+    p = Problem("x", "What is 2+3?", "5", "t")
+    text = render(p, qwen_tok, "qwen2.5", [shot])
+    assert text == (
+        f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}<|im_end|>\n"
+        f"<|im_start|>user\nWhat is 23 + 45? {INSTRUCTION}<|im_end|>\n"
+        f"<|im_start|>assistant\n{shot[1]}<|im_end|>\n"
+        f"<|im_start|>user\nWhat is 2+3? {INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (
+        render(p, qwen_tok, "none", [shot])
+        == f"What is 23 + 45? {INSTRUCTION}\n\n{shot[1]}\n\nWhat is 2+3? {INSTRUCTION}"
+    )
+    assert render(p, qwen_tok, "qwen2.5", []) == render(p, qwen_tok, "qwen2.5")  # the default: no shots
+    records = build_records([p], qwen_tok, "qwen2.5", 512, shots=[shot])
+    assert records[0].prompt_text == text
+    with pytest.raises(ConfigError, match=r"data.shots\[0\].*\[problem, response\]"):
+        DataConfig(task="math", shots=[["only a problem"]])
+    with pytest.raises(ConfigError, match=r"data.shots\[0\]: the response shows no \\boxed"):
+        DataConfig(task="math", shots=[["What is 1 + 1?", "2"]])
+    with pytest.raises(ConfigError, match="data.shots needs prompts rendered as math problems"):
+        DataConfig(task="arith", shots=[shot])

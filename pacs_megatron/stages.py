@@ -25,7 +25,7 @@ from pacs_megatron.data.packing import dp_balanced_shard
 from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.pacs import get_loss, outcome_advantages
-from pacs_megatron.pacs.rollout_correction import importance_weights, mismatch_metrics
+from pacs_megatron.pacs.decoupled import decoupled_old_logp
 from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.types import Response, SamplingParams
@@ -60,8 +60,14 @@ def val_sampling(cfg: RunConfig) -> SamplingParams:
 
 def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, dict, list]:
     """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
-    sampling = train_sampling(cfg)
-    groups: list[list[Response]] = generate_sharded(c.engine, [r.prompt_ids for r in records], sampling, step)
+    groups = generate_sharded(c.engine, [r.prompt_ids for r in records], train_sampling(cfg), step)
+    return assemble_batch(cfg, c, records, groups, step)
+
+
+def assemble_batch(
+    cfg: RunConfig, c, records, groups: list[list[Response]], step: int
+) -> tuple[TrainBatch, dict, list]:
+    """Score the responses of ``records`` (``groups``: n per prompt) and pack the step's batch (every rank)."""
     flat = [(rec, resp) for rec, group in zip(records, groups) for resp in group]
     scores, reward_metrics = score_rollouts(
         c.scorer,
@@ -173,14 +179,11 @@ def save_samples(rt, samples: list[dict]) -> None:
 
 def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict]:
     """The engine's sampled-token log-probs vs the actor's old log-probs (this rank's rows): mismatch
-    metrics every step, and the importance weights of ``algorithm.rollout_correction`` (tis / mis)."""
-    if local.rollout_logp is None:
-        return local, {}
-    metrics = mismatch_metrics(local.old_logp, local.rollout_logp, local.response_mask)
+    metrics every step, and the importance weights of ``algorithm.rollout_correction`` (tis / mis). The
+    old log-probs are the proximal policy's (the actor before this step's update): the engine's only enter
+    the weights, whatever policy version sampled them (pacs/decoupled.py)."""
     algo = cfg.algorithm
-    if algo.rollout_correction == "none":
-        return local, metrics
-    w, m = importance_weights(
+    _, w, metrics = decoupled_old_logp(
         local.old_logp,
         local.rollout_logp,
         local.response_mask,
@@ -188,4 +191,4 @@ def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dic
         algo.is_cap,
         algo.resolved_is_level,
     )
-    return local.with_(is_weights=w), metrics | m
+    return (local if w is None else local.with_(is_weights=w)), metrics

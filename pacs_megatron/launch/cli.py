@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
-from pacs_megatron.launch.local import spawn_local
+from pacs_megatron.launch.engine_rank import engines_for_rank
+from pacs_megatron.launch.local import spawn_local, stop_engines
 from pacs_megatron.launch.preflight import preflight
 from pacs_megatron.launch.rank import run_rank
 from pacs_megatron.launch.slurm import apply_srun_env, srun_exit_code
@@ -112,10 +113,15 @@ def main(args: argparse.Namespace) -> int:
     if cfg.launcher.kind == "torchrun" and not under_launcher():
         logger.error("launcher.kind=torchrun but RANK/WORLD_SIZE are not set: start with torchrun or srun")
         return 2
-    if under_launcher() or cfg.parallel.world_size == 1:
+    separate = cfg.rollout.placement == "separate"  # engine processes beside the ranks (docs/async.md)
+    if under_launcher() or (cfg.parallel.world_size == 1 and not separate):
         from pacs_megatron.train import train
 
-        # srun: 75 means "checkpointed, requeue me"; run_rank: one error per job, not one traceback per rank
-        return srun_exit_code(run_rank(train, cfg))
+        engines = engines_for_rank(cfg) if under_launcher() else []  # torchrun / srun: rank 0 starts them
+        try:
+            # srun: 75 means "checkpointed, requeue me"; run_rank: one error per job, not one traceback per rank
+            return srun_exit_code(run_rank(train, cfg))
+        finally:
+            stop_engines(engines)
     argv = ["pacs_megatron", "train", "--config", args.config, *overrides]
-    return spawn_local(argv, cfg.parallel.world_size)
+    return spawn_local(argv, cfg.parallel.world_size, engines=cfg if separate else None)

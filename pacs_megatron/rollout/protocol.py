@@ -44,7 +44,8 @@ INDEX_ENV = "PACS_ENGINE_INDEX"
 TIMEOUT_ENV = "PACS_ENGINE_TIMEOUT_S"
 """rollout.engine_timeout_s, for the engine's wait before it has the config."""
 DELAY_ENV = "PACS_ENGINE_DELAY_S"
-"""Test hook: seconds an engine sleeps before each generation (a slow engine)."""
+"""Test hook: seconds an engine sleeps before each generation (a slow engine); "A,B,..": engine e sleeps the
+e-th value (the last one for the engines after it)."""
 KEY_AUTH = "pacs_rollout/authkey"
 
 

@@ -53,7 +53,8 @@ class EngineServer:
         self.index, self.engine, self.conn, self.receive = index, engine, conn, receive
         self.version = -1
         """Policy version of the weights the engine holds (-1: its start-up weights, never sampled with)."""
-        self.delay_s = float(os.environ.get(DELAY_ENV, "0") or 0)
+        delays = [float(x) for x in (os.environ.get(DELAY_ENV) or "0").split(",")]
+        self.delay_s = delays[min(index, len(delays) - 1)]  # test hook: a slow engine
         self._busy = self._idle = 0.0
 
     def _times(self) -> dict:

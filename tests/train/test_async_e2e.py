@@ -26,7 +26,7 @@ from _vllm import needs_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 TRANSPORT = ("sync/buckets", "sync/gbytes", "async/")
-"""Metrics of how the weights and samples travel (bucketing differs: one tensor per bucket colocated)."""
+"""Metrics of how the weights and samples travel (colocated: one tensor per bucket, no async/ metrics)."""
 
 
 def _run(out: Path, steps: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:

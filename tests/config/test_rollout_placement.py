@@ -1,0 +1,32 @@
+"""rollout.placement / max_staleness / engines (issue 31): one line naming the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from pacs_megatron.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.max_staleness=1"], "rollout.max_staleness=1 needs rollout.placement=separate"),
+        (["rollout.placement=apart"], "rollout.placement='apart' is not valid"),
+        (["rollout.placement=separate", "rollout.max_staleness=-1"], "rollout.max_staleness=-1 must be >= 0"),
+        (["rollout.placement=separate", "rollout.engines=0"], "rollout.engines=0 must be > 0"),
+        (
+            ["rollout.placement=separate", "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2"],
+            "set rollout.vllm.tensor_parallel_size=1 and raise rollout.engines",
+        ),
+    ],
+)
+def test_bad_placement_settings_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_defaults_are_the_synchronous_colocated_loop():
+    r = load_config(None, []).rollout
+    assert (r.placement, r.max_staleness, r.engines) == ("colocated", 0, 1)
+    sep = load_config(None, ["rollout.placement=separate", "rollout.max_staleness=2", "rollout.engines=3"]).rollout
+    assert (sep.placement, sep.max_staleness, sep.engines) == ("separate", 2, 3)

@@ -32,12 +32,14 @@ def start_pipeline(cfg: RunConfig, c, resumed_step: int) -> RolloutPipeline:
 def take_batch(cfg: RunConfig, c, pipe: RolloutPipeline, step: int):
     """Wait for step ``step``'s rollouts (at most k versions old), verify the weight versions they were sampled
     with, and assemble the batch: ``(batch, metrics, samples)`` as stages.collect_batch returns."""
-    records, groups, metrics = pipe.take(step)
-    diff, _ = c.sync.verify()  # an engine answers in order: every load before these samples has been probed
-    batch, m, samples = stages.assemble_batch(cfg, c, records, groups, step)
+    taken = pipe.take(step)
+    # An engine answers in order: the probes of every version up to these samples' have arrived. Verifying
+    # exactly those (not whatever else came in by now) keeps the metrics independent of timing.
+    diff, _ = c.sync.verify(max(taken.versions))
+    batch, m, samples = stages.assemble_batch(cfg, c, taken.records, taken.groups, step)
     if not math.isnan(diff):
         m["sync/verified_logprob_diff"] = diff
-    return batch, metrics | m, samples
+    return batch, taken.metrics | m, samples
 
 
 def push_weights(cfg: RunConfig, c, step: int) -> dict:

@@ -25,6 +25,7 @@ weights: no prompt is lost or trained twice.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,6 +87,20 @@ class InFlightPrompts:
         self._drawn.clear()
 
 
+@dataclass(frozen=True)
+class Taken:
+    """One step's rollouts, as the trainer takes them."""
+
+    records: list
+    """The step's prompt records, in order."""
+    groups: list
+    """n responses per record."""
+    versions: list[int]
+    """The policy version that sampled each group."""
+    metrics: dict
+    """``async/*``: staleness, drops, waiting and working times."""
+
+
 class RolloutPipeline:
     """Keeps the next k + 1 steps' rollouts in flight on the engines (``engines``: rollout/remote.py).
 
@@ -128,9 +143,9 @@ class RolloutPipeline:
         """The weights of ``version`` are queued for the engines: step version + 1 + k may be sampled."""
         self._submit(version + 1 + self.k)
 
-    def take(self, step: int) -> tuple[list, list, dict]:
-        """Collective: ``(records, groups, metrics)`` of ``step``, every group at most k versions older than the
-        proximal policy (version step - 1); waits for the engines."""
+    def take(self, step: int) -> Taken:
+        """Collective: the rollouts of ``step``, every group at most k versions older than the proximal policy
+        (version step - 1); waits for the engines."""
         records = self.in_flight.pop(step)
         groups, versions, waited, (busy, idle) = self.engines.collect(("step", step))
         proximal = step - 1
@@ -160,4 +175,4 @@ class RolloutPipeline:
             "async/engine_idle_s": sum(idle) / len(idle),
             "async/in_flight_steps": float(len(self.in_flight)),
         }
-        return records, groups, metrics
+        return Taken(records, groups, versions, metrics)

@@ -226,12 +226,12 @@ class RemoteEngines:
         with self.inbox.cond:
             del self.inbox.wanted[version]
 
-    def take_loaded(self, version: int | None = None, needed: int = 0) -> list[Loaded]:
-        """Rank 0: the Loaded replies received so far (once ``needed`` of them are for ``version``, when given)."""
-        if version is not None:
-            self.inbox.wait(lambda: sum(m.version == version for m in self.inbox.loaded) >= needed)
+    def take_loaded(self, upto: int, needed: int = 0) -> list[Loaded]:
+        """Rank 0: the Loaded replies of versions <= ``upto``, once ``needed`` of them are ``upto``'s."""
+        self.inbox.wait(lambda: sum(m.version == upto for m in self.inbox.loaded) >= needed or not needed)
         with self.inbox.cond:
-            out, self.inbox.loaded = self.inbox.loaded, []
+            out = [m for m in self.inbox.loaded if m.version <= upto]
+            self.inbox.loaded = [m for m in self.inbox.loaded if m.version > upto]
         return out
 
     def take_times(self) -> tuple[list[float], list[float]]:

@@ -64,13 +64,13 @@ class RemoteWeightSync(WeightSync):
             self.pending[version] = self.reference_logprobs()
         return SyncResult(time.perf_counter() - start, total / 1e9, float("nan"), count)
 
-    def verify(self, wait_for: int | None = None) -> tuple[float, float]:
-        """Collective: compare the probes the engines returned so far (all of ``wait_for``'s first); raise
-        WeightSyncError above the tolerance. Returns ``(max diff, max quantization gap)``, nan when none."""
+    def verify(self, upto: int) -> tuple[float, float]:
+        """Collective: compare the probes the engines returned for every version <= ``upto`` (waiting for all of
+        ``upto``'s, when still pending) with the actor's; raise WeightSyncError above the tolerance. Returns
+        ``(max diff, max quantization gap)``, nan when nothing was compared."""
         payload = None
         if self.sender is not None:
-            needed = self.engines.count - self._answers.get(wait_for, 0) if wait_for is not None else 0
-            loaded = self.engines.take_loaded(wait_for, needed)
+            needed = self.engines.count - self._answers.get(upto, 0) if upto in self.pending else 0
             nan3 = (math.nan, math.nan, math.nan)
             payload = [
                 (
@@ -78,7 +78,7 @@ class RemoteWeightSync(WeightSync):
                     m.engine,
                     *(self.compare(m.probe_logprobs, *self.pending[m.version]) if m.version in self.pending else nan3),
                 )
-                for m in loaded
+                for m in self.engines.take_loaded(upto, needed)
             ]
         rows = broadcast_from_rank0(payload)
         for version, *_ in rows:
@@ -86,22 +86,17 @@ class RemoteWeightSync(WeightSync):
             if self._answers[version] == self.engines.count:
                 self.pending.pop(version, None)
                 del self._answers[version]
-        worst = max(rows, key=lambda r: -1.0 if math.isnan(r[3]) else r[3], default=None)
-        if worst is None:
+        compared = [r for r in rows if not math.isnan(r[3])]
+        if not compared:
             return math.nan, math.nan
+        worst = max(compared, key=lambda r: r[3])
         self.raise_if_off(worst[2], worst[3])
-        return worst[2], max((r[4] for r in rows), default=math.nan)
+        return worst[2], max(r[4] for r in compared)
 
     def sync(self, version: int = 0, wait: bool = True) -> SyncResult:
         """Push ``version``; with ``wait`` wait for every engine's probe of it and verify (raises above the
-        tolerance); without, verify what has arrived (``max_logprob_diff`` is nan when nothing has)."""
+        tolerance), as the colocated sync does; without, ``max_logprob_diff`` is nan (verified later, when the
+        first samples of ``version`` are taken)."""
         pushed = self.push_version(version)
-        diff, gap = self.verify(version if wait else None)
+        diff, gap = self.verify(version) if wait else (math.nan, math.nan)
         return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap)
-
-    def finish(self) -> None:
-        """Collective: wait until every pushed version is loaded and verified (the end of a run)."""
-        for version in sorted(self.pending):
-            self.verify(version)
-        if self.sender is not None:
-            self.sender.drain()

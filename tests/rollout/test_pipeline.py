@@ -55,9 +55,10 @@ def _run(k: int, start: int, last: int, engines: FakeEngines, prompts: InFlightP
     pipe.start(start)
     out = {}
     for step in range(start + 1, last + 1):
-        records, groups, metrics = pipe.take(step)
-        assert [g[0].token_ids[0] for g in groups] == [r.prompt_ids[0] for r in records]
-        out[step] = ([r.id for r in records], metrics)
+        taken = pipe.take(step)
+        assert [g[0].token_ids[0] for g in taken.groups] == [r.prompt_ids[0] for r in taken.records]
+        assert len(taken.versions) == len(taken.groups) and max(taken.versions) <= step - 1
+        out[step] = ([r.id for r in taken.records], taken.metrics)
         engines.push(step)  # train, then the weights of version `step`
         pipe.pushed(step)
         if step == stop_after:

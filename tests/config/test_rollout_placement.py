@@ -30,3 +30,21 @@ def test_defaults_are_the_synchronous_colocated_loop():
     assert (r.placement, r.max_staleness, r.engines) == ("colocated", 0, 1)
     sep = load_config(None, ["rollout.placement=separate", "rollout.max_staleness=2", "rollout.engines=3"]).rollout
     assert (sep.placement, sep.max_staleness, sep.engines) == ("separate", 2, 3)
+
+
+def test_separate_engines_need_their_own_gpus(monkeypatch):
+    """launch/preflight.check_engine_gpus (the GPU branch, exercised here with a faked device count)."""
+    import torch
+
+    from pacs_megatron.launch.preflight import check_engine_gpus
+
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = load_config(None, ["parallel.tp=4", "rollout.placement=separate", "rollout.engines=2"])
+    check_engine_gpus(cfg)  # CPU: nothing to check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 5)
+    with pytest.raises(ConfigError, match=r"parallel.world_size=4 \+ rollout.engines=2 = 6, this machine has 5"):
+        check_engine_gpus(cfg)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
+    check_engine_gpus(cfg)

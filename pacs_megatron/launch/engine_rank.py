@@ -4,7 +4,7 @@ Started beside the trainer ranks by the launcher (launch/local.py, launch/ray_la
 srun by trainer rank 0, :func:`spawn_engines`), with the trainer job's store in ``PACS_ROLLOUT_STORE`` and
 its index in ``PACS_ENGINE_INDEX``. It needs no config of its own: trainer rank 0 sends the resolved one
 (rollout/protocol.py). Then it builds its engine (HF or vLLM; GPU ``cuda:0`` of its CUDA_VISIBLE_DEVICES,
-else CPU with OMP_NUM_THREADS threads), joins the weight group (weight_sync/transport.py) and serves the
+else CPU with OMP_NUM_THREADS threads), joins the weight group (weight_sync/remote.py) and serves the
 trainer (rollout/server.py) until told to close.
 
 An engine is no trainer rank: RANK / WORLD_SIZE / MASTER_* are dropped from its environment (vLLM's external
@@ -85,7 +85,7 @@ def serve() -> int:
     from pacs_megatron.rollout import build_engine
     from pacs_megatron.rollout.protocol import Failed, Ready, connect_store, engine_listen, recv, send
     from pacs_megatron.rollout.server import EngineServer
-    from pacs_megatron.weight_sync.transport import WeightGroup, receive_buckets
+    from pacs_megatron.weight_sync.remote import WeightGroup, receive_buckets
 
     for k in TRAINER_ENV:
         os.environ.pop(k, None)

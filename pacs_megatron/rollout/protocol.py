@@ -6,7 +6,7 @@ Two planes, as in verl / OpenRLHF:
 - control (this module): one authenticated ``multiprocessing.connection`` per engine, pickled messages in
   both directions. Commands are served in order (FIFO per engine): that order is what bounds staleness
   (rollout/pipeline.py);
-- data (weight_sync/transport.py): the weights, over a gloo (CPU) / NCCL (GPU) process group of trainer
+- data (weight_sync/remote.py): the weights, over a gloo (CPU) / NCCL (GPU) process group of trainer
   rank 0 and the engines.
 
 Rendezvous through the trainer job's own TCPStore (``MASTER_ADDR:MASTER_PORT``, hosted by rank 0 or the
@@ -84,7 +84,7 @@ class LoadWeights:
     version: int
     """Policy version of the weights (the RL step that produced them); stamped on later samples."""
     layout: list
-    """Per bucket: the tensor layout weight_sync/transport.py sends (names, shapes, dtypes, offsets)."""
+    """Per bucket: the tensor layout weight_sync/remote.py sends (names, shapes, dtypes, offsets)."""
     probe: list[list[int]] = field(default_factory=list)
     """Token sequences whose log-probs the engine returns once loaded (the post-sync probe, engine side)."""
 

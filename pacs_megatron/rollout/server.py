@@ -8,7 +8,7 @@
 Commands are served strictly in arrival order, one at a time: a Generate queued after a LoadWeights is
 sampled with those weights, which is what bounds staleness (rollout/pipeline.py). Every sample of a Result
 carries the version of the weights it was drawn with. The receiving side of the weight group is injected
-(``receive``: weight_sync/transport.py), so this module knows engines and messages only.
+(``receive``: weight_sync/remote.py), so this module knows engines and messages only.
 
 A failure while serving is reported to the trainer as :class:`~pacs_megatron.rollout.protocol.Failed` with
 its traceback (the trainer raises it, naming the engine) before this process exits 1.

@@ -18,7 +18,7 @@ from _dist import run_distributed
 
 from pacs_megatron.rollout.protocol import connect_store
 from pacs_megatron.weight_sync import iter_buckets
-from pacs_megatron.weight_sync.transport import WeightGroup, WeightSender, nbytes, pack, receive_buckets, unpack
+from pacs_megatron.weight_sync.remote import WeightGroup, WeightSender, nbytes, pack, receive_buckets, unpack
 
 
 def _named(version: int) -> list[tuple[str, torch.Tensor]]:

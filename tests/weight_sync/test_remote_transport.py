@@ -1,4 +1,4 @@
-"""The weights' data plane to engines on other ranks (weight_sync/transport.py, issue 31 item 1), with real
+"""The weights' data plane to engines on other ranks (weight_sync/remote.py, issue 31 item 1), with real
 processes: a gloo group of a "trainer" (rank 0) and two "engines", made from the job's TCPStore beside the
 default group, as the trainer and engine processes do.
 

@@ -50,6 +50,7 @@ def preflight(cfg: RunConfig) -> None:
     check_vllm_context(cfg)
     check_engine_gpus(cfg)
     warn_unused(cfg)
+    warn_uncorrected_staleness(cfg)
 
 
 def check_reward(cfg: RunConfig) -> None:
@@ -221,3 +222,20 @@ def check_engine_gpus(cfg: RunConfig) -> None:
             f"{cfg.parallel.world_size} + rollout.engines={cfg.rollout.engines} = {need}, this machine has {have}: "
             "lower one of them, or use launcher.kind=ray on a cluster"
         )
+
+
+def warn_uncorrected_staleness(cfg: RunConfig) -> None:
+    """rollout.max_staleness > 0 without importance weights: stale samples are used as if drawn from the
+    proximal policy (on the CPU default k = 1 then degraded to reward 0.48 at step 200, 1.00 with tis:
+    docs/benchmarks.md). A warning, not an error: a recipe that moves little per step may not need them."""
+    from pacs_megatron.utils.logging import get_logger
+
+    if cfg.rollout.max_staleness and cfg.algorithm.rollout_correction == "none":
+        if os.environ.get("PACS_LAUNCHER_KIND") != "local":  # once, by the launcher, not by every rank
+            get_logger(__name__).warning(
+                "rollout.max_staleness=%d with algorithm.rollout_correction=none: samples up to %d policy versions "
+                "old are trained on as if drawn from the current one; algorithm.rollout_correction=tis weights them "
+                "(docs/async.md)",
+                cfg.rollout.max_staleness,
+                cfg.rollout.max_staleness,
+            )

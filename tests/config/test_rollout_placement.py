@@ -48,3 +48,17 @@ def test_separate_engines_need_their_own_gpus(monkeypatch):
         check_engine_gpus(cfg)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
     check_engine_gpus(cfg)
+
+
+def test_staleness_without_correction_is_warned_once_by_the_launcher(monkeypatch, caplog):
+    from pacs_megatron.launch.preflight import warn_uncorrected_staleness
+
+    monkeypatch.delenv("PACS_LAUNCHER_KIND", raising=False)
+    stale = ["rollout.placement=separate", "rollout.max_staleness=2"]
+    with caplog.at_level("WARNING", logger="pacs_megatron"):
+        warn_uncorrected_staleness(load_config(None, stale))
+        warn_uncorrected_staleness(load_config(None, [*stale, "algorithm.rollout_correction=tis"]))
+        monkeypatch.setenv("PACS_LAUNCHER_KIND", "local")  # a rank of the local launcher: its parent warned
+        warn_uncorrected_staleness(load_config(None, stale))
+    warned = [r.getMessage() for r in caplog.records if "rollout_correction=none" in r.getMessage()]
+    assert len(warned) == 1 and "up to 2 policy versions old" in warned[0]

@@ -2,7 +2,8 @@
 engine processes beside them (rollout.placement=separate).
 
 (1) k = 0 is the synchronous loop: 2 trainer ranks (TP=2) + 2 engine processes log the same metrics, bit for
-    bit, as the colocated run (validation included); only timings and the transport's own metrics differ;
+    bit, as the colocated run (validation included); only timings and the transport's own metrics differ.
+    The separate run is started by torchrun (its rank 0 starts the engines), the colocated one by our launcher;
 (2) k = 2 with batches in flight: killed with SIGKILL after a checkpoint, resumed: every step is logged once,
     each step trained exactly its prompts of the uninterrupted stream (none lost, none twice), the checkpoint's
     sampler state names the batches in flight, and the staleness restarts from the checkpoint's weights;
@@ -16,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -42,7 +44,11 @@ def _algorithm(row: dict) -> dict:
 def test_k0_separate_is_the_synchronous_loop_bit_for_bit(tmp_path):
     val = ["trainer.test_freq=3", "trainer.val_max_problems=8"]
     _run(tmp_path / "colocated", 3, *val)
-    sep = _run(tmp_path / "separate", 3, *val, "rollout.placement=separate", "rollout.engines=2")
+    cmd = train_cmd(tmp_path / "separate", 3, *SHORT, *val, "rollout.placement=separate", "rollout.engines=2")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+    sep = subprocess.run([*torchrun, "pacs_megatron.launch", *cmd[4:]], capture_output=True, text=True, timeout=900)
+    assert sep.returncode == 0, sep.stderr[-4000:]
+    assert "started 2 rollout engine process(es)" in sep.stderr  # by trainer rank 0
     assert "2 rollout engine(s) ready on their own processes (gloo)" in sep.stderr
     a, b = metrics_rows(tmp_path / "colocated"), metrics_rows(tmp_path / "separate")
     assert sorted(a) == sorted(b) == [1, 2, 3] and "val/arith/pass@1" in a[3]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from pacs_megatron import stages
+from pacs_megatron import sampling_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.rollout.pipeline import InFlightPrompts, RolloutPipeline
 
@@ -31,15 +31,18 @@ def start_pipeline(cfg: RunConfig, c, resumed_step: int) -> RolloutPipeline:
 
 def take_batch(cfg: RunConfig, c, pipe: RolloutPipeline, step: int):
     """Wait for step ``step``'s rollouts (at most k versions old), verify the weight versions they were sampled
-    with, and assemble the batch: ``(batch, metrics, samples)`` as stages.collect_batch returns."""
+    with, and assemble the batch: ``(batch, metrics, samples)`` as sampling_stages.collect_step returns (overlong
+    shaping included; dynamic sampling is refused with this loop: config/switches.py)."""
     taken = pipe.take(step)
     # An engine answers in order: the probes of every version up to these samples' have arrived. Verifying
     # exactly those (not whatever else came in by now) keeps the metrics independent of timing.
     diff, _ = c.sync.verify(max(taken.versions))
-    batch, m, samples = stages.assemble_batch(cfg, c, taken.records, taken.groups, step)
+    scored = stages.score_groups(c, taken.records, taken.groups)
+    batch, m, samples = stages.assemble_batch(cfg, c, scored, step)
+    batch, shaping = sampling_stages.shape_overlong(cfg, batch, scored)
     if not math.isnan(diff):
         m["sync/verified_logprob_diff"] = diff
-    return batch, taken.metrics | m, samples
+    return batch, taken.metrics | m | shaping, samples
 
 
 def push_weights(cfg: RunConfig, c, step: int) -> dict:

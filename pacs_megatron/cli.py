@@ -14,12 +14,12 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("pacs_megatron.launch.cli", "train with PACS / GRPO / PPO-clip (spawns local ranks unless launched)"),
-    "eval": ("pacs_megatron.eval.cli", "sample n answers per problem and report unbiased pass@k"),
-    "parity": ("pacs_megatron.actor.parity", "compare Megatron log-probs with Hugging Face transformers"),
-    "plot": ("pacs_megatron.utils.plot", "render PNG curves from OUTPUT_DIR/metrics.jsonl"),
+    "eval": ("pacs_megatron.tools.eval", "sample n answers per problem and report unbiased pass@k"),
+    "parity": ("pacs_megatron.tools.parity", "compare Megatron log-probs with Hugging Face transformers"),
+    "plot": ("pacs_megatron.tools.plot", "render PNG curves from OUTPUT_DIR/metrics.jsonl"),
     "doctor": ("pacs_megatron.tools.doctor", "report the environment a run would use; --config: layout and GPU memory"),
     "selftest": ("pacs_megatron.tools.selftest", "check this machine: extension, kernel, parity, training, sync"),
-    "export": ("pacs_megatron.actor.export", "write a checkpoint as a Hugging Face model (safetensors + tokenizer)"),
+    "export": ("pacs_megatron.tools.export", "write a checkpoint as a Hugging Face model (safetensors + tokenizer)"),
     "compare": ("pacs_megatron.tools.compare", "PACS vs GRPO vs PPO over seeds with a tuned lr each (JSON + PNG)"),
 }
 

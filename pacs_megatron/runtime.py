@@ -212,6 +212,7 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     from pacs_megatron.reward import RewardScorer
     from pacs_megatron.rollout import build_engine
     from pacs_megatron.weight_sync import WeightSync
+    from pacs_megatron.weight_sync.quantize import vllm_fp8_config
 
     tokenizer = load_tokenizer(cfg.model.tokenizer or str(rt.model_dir), cfg.data.chat_template)
     dataset = build_train_dataset(cfg, tokenizer)
@@ -220,7 +221,8 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     if cfg.rollout.placement == "separate":  # engines on their own ranks (docs/async.md)
         dataset, engine, sync = _separate_engines(cfg, rt, dataset, actor)
     else:
-        engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device)
+        # FP8 rollouts on vLLM: the sync tells the engine the layout of the weights it will send
+        engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
         sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
     critic = build_critic(cfg, rt.groups, actor)
     return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync, critic)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,16 +59,42 @@ def val_sampling(cfg: RunConfig) -> SamplingParams:
     )
 
 
-def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, dict, list]:
-    """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
-    groups = generate_sharded(c.engine, [r.prompt_ids for r in records], train_sampling(cfg), step)
-    return assemble_batch(cfg, c, records, groups, step)
+@dataclass(frozen=True)
+class ScoredGroups:
+    """One generation round: prompts, their ``n`` responses each, and the verifier's scores.
+
+    Example:
+        >>> ScoredGroups(records=[], groups=[], scores=[], reward_metrics={}).rows()
+        []
+    """
+
+    records: list
+    """``[P]`` PromptRecords, in the order they were drawn."""
+    groups: list[list[Response]]
+    """``[P][n]`` responses, group p answering records[p]."""
+    scores: list[float]
+    """``[P * n]`` verifiable rewards, group-major."""
+    reward_metrics: dict
+    """The scorer's counters of this round (reward/errors, ...)."""
+
+    def rows(self) -> list[tuple]:
+        """``(record, response)`` per row, group-major."""
+        return [(rec, resp) for rec, group in zip(self.records, self.groups) for resp in group]
 
 
-def assemble_batch(
-    cfg: RunConfig, c, records, groups: list[list[Response]], step: int
-) -> tuple[TrainBatch, dict, list]:
-    """Score the responses of ``records`` (``groups``: n per prompt) and pack the step's batch (every rank)."""
+def generate_scored(cfg: RunConfig, c, records, step: int, round_: int = 0) -> ScoredGroups:
+    """Sample ``n`` responses per prompt and score them (all rows, every rank). ``round_`` > 0 (a further
+    generation round of dynamic sampling) draws from its own seed, reproducibly."""
+    sampling = train_sampling(cfg)
+    if round_:
+        sampling = replace(sampling, seed=cfg.rollout.seed + 104_729 * round_)
+    groups: list[list[Response]] = generate_sharded(c.engine, [r.prompt_ids for r in records], sampling, step)
+    return score_groups(c, records, groups)
+
+
+def score_groups(c, records, groups: list[list[Response]]) -> ScoredGroups:
+    """Score the responses of ``records`` (``groups``: n per prompt, sampled here or by the engines of the
+    asynchronous loop); collective, every rank gets every score."""
     flat = [(rec, resp) for rec, group in zip(records, groups) for resp in group]
     scores, reward_metrics = score_rollouts(
         c.scorer,
@@ -78,6 +105,17 @@ def assemble_batch(
         sharded=True,
         step=True,
     )
+    return ScoredGroups(list(records), groups, scores, reward_metrics)
+
+
+def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, dict, list]:
+    """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
+    return assemble_batch(cfg, c, generate_scored(cfg, c, records, step), step)
+
+
+def assemble_batch(cfg: RunConfig, c, scored: ScoredGroups, step: int) -> tuple[TrainBatch, dict, list]:
+    """Pack scored rollouts into the step's batch, with its metrics and a few samples for rollouts.jsonl."""
+    flat, scores, reward_metrics = scored.rows(), scored.scores, scored.reward_metrics
     batch = build_train_batch(
         [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8
     )
@@ -119,6 +157,9 @@ def prepare_local_batch(
     out = actor.compute_logprobs(
         local, mbs, cfg.rollout.temperature, with_entropy=True, mini_batch_groups=cfg.mini_batch_prompts // dp_size
     )
+    if getattr(actor, "reference", None) is not None:  # algorithm.kl_loss_coef > 0 (actor/reference.py)
+        ref = actor.compute_ref_logprobs(local, mbs, cfg.rollout.temperature, cfg.mini_batch_prompts // dp_size)
+        local = local.with_(ref_logp=ref)
     metrics = {}
     if getattr(out, "entropy", None) is not None:
         m = local.response_mask.float()
@@ -191,4 +232,8 @@ def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dic
         algo.is_cap,
         algo.resolved_is_level,
     )
-    return (local if w is None else local.with_(is_weights=w)), metrics
+    if w is None:  # no correction: is_weights (if any) are the truncation weights, unchanged
+        return local, metrics
+    if local.is_weights is not None:  # truncated rows already weighted 0 (algorithm.overlong.mask_truncated)
+        w = w * local.is_weights
+    return local.with_(is_weights=w), metrics

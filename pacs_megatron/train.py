@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from pacs_megatron import async_stages, critic_stages, stages
+from pacs_megatron import async_stages, critic_stages, sampling_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.config.training import stop_deadline
 from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
@@ -102,8 +102,7 @@ def _sync_steps(run: _Run, start: int) -> tuple[int, int | None]:
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         timer, t0 = PhaseTimer(), time.perf_counter()
         with timer("rollout"):
-            records = c.dataset.next_batch(cfg.trainer.train_batch_size)
-            batch, metrics, samples = stages.collect_batch(cfg, c, records, step)
+            batch, metrics, samples = sampling_stages.collect_step(cfg, c, step)  # prompts, rollouts, rewards
             c.engine.sleep()  # colocated: free the engine's memory while the actor trains
         metrics |= _update(run, batch, timer)
         with timer("sync"):

@@ -10,6 +10,10 @@ slime's ``tests/_cp_dist_helpers.py``; torch's DTensorTestBase is private API).
 Each child: one intra-op thread (the machine has 2 cores), ``init_process_group("gloo")`` on a free
 localhost port, the body, then ``destroy_process_group`` (4-rank runs otherwise crash at exit now
 and then). A failure in any rank fails the test with that rank's traceback.
+
+The children of a CPU test see no GPU (``CUDA_VISIBLE_DEVICES=""``), so the CPU suite runs the same on
+a GPU machine: the actor picks CUDA whenever it sees it, and two gloo ranks then shared one GPU and died
+of SIGSEGV (seen on an H100, 2026-11-25). GPU tests pass ``gpu=True``: NCCL, one GPU per rank.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import torch.multiprocessing as mp
 from pacs_megatron.utils.dist import free_port
 
 
-def _child(rank: int, world_size: int, port: int, out_dir: str, fn, args, kwargs) -> None:
+def _child(rank: int, world_size: int, port: int, out_dir: str, gpu: bool, fn, args, kwargs) -> None:
+    if not gpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA in this child
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -38,7 +44,12 @@ def _child(rank: int, world_size: int, port: int, out_dir: str, fn, args, kwargs
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.pt"
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if gpu:
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args, **kwargs)
         torch.save({"ok": True, "result": result}, out)
     except BaseException:
@@ -55,12 +66,15 @@ def _child(rank: int, world_size: int, port: int, out_dir: str, fn, args, kwargs
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, **kwargs) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` gloo processes."""
+def run_distributed(fn, world_size: int, *args, gpu: bool = False, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` gloo processes on CPU, or with
+    ``gpu=True`` in NCCL processes, one GPU each."""
+    if gpu and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"{world_size} NCCL ranks need {world_size} GPUs, {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
             _child,
-            args=(world_size, free_port(), tmp, fn, args, kwargs),
+            args=(world_size, free_port(), tmp, gpu, fn, args, kwargs),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -1,5 +1,6 @@
 """The Megatron-Core actor: GPTModel from HF configs and weights, log-probs, the PACS train step,
-checkpoints and HF export. Import :class:`MegatronActor` from here."""
+checkpoints and HF weights (the ``export`` and ``parity`` commands are in tools/). Import
+:class:`MegatronActor` from here."""
 
 from pacs_megatron.actor.actor import LogprobResult, MegatronActor
 

@@ -33,13 +33,14 @@ from pacs_megatron.actor.optimizer import (
     use_distributed_optimizer,
     wrap_ddp,
 )
+from pacs_megatron.actor.reference import ReferencePolicy
 from pacs_megatron.actor.thd import use_thd
 from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, train_loss_func
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights
 from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.data.packing import pack_micro_batches, token_budget
-from pacs_megatron.pacs import get_loss
+from pacs_megatron.pacs import get_loss, regularize
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
 
@@ -85,6 +86,9 @@ def _seed_for_init(seed: int, on_gpu: bool) -> None:
 
 class MegatronActor:
     """The trainable policy (see module docstring)."""
+
+    reference: ReferencePolicy | None = None
+    """The frozen reference policy of the KL term (algorithm.kl_loss_coef > 0), else None: nothing built."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups, model_dir: str) -> None:
         from transformers import AutoConfig
@@ -133,6 +137,8 @@ class MegatronActor:
         self.nan_skipped_steps = 0
         """Steps skipped because the loss or a metric (log-probs, old log-probs) was NaN/inf."""
         self.offloader = ActorOffload(self.model, self.optimizer, groups.device)
+        if cfg.algorithm.kl_loss_coef > 0:
+            self.reference = ReferencePolicy(self)
         if cfg.actor.offload_during_rollout:  # free the (empty) grad buffer before the engine sizes its memory
             self.offload()
         n_params = sum(p.numel() for c in self.model for p in c.parameters())
@@ -175,6 +181,16 @@ class MegatronActor:
         seq_logp = (token_logp * batch.response_mask.to(token_logp.dtype)).sum(dim=-1)
         return LogprobResult(token_logp, seq_logp, entropy)
 
+    def compute_ref_logprobs(
+        self, batch: TrainBatch, micro_batch_size: int, temperature: float, mini_batch_groups: int = 0
+    ) -> torch.Tensor:
+        """No-grad ``[B, T]`` log-probs of the frozen reference policy (needs algorithm.kl_loss_coef > 0),
+        on the micro-batches of :meth:`compute_logprobs` (collective)."""
+        if self.reference is None:
+            raise ValueError("compute_ref_logprobs needs a reference policy: set algorithm.kl_loss_coef > 0")
+        packed = self._packed(batch, mini_batch_groups)
+        return self.reference.logprobs(self, batch, micro_batch_size, temperature, packed, self.thd)
+
     # ------------------------------------------------------------------ training
 
     def _loss_config(self, name: str):
@@ -188,6 +204,9 @@ class MegatronActor:
         reduced over DP and identical on every rank."""
         name = loss_name or self.cfg.algorithm.loss
         loss = get_loss(name)
+        if name == self.cfg.algorithm.loss:  # the RL loss gets the recipe's KL / entropy terms, if any
+            a = self.cfg.algorithm
+            loss = regularize(loss, a.kl_loss_coef, a.kl_loss_type, a.entropy_coeff)
         check_train_batch(batch, loss, name)
         mbs = self.cfg.algorithm.micro_batch_size
         packed = self._packed(batch, 0)
@@ -277,6 +296,8 @@ class MegatronActor:
         was_offloaded = self.offloader.offloaded
         self.offloader.restore()
         ckpt.save_actor_checkpoint(self, path, extra_state)
+        if self.reference is not None:
+            self.reference.save(self, path)
         if was_offloaded:  # a save between update and rollout: keep the rollout's memory free
             self.offloader.offload()
 
@@ -284,5 +305,7 @@ class MegatronActor:
         """Restore a checkpoint written at any TP/PP layout; returns the saved extra_state (collective)."""
         self.offloader.restore()
         extra = ckpt.load_actor_checkpoint(self, path)
+        if self.reference is not None:
+            self.reference.load(path)
         apply_lr_config(self.optimizer, self.scheduler, self.cfg)  # a changed lr applies on resume
         return extra

@@ -301,9 +301,25 @@ def build_model_chunks(spec: ModelSpec, config, groups: ParallelGroups) -> list:
         )
         if spec.rope_scaling is not None:
             model.rotary_pos_emb.inv_freq = llama3_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
+        _cast_parameters(model, config.params_dtype)
         model.to(groups.device)
         chunks.append(model)
     return chunks
+
+
+def _cast_parameters(model, dtype: torch.dtype) -> None:
+    """Every floating parameter in ``dtype``, as megatron's Float16Module leaves a bf16 model.
+
+    Without Transformer Engine or Apex, the local spec's norms are ``torch.nn.RMSNorm(hidden)``, built
+    without ``params_dtype``: fp32 weights in a bf16 model. The distributed optimizer then lists fp32
+    shards before bf16 ones in each param group while its index map keeps the model's order, so its
+    checkpoint state read the wrong tensors (a size-mismatch crash at the first save, seen on an H100
+    without TE, 2026-11-25); and the norms ran torch's slow mixed-dtype path. The router's fp32 maths is
+    a compute dtype (``moe_router_dtype``) and is unaffected.
+    """
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def _moe_block_spec(config, te: bool, vp_stage: int | None, pp_rank: int):

@@ -17,7 +17,7 @@ Design
   model the plain optimizer's params ARE the model params and are skipped.
 - On CUDA the copies are non-blocking into pinned memory, then one synchronize before the device
   storages are freed. On CPU the same code runs (host buffers unpinned), which is what the test
-  exercises; the GPU path is WRITTEN FOR GPU, NEVER RUN HERE.
+  exercises; the GPU path ran once, on an H100 without TE (tests/actor/test_actor_gpu.py, 2026-11-25).
 """
 
 from __future__ import annotations

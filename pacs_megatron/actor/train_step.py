@@ -58,7 +58,9 @@ def train_loss_func(
     (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight."""
 
     def loss_func(logits):
-        token_logp, _ = token_logprobs(logits, ids, spec, groups, temperature, inplace_backward=True)
+        token_logp, entropy = token_logprobs(
+            logits, ids, spec, groups, temperature, with_entropy=loss.needs_entropy, inplace_backward=True
+        )
         dev = token_logp.device
         mask = mb.response_mask.to(dev)
         old = mb.old_logp.to(dev)
@@ -71,6 +73,8 @@ def train_loss_func(
             advantages=None if mb.advantages is None else mb.advantages.to(dev),
             group_ids=mb.group_ids.to(dev),
             is_weights=None if mb.is_weights is None else mb.is_weights.to(dev),
+            ref_logp=None if mb.ref_logp is None else mb.ref_logp.to(dev),
+            entropy=entropy,
         )
         value, metrics = loss.fn(inputs, loss_cfg)
         denom = loss.denominator(inputs, loss_cfg)

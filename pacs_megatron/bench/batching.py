@@ -209,17 +209,27 @@ def _print_report(report: dict) -> None:
     )
 
 
+def _rank_main(args, workdir: Path, tp: int) -> int:
+    """One rank's measurement, left in ``workdir`` for the process that started the job. The environment
+    is put back afterwards: a one-rank job run in the driver sets RANK / WORLD_SIZE (parallel/groups.py),
+    which would make the next ``--tp`` job look as if a launcher had already started its ranks."""
+    env = dict(os.environ)
+    try:
+        result = run_rank(args, workdir, tp)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    (workdir / f"rank{result['rank']}.json").write_text(json.dumps(result))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     from pacs_megatron.bench.sync import _write_model_dir
-    from pacs_megatron.launch.local import spawn_local
-    from pacs_megatron.utils.dist import under_launcher
+    from pacs_megatron.launch.local import on_ranks
 
     tps = [int(x) for x in str(args.tp).split(",")]
-    if under_launcher():  # one rank of a TP job
-        workdir = Path(args.workdir)
-        result = run_rank(args, workdir, int(os.environ["WORLD_SIZE"]))
-        (workdir / f"rank{result['rank']}.json").write_text(json.dumps(result))
-        return 0
+    if args.workdir:  # one rank of a TP job started below
+        return _rank_main(args, Path(args.workdir), int(os.environ["WORLD_SIZE"]))
     report = {"args": {k: v for k, v in vars(args).items() if k != "workdir"}, "runs": []}
     report["load_avg_at_start"] = [round(x, 2) for x in os.getloadavg()]
     shape = SimpleNamespace(
@@ -236,10 +246,8 @@ def main(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="pacs_batching_bench_") as tmp:
             workdir = Path(tmp)
             _write_model_dir(workdir, shape)
-            if tp == 1:
-                report["runs"].append(run_rank(args, workdir, 1))
-                continue
-            code = spawn_local(["pacs_megatron.bench.batching", *sys.argv[1:], "--workdir", str(workdir)], tp)
+            argv = ["pacs_megatron.bench.batching", *sys.argv[1:], "--workdir", str(workdir)]
+            code = on_ranks(argv, tp, lambda: _rank_main(args, workdir, tp))  # noqa: B023 - called at once
             if code:
                 return code
             report["runs"].append(json.loads((workdir / "rank0.json").read_text()))

@@ -236,27 +236,27 @@ def _print_report(report: dict) -> None:
     )
 
 
-def main(args: argparse.Namespace) -> int:
-    from pacs_megatron.launch.local import spawn_local
-    from pacs_megatron.utils.dist import under_launcher
+def _rank_main(args: argparse.Namespace, workdir: Path) -> int:
+    """One rank's measurement, left in ``workdir`` for the process that started the job."""
+    result = run_rank(args, workdir)
+    (workdir / f"rank{result['rank']}.json").write_text(json.dumps(result))
+    return 0
 
-    if under_launcher():  # one rank of a --tp N job (or of any launcher)
-        workdir = Path(args.workdir)
-        result = run_rank(args, workdir)
-        (workdir / f"rank{result['rank']}.json").write_text(json.dumps(result))
-        return 0
+
+def main(args: argparse.Namespace) -> int:
+    from pacs_megatron.launch.local import on_ranks
+
+    if args.workdir:  # one rank of the --tp N job started below
+        return _rank_main(args, Path(args.workdir))
     env = _environment(args)
     with tempfile.TemporaryDirectory(prefix="pacs_sync_bench_") as tmp:
         workdir = Path(tmp)
         _write_model_dir(workdir, args)
-        if args.tp > 1:
-            argv = [a for a in sys.argv[1:]] + ["--workdir", str(workdir)]
-            code = spawn_local(["pacs_megatron.bench.sync", *argv], args.tp)
-            if code:
-                return code
-            ranks = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(args.tp)]
-        else:
-            ranks = [run_rank(args, workdir)]
+        argv = ["pacs_megatron.bench.sync", *sys.argv[1:], "--workdir", str(workdir)]
+        code = on_ranks(argv, args.tp, lambda: _rank_main(args, workdir))
+        if code:
+            return code
+        ranks = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(args.tp)]
     report = {"environment": env, "args": {k: v for k, v in vars(args).items() if k != "workdir"}, "ranks": ranks}
     _print_report(report)
     if args.json:

@@ -5,7 +5,8 @@ Loaded from YAML with ``a.b.c=value`` overrides through OmegaConf structured con
     cfg = load_config("examples/configs/cpu_tiny.yaml", ["trainer.total_steps=5", "parallel.tp=1"])
 
 Every field carries a docstring; ``__post_init__`` raises :class:`ConfigError` naming the field and
-the fix. Checks that need the model (TP divides the heads, ...) run at start-up in ``parallel/``.
+the fix. Checks that need the model (TP divides the heads, ...) run at start-up in ``parallel/``; checks
+that need the device, an import or the file system are launch/preflight.py's. config/ runs no such code.
 """
 
 from pacs_megatron.config.base import ConfigError

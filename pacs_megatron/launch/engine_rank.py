@@ -85,6 +85,7 @@ def serve() -> int:
     from pacs_megatron.rollout import build_engine
     from pacs_megatron.rollout.protocol import Failed, Ready, connect_store, engine_listen, recv, send
     from pacs_megatron.rollout.server import EngineServer
+    from pacs_megatron.weight_sync.quantize import vllm_fp8_config
     from pacs_megatron.weight_sync.remote import WeightGroup, receive_buckets
 
     for k in TRAINER_ENV:
@@ -104,7 +105,8 @@ def serve() -> int:
 
             context = single_rank_launcher_env()  # vLLM's own world of one, for the engine's lifetime
         with context:
-            engine = build_engine(cfg, init.model_dir, tokenizer, device)
+            # FP8 rollouts on vLLM: built for the FP8 data + scales the trainer sends (RemoteEngines.fp8_weights)
+            engine = build_engine(cfg, init.model_dir, tokenizer, device, vllm_fp8_config(cfg.rollout))
             send(conn, Ready(engine=index, device=str(device)))
             group = WeightGroup(init.backend, store, 1 + index, 1 + init.engines, device, timeout_s)
             code = EngineServer(index, engine, conn, lambda msg: receive_buckets(group, msg.layout)).serve()

@@ -1,5 +1,6 @@
 """Start N local ranks of a command, as ``torchrun --standalone`` would, so one-line commands work
-without a launcher. Under torchrun / srun (RANK and WORLD_SIZE set) nothing is spawned.
+without a launcher. Under torchrun / srun (RANK and WORLD_SIZE set) nothing is spawned: :func:`on_ranks`
+makes that choice for every command (train, export, parity, the benchmarks).
 
 The parent forwards SIGTERM / SIGUSR1 / SIGINT to every child (they checkpoint and exit 143, or 130
 after Ctrl-C; a second Ctrl-C stops them at once), and when one child fails it gives the others a
@@ -22,9 +23,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from pacs_megatron.launch.engine_rank import STARTED_ENV, spawn_engines
-from pacs_megatron.utils.dist import free_port
+from pacs_megatron.utils.dist import free_port, under_launcher
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from pacs_megatron.utils.proc import die_with_parent
@@ -52,6 +54,21 @@ def rank_env(rank: int, world_size: int, port: int, engines: int = 0) -> dict[st
     if engines:
         env[STARTED_ENV] = "1"
     return env
+
+
+def on_ranks(module_argv: list[str], world_size: int, rank_main: Callable[[], int], engines=None) -> int:
+    """Start ``world_size`` local ranks unless a launcher already did: the one place commands decide it.
+
+    Inside a rank (torchrun, srun, Ray or this spawner set RANK and WORLD_SIZE), or when one rank is
+    enough, ``rank_main()`` runs here and its exit code is returned. Otherwise ``python -m
+    <module_argv...>`` starts as ``world_size`` ranks (:func:`spawn_local`), each of which comes back here
+    as a rank, and the job's exit code is returned. ``engines``: the RunConfig of a
+    ``rollout.placement=separate`` run, whose engine processes start beside the ranks, so it spawns
+    even at one rank.
+    """
+    if under_launcher() or (world_size <= 1 and engines is None):
+        return rank_main()
+    return spawn_local(module_argv, world_size, engines)
 
 
 def spawn_local(module_argv: list[str], world_size: int, engines=None) -> int:

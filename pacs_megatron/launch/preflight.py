@@ -10,6 +10,9 @@ one traceback per rank; here it costs a second. What needs no file system (``rol
 the RLOO / GRPO estimators, divisibility, choices) is already checked by the config dataclasses'
 ``__post_init__``; this module adds:
 
+- ``rollout.quantization`` / ``rollout.quant_recipe`` and ``actor.routing_replay``: runnable on this
+  device with this install (modelopt importable, recipe runs on CPU, vLLM's FP8 scale layouts, routing
+  replay only where vLLM can return routed experts): launch/device_checks.py;
 - ``reward.fn``: importable, callable, and its signature takes ``(prompt, response, ground_truth, extra)``;
 - ``trainer.resume`` (``--resume``): a named checkpoint directory exists, and the checkpoint a resume
   would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
@@ -36,11 +39,13 @@ import os
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig
+from pacs_megatron.launch.device_checks import check_device
 from pacs_megatron.utils.resume import preflight_resume
 
 
 def preflight(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` for the first problem found (see the module docstring)."""
+    check_device(cfg)
     check_model_paths(cfg)
     check_reward(cfg)
     check_resume(cfg)

@@ -32,6 +32,7 @@ import sys
 from datetime import datetime
 
 from pacs_megatron.config import ConfigError, load_config
+from pacs_megatron.launch.device_checks import check_device
 from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 USAGE = "python -m pacs_megatron.launch.slurm plan --nodes N --nproc-per-node P --config FILE [a.b=c ...]"
@@ -130,6 +131,7 @@ def job_end_unix(job_id: str | None = None) -> float:
 def plan(nodes: int, nproc_per_node: int, config: str, overrides: list[str]) -> list[str]:
     """The overrides srun adds for this allocation; raises ConfigError with one line when it cannot fit."""
     cfg = load_config(config, overrides)
+    check_device(cfg)  # quantized rollouts, routing replay: before the job's ranks start
     par = cfg.parallel
     world = nodes * nproc_per_node
     model = par.tp * par.pp

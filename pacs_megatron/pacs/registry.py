@@ -50,6 +50,10 @@ class LossInputs:
     is_weights: torch.Tensor | None = None
     """Rollout-correction importance weights (pacs/rollout_correction.py): ``[B, T]`` per token or ``[B, 1]``
     per sequence; None: no correction."""
+    ref_logp: torch.Tensor | None = None
+    """``[B, T]`` log-probs of the frozen reference policy (``algorithm.kl_loss_coef`` > 0; pacs/regularizers.py)."""
+    entropy: torch.Tensor | None = None
+    """``[B, T]`` token entropy of the current policy, differentiable (``algorithm.entropy_coeff`` > 0)."""
 
 
 LossFn = Callable[[LossInputs, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
@@ -64,6 +68,8 @@ class LossSpec:
     """Whether the trainer must compute outcome advantages for it before the update."""
     unit: str = "row"
     """What the returned mean averages over: "row", "token", or "agg" (the config's loss_agg_mode)."""
+    needs_entropy: bool = False
+    """Whether the loss reads ``LossInputs.entropy`` (the train step then asks the kernel for it)."""
 
     def denominator(self, inputs: LossInputs, config: Any) -> torch.Tensor:
         """How many units (response tokens or rows) this micro-batch's mean averages over; units that

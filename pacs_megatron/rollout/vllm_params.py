@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pacs_megatron.rollout.base import PROBE_LEN
 from pacs_megatron.rollout.types import Response, SamplingParams
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -62,9 +63,11 @@ def llm_kwargs(
     weights_on_disk: bool,
     gpu_free_total: tuple[int, int] | None = None,
     device_type: str = "cuda",
+    fp8_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``vllm.LLM(**kwargs)`` for this run: colocated (external launcher), seeded; sleepable on GPU.
     With ``actor.routing_replay=rollout`` on GPU (never run) vLLM returns each token's routed experts.
+    With ``fp8_config`` (FP8 rollouts, GPU, never run) vLLM loads FP8 weights: :func:`fp8_llm_kwargs`.
 
     A model directory without weights (``model.init=random|tiny``) loads vLLM's dummy weights; the first
     weight sync replaces them.
@@ -78,9 +81,6 @@ def llm_kwargs(
         >>> kw["dtype"], kw["enable_sleep_mode"], kw["enforce_eager"], kw["kv_cache_memory_bytes"]
         ('float32', False, True, 1073741824)
     """
-    from pacs_megatron.weight_sync.sync import PROBE_LEN
-    from pacs_megatron.weight_sync.vllm_push import fp8_llm_kwargs
-
     v = cfg.rollout.vllm
     cpu = device_type == "cpu"
     util = v.gpu_memory_utilization
@@ -107,11 +107,32 @@ def llm_kwargs(
     }
     if cpu:
         kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * 2**30)
-    if cfg.actor.routing_replay == "rollout" and not cpu:  # refused on CPU (config/actor.py)
+    if cfg.actor.routing_replay == "rollout" and not cpu:  # refused on CPU (launch/device_checks.py)
         # vLLM's AuxOutput connector: needs Model Runner V2 (picked by default on CUDA with Triton; vLLM
         # raises "requires Model Runner V2" otherwise) and prefix caching (set above)
         kwargs["enable_return_routed_experts"] = True
-    return kwargs | fp8_llm_kwargs(cfg.rollout)
+    return kwargs | fp8_llm_kwargs(fp8_config)
+
+
+def fp8_llm_kwargs(quantization_config: dict[str, Any] | None) -> dict[str, Any]:
+    """Extra ``vllm.LLM`` kwargs for FP8 weights (empty for None): vLLM's FP8 linear method with
+    ``quantization_config``, the layout of the weights the sync sends (weight_sync/quantize.py
+    ``vllm_fp8_config``), declared as a serialized FP8 checkpoint, and dummy initial weights (the bf16
+    checkpoint on disk is not FP8; the trainer syncs before step 1). The reload (rollout/vllm_reload.py)
+    re-runs vLLM's FP8 post-load processing after every sync. GPU only: vLLM's CPU backend has no FP8
+    kernels (``_C::static_scaled_fp8_quant`` is a stub there). Written for GPU, never run.
+
+    Example:
+        >>> fp8_llm_kwargs(None), fp8_llm_kwargs({"quant_method": "fp8"})["hf_overrides"]
+        ({}, {'quantization_config': {'quant_method': 'fp8'}})
+    """
+    if quantization_config is None:
+        return {}
+    return {
+        "quantization": "fp8",
+        "hf_overrides": {"quantization_config": quantization_config},
+        "load_format": "dummy",
+    }
 
 
 def request_seed(seed: int, prompt_index: int) -> int:

@@ -59,8 +59,8 @@ from pacs_megatron.tools.compare_report import (
     run_score,
     table,
 )
+from pacs_megatron.tools.plot import read_metrics
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.plot import read_metrics
 from pacs_megatron.utils.proc import die_with_parent
 
 logger = get_logger(__name__)
@@ -265,10 +265,12 @@ def _stop_runs(running: dict, grace_s: float = 120.0) -> None:
 def check_validates(args: argparse.Namespace) -> str | None:
     """Why the runs would never validate (the comparison's score), or None: checked before any run starts."""
     from pacs_megatron.config import ConfigError, load_config
+    from pacs_megatron.launch.device_checks import check_device
 
     steps = [f"trainer.total_steps={args.steps}"] if args.steps else []
     try:
         cfg = load_config(args.config, [*args.overrides, *steps])
+        check_device(cfg)  # a quantization the device cannot run fails every run: say so before any starts
     except ConfigError as e:
         return str(e)
     t = cfg.trainer

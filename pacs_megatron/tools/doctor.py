@@ -169,9 +169,11 @@ def problems(report: dict) -> list[tuple[str, str]]:
 def config_report(config: str, overrides: list[str], gpu_gib: float | None, gpus: list[dict]) -> dict:
     from pacs_megatron.config import ConfigError, load_config
     from pacs_megatron.launch.cli import layout_summary
+    from pacs_megatron.launch.device_checks import check_device
     from pacs_megatron.tools.memory import estimate_run
 
     cfg = load_config(config, overrides)  # a ConfigError here: nothing more to check
+    check_device(cfg)  # quantized rollouts, routing replay: runnable here (as the preflight checks)
     out: dict = {"engine": cfg.rollout.engine}
     try:
         out["layout"] = layout_summary(cfg)  # heads over TP, layers over PP, TE/Apex for sequence parallel
@@ -219,6 +221,7 @@ def _text(report: dict, found: list[tuple[str, str]]) -> str:
         lines.append(
             f"memory/GPU  params {m['params_gib']:.1f} + grads {m['grads_gib']:.1f} + optimizer "
             f"{m['optimizer_gib']:.1f} GiB; activations {m['activations_gib']:.1f}; vLLM {m['vllm_gib']:.1f}"
+            + (f"; KL reference {m['reference_gib']:.1f}" if m.get("reference_gib") else "")
         )
         lines.append(
             f"            rollout {m['rollout_gib']:.1f} GiB, training {m['train_gib']:.1f} GiB of "

@@ -12,6 +12,12 @@ From the Hugging Face ``config.json`` and the run config, for the worst pipeline
   working set; without it ~34 bytes per token per hidden unit and layer (Korthikanti et al. 2022,
   flash attention so no seq^2 term; /TP with sequence parallelism, (10 + 24/TP) without), plus the
   fp32 logits and their gradient (8 bytes x seq x micro-batch x vocab / TP).
+- reference policy (``algorithm.kl_loss_coef`` > 0, actor/reference.py): the parameters once more in
+  the actor's dtype (2 or 4 bytes per parameter of the rank's shard), no gradients or optimizer state;
+  resident in both phases, or in neither with ``actor.offload_reference`` (host memory, brought in
+  only for its log-prob pass, between rollout and training). 0 when the coefficient is 0. The entropy
+  bonus (``algorithm.entropy_coeff``) costs nothing here: the fused kernel returns the entropy from
+  its one pass over the logits and its backward writes into the logits buffer (no N x V tensor).
 - vLLM: ``gpu_memory_utilization`` x the GPU's memory while awake (weights + KV cache + graphs);
   asleep (``enable_sleep_mode``) it frees that, colocated it holds it during training otherwise.
 
@@ -51,6 +57,8 @@ class MemoryPlan:
     """Resident while the actor trains."""
     gpu_gib: float
     """The GPU's memory the plan is compared with."""
+    reference_gib: float = 0.0
+    """The frozen reference policy of the KL term, resident in both phases (0: none, or offloaded)."""
 
     @property
     def peak_gib(self) -> float:
@@ -120,9 +128,12 @@ def estimate(
     vllm_sleeps: bool = True,
     offload_during_rollout: bool = False,
     ep: int = 1,
+    reference: bool = False,
+    offload_reference: bool = False,
 ) -> MemoryPlan:
     """The plan for one rank (see the module docstring for each term). ``vllm_utilization=0`` means no
-    colocated vLLM (the HF engine); ``offload_during_rollout`` moves the actor to CPU while vLLM runs."""
+    colocated vLLM (the HF engine); ``offload_during_rollout`` moves the actor to CPU while vLLM runs;
+    ``reference``: a KL reference policy, kept in host memory with ``offload_reference``."""
     c = param_counts(hf)
     layers = c["layers"] // pp
     stage_layers = layers * (c["layer_split"] / tp + c["layer_norms"] + c["experts"] / ep + c["router"])
@@ -148,9 +159,10 @@ def estimate(
     act_gib = act / GIB
     vllm = vllm_utilization * gpu_gib
     actor = params + grads + optimizer
-    rollout = (0.0 if offload_during_rollout else actor) + vllm
-    train = actor + act_gib + (0.0 if vllm_sleeps else vllm)
-    return MemoryPlan(n, params, grads, optimizer, act_gib, vllm, rollout, train, gpu_gib)
+    ref = params if reference and not offload_reference else 0.0
+    rollout = (0.0 if offload_during_rollout else actor) + vllm + ref
+    train = actor + act_gib + (0.0 if vllm_sleeps else vllm) + ref
+    return MemoryPlan(n, params, grads, optimizer, act_gib, vllm, rollout, train, gpu_gib, ref)
 
 
 def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | None = None) -> MemoryPlan:
@@ -177,4 +189,6 @@ def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | N
         vllm_sleeps=vllm.enable_sleep_mode,
         offload_during_rollout=offload_during_rollout,
         ep=getattr(par, "ep", 1),
+        reference=cfg.algorithm.kl_loss_coef > 0,
+        offload_reference=bool(getattr(getattr(cfg, "actor", None), "offload_reference", False)),
     )

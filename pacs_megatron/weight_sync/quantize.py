@@ -181,3 +181,13 @@ class WeightQuantizer:
         if block:
             out["weight_block_size"] = [int(block.get(-2, block.get(0))), int(block.get(-1, block.get(1)))]
         return out
+
+
+def vllm_fp8_config(rollout) -> dict[str, Any] | None:
+    """What the vLLM engine must be built with (``build_engine(..., fp8_config=...)``) to load the FP8 weights
+    this sync sends (``rollout.quantization=fp8`` with ``rollout.engine=vllm``): vLLM's ``quantization_config``
+    of the recipe (:meth:`WeightQuantizer.vllm_quantization_config`); None for any other run. The engine
+    never reads the recipe itself: the sender describes what it sends. Imports modelopt only for FP8."""
+    if rollout.quantization != "fp8" or rollout.engine != "vllm":
+        return None
+    return WeightQuantizer(rollout.quantization, rollout.quant_recipe, rollout.quant_exclude).vllm_quantization_config()

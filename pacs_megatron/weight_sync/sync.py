@@ -23,11 +23,10 @@ import torch
 
 from pacs_megatron.config import RolloutConfig, SyncConfig
 from pacs_megatron.data.batching import TrainBatch, build_train_batch
-from pacs_megatron.rollout.base import RolloutEngine
+from pacs_megatron.rollout.base import PROBE_LEN, RolloutEngine
 from pacs_megatron.weight_sync.buckets import iter_buckets
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-PROBE_LEN = 24
 
 
 class WeightSyncError(RuntimeError):

@@ -1,6 +1,6 @@
 """The actor on one GPU (TE layer spec when Transformer Engine imports, local spec otherwise).
 
-Written for GPU, never run here (the development machine has no GPU). Run with ``pytest -m gpu``.
+Passed on an H100 without Transformer Engine (local spec), 2026-11-25. Run with ``pytest -m gpu``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def _gpu_body(rank, world, model_dir, dtype):
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-3), ("bfloat16", 1e-1)])
 def test_one_gpu_actor(tmp_path, dtype, tol):
     model_dir = make_qwen2(tmp_path / "m", vocab=255)
-    # the gloo helper starts the process group; init_distributed keeps it and selects cuda:0
-    r = run_distributed(_gpu_body, 1, model_dir, dtype)[0]
+    # the helper starts an NCCL process group; init_distributed keeps it and selects cuda:0
+    r = run_distributed(_gpu_body, 1, model_dir, dtype, gpu=True)[0]
     assert r["device"].startswith("cuda") and dtype in r["dtype"]
     orig = load_file(f"{model_dir}/model.safetensors")
     cast = {k: v.to(getattr(torch, dtype)).float() for k, v in orig.items()}
@@ -79,8 +79,8 @@ def _offload_body(rank, world, model_dir):
 
 def test_offload_frees_gpu_memory_and_restores(tmp_path):
     """actor.offload_during_rollout on CUDA: Adam state + fp32 main params + grad buffer leave the GPU
-    (pinned host copies) and come back for the next step. Written for GPU, never run here."""
+    (pinned host copies) and come back for the next step. Passed on an H100, 2026-11-25."""
     model_dir = make_qwen2(tmp_path / "m", vocab=255)
-    r = run_distributed(_offload_body, 1, model_dir)[0]
+    r = run_distributed(_offload_body, 1, model_dir, gpu=True)[0]
     assert r["moved"] > 0 and r["resident"] - r["offloaded"] >= 0.9 * r["moved"], r  # the device bytes really went
     assert r["after"] >= 0.9 * r["resident"] and r["metrics"]["actor/nan_skipped_steps"] == 0.0

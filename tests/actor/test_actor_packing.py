@@ -137,6 +137,6 @@ def test_thd_matches_padded_on_gpu(model_dir):
 
     if not torch.cuda.is_available() or not have_transformer_engine():
         pytest.skip("needs a GPU and Transformer Engine")
-    r = run_distributed(_thd_body, 1, model_dir)[0]
+    r = run_distributed(_thd_body, 1, model_dir, gpu=True)[0]
     valid = valid_positions(sample_batch(VOCAB, groups=GROUPS))
     assert r["thd"] and (r[True] - r[False])[valid].abs().max() <= 1e-3

@@ -18,6 +18,14 @@ from pacs_megatron.config import ConfigError, load_config
             ["rollout.placement=separate", "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2"],
             "set rollout.vllm.tensor_parallel_size=1 and raise rollout.engines",
         ),
+        (  # dynamic sampling draws more rounds per step; the pipeline samples fixed batches ahead
+            ["rollout.placement=separate", "algorithm.filter_groups=mixed"],
+            "algorithm.filter_groups=mixed with rollout.placement=separate: .* set algorithm.filter_groups=none",
+        ),
+        (
+            ["rollout.placement=separate", "rollout.max_staleness=1", "algorithm.filter_groups=mixed"],
+            "cannot draw more generation rounds",
+        ),
     ],
 )
 def test_bad_placement_settings_name_the_key(overrides, message):

@@ -5,12 +5,12 @@ import logging
 
 from pacs_megatron.config import ArithTaskConfig, RewardConfig
 from pacs_megatron.data.synthetic import arith_problems, arith_records, build_arith_tokenizer
-from pacs_megatron.eval import cli
 from pacs_megatron.eval.cache import cache_key, differences, model_fingerprint
 from pacs_megatron.eval.progress import EvalProgress
 from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.reward import RewardScorer
 from pacs_megatron.rollout.types import Response, SamplingParams
+from pacs_megatron.tools import eval as cli
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -4,7 +4,7 @@ shape of model) in float32, against the HF transformers engine.
 (a) prompt log-probs equal the HF engine's; (b) seeded generation repeats and per-request seeds are
 independent; (c) the reload sync round trip on the tied model, whose LM head vLLM's reload leaves stale on
 CPU (1.5 nats off without ``refresh_tied_lm_head``, measured), and a partial sync raises. The untied round
-trip is tests/weight_sync/test_vllm_reload.py.
+trip is tests/rollout/test_vllm_reload.py.
 """
 
 from __future__ import annotations

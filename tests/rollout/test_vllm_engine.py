@@ -4,7 +4,7 @@ layout, vLLM outputs -> :class:`Response`, the sync stream's name checks, the vL
 The output records follow vLLM 0.32's shapes: ``RequestOutput.outputs`` (``CompletionOutput`` with
 ``index``, ``token_ids``, ``finish_reason``, ``logprobs`` = one ``{token: Logprob}`` dict per generated
 token) and ``RequestOutput.prompt_logprobs`` (None at position 0). The real engine runs on CPU in
-tests/rollout/test_vllm_cpu.py and tests/weight_sync/test_vllm_reload.py; GPU (never run):
+tests/rollout/test_vllm_cpu.py and tests/rollout/test_vllm_reload.py; GPU (never run):
 ``pytest -m gpu tests/rollout/test_vllm_engine.py`` on a machine with vllm 0.32.
 """
 
@@ -30,8 +30,8 @@ from pacs_megatron.rollout.vllm_params import (
     to_responses,
     vllm_replica,
 )
+from pacs_megatron.rollout.vllm_reload import SyncStream, expected_hf_names
 from pacs_megatron.weight_sync import iter_buckets
-from pacs_megatron.weight_sync.vllm_push import SyncStream, expected_hf_names
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
 

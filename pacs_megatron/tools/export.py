@@ -10,7 +10,7 @@ shape it was trained with are read from its ``extra_state.json`` (``--model-dir`
 hold the same shape). Only the model is built and loaded (no DDP buffers, no optimizer: an export
 needs a third of the memory of training) through megatron's dist_checkpointing, which reshards, so
 any ``--tp/--pp`` loads any checkpoint; by default the checkpoint's own TP x PP, so what fit in
-training fits here. Started by hand it spawns ``tp * pp`` local ranks itself (launch/local.py);
+training fits here. Started by hand it spawns ``tp * pp`` local ranks itself (launch/local.py ``on_ranks``);
 under torchrun it uses the ranks it finds. The weights are written by ``actor/weights.save_hf``, the
 same code as ``trainer.export_hf``, so both give the same files.
 """
@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
-from pacs_megatron.launch.local import spawn_local
+from pacs_megatron.launch.local import on_ranks
 from pacs_megatron.utils.checkpoint import MARKER
 from pacs_megatron.utils.checkpoint_check import MEGATRON_DIR, checkpoint_problem, parameter_dtype, read_extra_state
-from pacs_megatron.utils.dist import under_launcher
 from pacs_megatron.utils.logging import get_logger, init_logging
 
 logger = get_logger(__name__)
@@ -114,14 +113,12 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("export: %s", e)
         return 2
-    if not under_launcher() and tp * pp > 1:
-        argv = ["pacs_megatron", "export", args.checkpoint, args.out, "--tp", str(tp), "--pp", str(pp)]
-        argv += ["--dtype", args.dtype] + (["--model-dir", args.model_dir] if args.model_dir else [])
-        return spawn_local(argv, tp * pp)
-    return run(args, model_dir, tokenizer_dir, tp, pp)
+    argv = ["pacs_megatron", "export", args.checkpoint, args.out, "--tp", str(tp), "--pp", str(pp)]
+    argv += ["--dtype", args.dtype] + (["--model-dir", args.model_dir] if args.model_dir else [])
+    return on_ranks(argv, tp * pp, lambda: run(args, model_dir, tokenizer_dir, tp, pp))
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="pacs_megatron.actor.export")
+    parser = argparse.ArgumentParser(prog="pacs_megatron.tools.export")
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

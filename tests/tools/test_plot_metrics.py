@@ -5,8 +5,8 @@ import json
 import pytest
 
 from pacs_megatron.cli import main as cli_main
+from pacs_megatron.tools.plot import read_metrics
 from pacs_megatron.utils.metrics import MetricsWriter
-from pacs_megatron.utils.plot import read_metrics
 
 
 def test_writer_truncates_on_resume_and_plot(tmp_path):

@@ -1,54 +1,14 @@
-"""Evaluation end to end: the library entry with a scripted engine (known metrics), and the
-``pacs-megatron eval`` command on CPU with a tiny random Qwen2 and the shared Qwen2.5 tokenizer."""
+"""The ``pacs-megatron eval`` command end to end on CPU with a tiny random Qwen2 and the shared Qwen2.5
+tokenizer (the library entry with a scripted engine: tests/eval/test_eval_runner.py)."""
 
 import argparse
 import json
 
 import pytest
 
-from pacs_megatron.config import ArithTaskConfig, RewardConfig, TinyModelConfig
-from pacs_megatron.data.synthetic import arith_problems, arith_records, build_arith_tokenizer, tiny_qwen2_config
-from pacs_megatron.eval import cli
-from pacs_megatron.eval.runner import evaluate
-from pacs_megatron.reward import RewardScorer
-from pacs_megatron.rollout.types import Response, SamplingParams
-
-
-class ScriptedEngine:
-    """Answers each prompt with scripted texts (one per sample), whatever the sampling."""
-
-    def __init__(self, tok, script: dict[str, list[str]]):
-        self.tok, self.script, self.calls = tok, script, []
-
-    def generate(self, prompt_token_ids, sampling):
-        self.calls.append(sampling)
-        out = []
-        for ids in prompt_token_ids:
-            texts = self.script[self.tok.decode(list(ids))][: sampling.n]
-            out.append([Response(tuple(self.tok(t)["input_ids"]), t, "stop") for t in texts])
-        return out
-
-
-@pytest.mark.parametrize("sharded", [False, True])
-def test_evaluate_metrics_and_rows(sharded):
-    tok = build_arith_tokenizer()
-    recs = arith_records(arith_problems(ArithTaskConfig(max_operand=1, modulo=0)), tok)  # 0+0 0+1 1+0 1+1
-    script = {"0+0=": ["0", "0"], "0+1=": ["1", "2"], "1+0=": ["2", "3"], "1+1=": ["2", "0"]}
-    engine = ScriptedEngine(tok, script)
-    sampling = SamplingParams(n=2, max_tokens=2, seed=3)
-    with RewardScorer(RewardConfig(fn="arith", num_workers=0)) as scorer:
-        metrics, rows = evaluate(engine, {"x": recs[:2], "y": recs[2:]}, sampling, [1, 2], scorer, sharded=sharded)
-    # x: [1,1] and [1,0] -> pass@1 (1 + .5)/2, pass@2 1; y: [0,0] and [1,0] -> pass@1 .25, pass@2 .5
-    assert metrics["val/x/pass@1"] == pytest.approx(0.75) and metrics["val/x/pass@2"] == pytest.approx(1.0)
-    assert metrics["val/y/pass@1"] == pytest.approx(0.25) and metrics["val/y/pass@2"] == pytest.approx(0.5)
-    assert metrics["val/overall/pass@1"] == pytest.approx(0.5)
-    assert metrics["val/reward_errors"] == 0 and metrics["val/reward_timeouts"] == 0
-    assert [r["id"] for r in rows] == ["arith-0+0", "arith-0+1", "arith-1+0", "arith-1+1"]
-    assert rows[1]["responses"] == ["1", "2"] and rows[1]["scores"] == [1.0, 0.0] and rows[1]["dataset"] == "x"
-    assert rows[3]["prompt"] == "1+1=" and rows[3]["answer"] == "2"
-    assert len(engine.calls) == 1  # all datasets in one generate call
-    with pytest.raises(ValueError, match="k=\\[4\\]"):
-        evaluate(engine, {"x": recs}, sampling, [4], scorer)
+from pacs_megatron.config import TinyModelConfig
+from pacs_megatron.data.synthetic import tiny_qwen2_config
+from pacs_megatron.tools import eval as cli
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import threading
 import time
@@ -125,11 +124,10 @@ def _megatron_ready(device: torch.device) -> str | None:
         from megatron.core import parallel_state
 
         if not dist.is_initialized():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            from pacs_megatron.utils.dist import free_port
+
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(port))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)

@@ -91,14 +91,12 @@ def single_rank_launcher_env():
     """Within: a process not started by torchrun is a world of one rank for vLLM's external launcher
     (``pacs-megatron eval --engine vllm``): RANK/LOCAL_RANK 0, WORLD_SIZE 1, a free local port. Variables
     already set are kept; the environment is restored on exit (child processes must not inherit them)."""
-    import socket
+    from pacs_megatron.utils.dist import free_port
 
     if all(k in os.environ for k in _LAUNCHER_ENV):
         yield
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     saved = dict(os.environ)
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     os.environ.update({k: v for k, v in env.items() if k not in os.environ})

@@ -27,12 +27,18 @@ import torch
 from pacs_megatron.launch.local import on_ranks
 from pacs_megatron.utils.checkpoint import MARKER
 from pacs_megatron.utils.checkpoint_check import MEGATRON_DIR, checkpoint_problem, parameter_dtype, read_extra_state
+from pacs_megatron.utils.checkpoint_data import TRUST, load_common
 from pacs_megatron.utils.logging import get_logger, init_logging
 
 logger = get_logger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Trust: every pickle in the checkpoint is checked to hold data only (code is refused, nothing runs), "
+        "then megatron loads it with pickle (weights_only=False), which a file changed in between escapes: "
+        f"{TRUST}."
+    )
     p.add_argument("checkpoint", help="a checkpoint directory (OUTPUT_DIR/checkpoints/step_XXXXXXXX)")
     p.add_argument("out", help="output Hugging Face model directory")
     p.add_argument("--tp", type=int, default=0, help="tensor-parallel size to load at (default: the checkpoint's)")
@@ -62,7 +68,7 @@ def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
         )
     check_model_unchanged(extra.get("model"), json.loads((Path(model_dir) / "config.json").read_text()), ckpt)
     tokenizer_dir = model_cfg.get("tokenizer") if not args.model_dir else ""
-    layout = torch.load(ckpt / MEGATRON_DIR / "common.pt", map_location="cpu", weights_only=False).get("layout", {})
+    layout = load_common(ckpt / MEGATRON_DIR).get("layout", {})
     return model_dir, tokenizer_dir or model_dir, args.tp or layout.get("tp", 1), args.pp or layout.get("pp", 1)
 
 

@@ -6,7 +6,10 @@ A megatron ``torch_dist`` checkpoint lists every byte range it wrote in ``megatr
 exist and be at least ``offset + length`` bytes long. That catches a deleted shard, a truncated
 shard (a copy cut short, a full disk) and a missing ``.metadata``; it cannot catch bytes flipped
 inside a shard (that would take reading every shard, i.e. a full load). The small files (the common
-state ``common.pt``, ``metadata.json``, the trainer's ``extra_state.json``) are parsed in full.
+state ``common.pt``, ``metadata.json``, the trainer's ``extra_state.json``) are parsed in full, and so
+are the small pickled objects inside the shards (RNG states): every pickle is read as data only
+(utils/checkpoint_data.py), so a tampered checkpoint is refused, with one line, before megatron loads it.
+A critic or a KL reference policy saved beside the actor (:data:`OPTIONAL_DIRS`) is checked the same way.
 
 Kept free of megatron imports, so the launcher can run it before any rank starts.
 """
@@ -16,18 +19,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pacs_megatron.utils.checkpoint_data import UnsafeCheckpoint, check_objects, load_common, read_metadata
+
 MEGATRON_DIR = "megatron"
 EXTRA_STATE = "extra_state.json"
 EXTRA_KEYS = ("step", "dataset")
+OPTIONAL_DIRS = ("critic/megatron", "reference")
+"""Other dist checkpoints a step may hold, loaded on resume when present: a PPO run's critic
+(runtime.py) and the KL term's frozen reference policy (actor/reference.py)."""
 
 
 def _shard_problem(megatron_dir: Path) -> str | None:
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not (megatron_dir / ".metadata").is_file():
         return f"{MEGATRON_DIR}/.metadata is missing"
     try:
-        metadata = FileSystemReader(str(megatron_dir)).read_metadata()
+        metadata = read_metadata(megatron_dir)
+    except UnsafeCheckpoint as e:
+        return str(e)
     except Exception as e:  # unpickling a damaged file raises anything
         return f"{MEGATRON_DIR}/.metadata is unreadable ({type(e).__name__}: {e})"
     needed: dict[str, int] = {}
@@ -42,19 +50,24 @@ def _shard_problem(megatron_dir: Path) -> str | None:
         have = f.stat().st_size
         if have < size:
             return f"shard {MEGATRON_DIR}/{name} is truncated ({have} of {size} bytes)"
+    try:
+        check_objects(megatron_dir, metadata)
+    except UnsafeCheckpoint as e:
+        return str(e)
+    except Exception as e:
+        return f"a pickled object in the {MEGATRON_DIR}/ shards is unreadable ({type(e).__name__}: {e})"
     return None
 
 
 def _common_problem(megatron_dir: Path) -> str | None:
-    import torch
-
     for name in ("metadata.json", "common.pt"):
         if not (megatron_dir / name).is_file():
             return f"{MEGATRON_DIR}/{name} is missing"
     try:
         json.loads((megatron_dir / "metadata.json").read_text())
-        # Our own file (scheduler, counters, layout): plain Python objects, so weights_only is too strict.
-        torch.load(megatron_dir / "common.pt", map_location="cpu", weights_only=False)
+        load_common(megatron_dir)
+    except UnsafeCheckpoint as e:
+        return str(e)
     except Exception as e:
         return f"{MEGATRON_DIR}/common state is unreadable ({type(e).__name__}: {e})"
     return None
@@ -88,14 +101,21 @@ def checkpoint_problem(path: str | Path) -> str | None:
         return "the directory does not exist"
     if not (root / MEGATRON_DIR).is_dir():
         return f"{MEGATRON_DIR}/ is missing"
-    return _extra_problem(root) or _common_problem(root / MEGATRON_DIR) or _shard_problem(root / MEGATRON_DIR)
+    problem = _extra_problem(root) or _megatron_problem(root / MEGATRON_DIR)
+    for name in OPTIONAL_DIRS:
+        if problem is None and (root / name).is_dir():
+            problem = _megatron_problem(root / name)
+            problem = problem and f"{name.split('/')[0]}: {problem}"
+    return problem
+
+
+def _megatron_problem(megatron_dir: Path) -> str | None:
+    return _common_problem(megatron_dir) or _shard_problem(megatron_dir)
 
 
 def parameter_dtype(path: str | Path):
     """The dtype the model weights were saved in (read from ``.metadata``, no shard is opened)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(Path(path) / MEGATRON_DIR)).read_metadata()
+    metadata = read_metadata(Path(path) / MEGATRON_DIR)
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith(("embedding.", "decoder.")) and hasattr(meta, "properties"):
             return meta.properties.dtype

@@ -4,8 +4,10 @@ rewards, metrics). Model-parallel groups live in ``parallel/``; these never touc
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -18,12 +20,53 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+_PORTS_FROM = 20000
+"""Reserved ports start here: above the fixed ports of common services and Ray's default worker range (10002-19999)."""
+
+
+def _ephemeral_start() -> int:
+    """First port of the kernel's ephemeral range (the ports ``bind(port 0)`` and ``connect`` hand out)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS and Windows start at 49152
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports, each free on every interface (torch's TCPStore and Ray listen on all of
+    them, so a port free on 127.0.0.1 only, another job's on the machine's address, would fail with
+    EADDRINUSE).
+
+    All ``n`` are held at once while they are chosen, so no two are equal: ports picked one at a time
+    can repeat (18 of 20,000 runs of six ``bind(port 0)`` calls gave a duplicate here), and Ray refuses
+    a port named twice (ray-project/ray#45484). They are drawn at random below the kernel's ephemeral
+    range, where no port-0 bind or outgoing connection (of a process Ray starts meanwhile, say) takes
+    one before its user binds it, and not from the seedable ``random``: two processes seeded alike
+    would draw the same ports. The kernel's own picks are the fallback where that range is too small.
+    """
+    low, high = _PORTS_FROM, _ephemeral_start()
+    held: list[socket.socket] = []
+    try:
+        tries = 0
+        while len(held) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            port = random.SystemRandom().randrange(low, high) if high - low >= 1000 and tries < 1000 else 0
+            tries += 1
+            try:
+                s.bind(("", port))
+            except OSError:  # in use (or held by this call already)
+                s.close()
+                continue
+            held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
 def free_port() -> int:
-    """A TCP port free on every interface: torch's TCPStore listens on all of them, so a port free on
-    127.0.0.1 only (another job's on the machine's address) would fail with EADDRINUSE."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """One port of :func:`free_ports`."""
+    return free_ports(1)[0]
 
 
 def rank_and_world() -> tuple[int, int]:

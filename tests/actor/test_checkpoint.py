@@ -7,6 +7,8 @@ check the HF import -> export round trip of a sharded checkpoint and save_hf.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,3 +122,24 @@ def test_resume_same_layout_is_exact(saved):
     assert torch.equal(r["lp_loaded"], s["lp_saved"])
     assert r["m_next"] == s["m_next"], "resumed step's loss/metrics differ from the uninterrupted run"
     assert all(torch.equal(r["w_next"][k], s["w_next"][k]) for k in s["w_next"])
+
+
+# Reads every pickle of the checkpoint as data (utils/checkpoint_data.py) in a process that never imported
+# megatron, as the launcher does: megatron's own allow-list (registered on import) must not be needed.
+_CHECK_AS_DATA = """
+import sys
+from pacs_megatron.utils.checkpoint_data import check_objects, load_common, read_metadata
+meg = sys.argv[1] + "/megatron"
+common = load_common(meg)
+check_objects(meg, read_metadata(meg))
+assert "megatron" not in sys.modules
+print(common["layout"])
+"""
+
+
+@pytest.mark.distributed
+def test_real_checkpoint_reads_as_data(saved):
+    """A megatron-core 0.16.1 checkpoint (TP=2, RNG states, modules' _extra_state) holds only allowed data."""
+    ckpt_dir = saved[1]
+    proc = subprocess.run([sys.executable, "-c", _CHECK_AS_DATA, ckpt_dir], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and "'tp': 2" in proc.stdout, proc.stderr[-2000:]

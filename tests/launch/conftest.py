@@ -23,5 +23,6 @@ def slurm():
     try:
         yield cluster
     finally:
+        cluster.cancel_jobs()
         cluster.stop()
         shutil.rmtree(cluster.root, ignore_errors=True)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pacs_megatron.utils.dist import free_port
+from pacs_megatron.utils.dist import free_ports
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sacct")
 
@@ -111,6 +111,17 @@ class SlurmCluster:
             time.sleep(0.5)
         raise AssertionError(f"job {job} still {state} after {timeout}s (wanted {states}); logs in {self.root}")
 
+    def cancel_jobs(self, timeout: float = 90.0) -> None:
+        """Cancel every job of this cluster and wait until none is left (their ranks get KillWait to
+        checkpoint): a job a failed test left running would hold the nodes, so every later test's job
+        would wait behind it, and its ranks would outlive the cluster's daemons."""
+        jobs = self.run("squeue", "-h", "-o", "%A", check=False).split()
+        if jobs:
+            self.run("scancel", *jobs, check=False)
+        end = time.monotonic() + timeout
+        while self.run("squeue", "-h", "-o", "%A", check=False).split() and time.monotonic() < end:
+            time.sleep(1)
+
     def logs(self) -> str:
         return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.root.glob("*.log")))
 
@@ -140,7 +151,7 @@ def start_cluster(timeout: float = 60.0) -> SlurmCluster:
     for d in ("state", "spool"):
         (root / d).mkdir()
     sock = munge_dir / "munge.socket"
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     root.joinpath("slurm.conf").write_text(
         SLURM_CONF.format(root=root, munge_socket=sock, ctld_port=ports[0], port1=ports[1], port2=ports[2])
     )

@@ -25,8 +25,6 @@ import pytest
 from _launch_helpers import gone_within, wait_until
 from _runs import metrics_rows, train_cmd
 
-from pacs_megatron.utils.dist import free_port
-
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SMALL = [
@@ -50,23 +48,13 @@ def job_server():
         import ray.dashboard.optional_deps  # noqa: F401 - what the job server imports
     except ImportError as e:
         pytest.skip(f"the Ray job server needs `pip install -e .[ray-jobs]` (ray[default]): {e}")
-    from _ray_cluster import _node_args
-    from ray.cluster_utils import Cluster
+    from _ray_cluster import node_args, start_cluster
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # inherited by the raylet, its job supervisor and the driver
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    port = free_port()
-    head = _node_args() | {
-        "num_cpus": 1,  # the rank's bundle; the job supervisor takes none
-        "gcs_server_port": free_port(),
-        "include_dashboard": True,
-        "dashboard_host": "127.0.0.1",
-        "dashboard_port": port,
-        "ray_client_server_port": free_port(),
-    }
-    cluster = Cluster(initialize_head=True, head_node_args=head)
+    # 1 CPU: the rank's bundle; the job supervisor takes none
+    head = node_args(head=True) | {"include_dashboard": True, "dashboard_host": "127.0.0.1"}
+    cluster = start_cluster(head)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{head['dashboard_port']}"
     finally:
         cluster.shutdown()
 

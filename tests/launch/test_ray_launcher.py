@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -260,6 +261,26 @@ def test_doctor_distributed_under_ray(ray_cluster, tmp_path):
     assert re.search(r"^gloo all-reduce 4 MiB: \d+\.\d+ ms$", out, re.M), out
     assert f"shared {tmp_path / 'shared'}: ok" in out and "ERROR" not in out, out
     sys.stderr.write(f"doctor --distributed on two raylets: {elapsed:.1f}s\n")
+
+
+@pytest.mark.distributed
+def test_cluster_nodes_listen_on_their_pinned_ports(ray_cluster):
+    """The fixture's ports (tests/_ray_cluster.py) are the ones the nodes registered and listen on:
+    distinct, and outside the kernel's ephemeral range, where Ray's port-0 binds land."""
+    from _ray_cluster import AGENT_PORTS
+
+    from pacs_megatron.utils.dist import _ephemeral_start
+
+    nodes = [ray_cluster.head_node, *ray_cluster.worker_nodes]
+    assert len(nodes) == len(ray_cluster.pinned) == 2
+    for node, pinned in zip(nodes, ray_cluster.pinned):
+        assert {k: getattr(node, k) for k in AGENT_PORTS} == {k: pinned[k] for k in AGENT_PORTS}  # as in the GCS
+        for name in AGENT_PORTS:
+            socket.create_connection((node.node_ip_address, pinned[name]), timeout=5).close()  # listening
+    head = ray_cluster.pinned[0]
+    assert ray_cluster.address.endswith(f":{head['gcs_server_port']}")
+    ports = [p for pinned in ray_cluster.pinned for p in pinned.values()]
+    assert len(set(ports)) == len(ports) and all(p < _ephemeral_start() for p in ports), ports
 
 
 def test_rank_order_and_env_pack_tp_groups_on_nodes(monkeypatch):

@@ -1,12 +1,12 @@
 """``examples/slurm/multinode.sbatch`` on a real two-node Slurm (conftest.py: n1, n2 on 127.0.0.1).
 
-- a real time limit: a 2-node job (TP=2 spanning the nodes) submitted with ``--time=2
-  --signal=B:USR1@100``. The controller sends the warning ~20 s in, while the ranks are still
-  loading (this machine starts them in ~40 s): the early handler records it instead of dying, the
-  ranks stop after step 1 with a checkpoint, well before the limit, rank 0 writes the requeue
-  marker, the script requeues from it; the requeued run (warned again) does step 2 and completes.
-  Each step is logged exactly once in metrics.jsonl and rollouts.jsonl, the job never reaches
-  TIMEOUT. This run is also the plain 2-node completion check.
+- a real time limit: a 2-node job (TP=2 spanning the nodes) of 300 steps submitted with ``--time=2
+  --signal=B:USR1@100``. The controller sends the warning ~20 s in, mid-run (or while the ranks still
+  load: the early handler records it, they stop after their first step): the ranks checkpoint, well
+  before the limit, rank 0 writes the requeue marker, the script requeues from it; the requeued run,
+  given a 30-minute limit, resumes and completes. Each step is logged exactly once in metrics.jsonl
+  and rollouts.jsonl, the job never reaches TIMEOUT. This run is also the plain 2-node completion
+  check.
 - a warning that reaches the batch shell before its handlers exist: recorded, forwarded once the rank
   step exists, and the job is requeued (it used to kill the shell: the job FAILED).
 - a user's ``scancel JOB``: the ranks checkpoint within KillWait, the job ends CANCELLED and is not
@@ -36,6 +36,14 @@ SCRIPT = REPO / "examples" / "slurm" / "multinode.sbatch"
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test(slurm):
+    """A test that fails with its job still running must not fail the next ones (their jobs would
+    wait behind it for the two nodes)."""
+    yield
+    slurm.cancel_jobs()
 
 
 def _submit(slurm, work: Path, *args: str, nodes: int = 2, env: dict | None = None, sbatch: tuple = ()) -> str:
@@ -97,6 +105,10 @@ def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_pa
     assert 1 <= stopped < steps, first  # stopped by the warning, not killed, before the end
     assert (out / "checkpoints" / f"step_{stopped:08d}" / "COMPLETE").is_file()
 
+    # The requeued run gets room to finish. With the same 2-minute limit it would be warned 20 s in
+    # again, and on a loaded machine the ranks take longer than that to start (25 s at a load average
+    # of ~30 on 2 cores): each run then does one step, and 300 steps take 300 requeues (seen).
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=30")
     # A requeued job is held (BeginTime) until the first run's job credential expires: 120 s by default,
     # 10 s in this cluster (AuthInfo cred_expire). Releasing it earlier with `scontrol update
     # StartTime=now` races that expiry: slurmd refuses it ("Job credential revoked") and the job FAILS.

@@ -31,6 +31,7 @@ from pacs_megatron.rollout.vllm_params import (
     vllm_replica,
 )
 from pacs_megatron.rollout.vllm_reload import SyncStream, expected_hf_names
+from pacs_megatron.utils.dist import free_port
 from pacs_megatron.weight_sync import iter_buckets
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
@@ -256,14 +257,6 @@ def test_sync_stream_drops_the_tied_alias_and_catches_unknown_repeated_missing(m
     assert len(list(unchecked.tensors([stream]))) == len(stream) and unchecked.finish() == len(stream)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.gpu
 def test_real_engine_matches_transformers_on_gpu(tmp_path, monkeypatch):
     """Written for GPU, never run (vLLM's CUDA wheel was never on a GPU machine with this project): bf16
@@ -283,7 +276,7 @@ def test_real_engine_matches_transformers_on_gpu(tmp_path, monkeypatch):
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     cfg = cfg_for(
         model_dir, "model.dtype=bfloat16", "rollout.vllm.enforce_eager=true", "rollout.vllm.gpu_memory_utilization=0.3"
     )

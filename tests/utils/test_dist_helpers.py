@@ -1,10 +1,13 @@
-"""Sharded map over ranks and the local spawner."""
+"""Sharded map over ranks, the local spawner, and free ports."""
+
+import random
+import socket
 
 import pytest
 from _dist import run_distributed
 
 from pacs_megatron.launch.local import spawn_local
-from pacs_megatron.utils.dist import map_sharded, shard_bounds
+from pacs_megatron.utils.dist import _ephemeral_start, free_ports, map_sharded, shard_bounds
 
 
 def test_shard_bounds_cover_everything():
@@ -37,3 +40,17 @@ def test_spawn_local_reports_failure(tmp_path, monkeypatch):
     script.write_text("import os, sys\nsys.exit(0 if os.environ['WORLD_SIZE'] == '2' else 3)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     assert spawn_local(["ok"], 2) == 0
+
+
+def test_free_ports_are_distinct_free_and_outside_the_ephemeral_range():
+    """200 at once: picked one at a time (kernel's or random), a repeat among 200 is likelier than not."""
+    ports = free_ports(200)
+    assert len(set(ports)) == 200
+    assert all(20000 <= p < _ephemeral_start() for p in ports), ports
+    for p in ports[:20]:
+        with socket.socket() as s:
+            s.bind(("", p))  # free on every interface once returned
+    random.seed(0)  # the seedable generator plays no part: two processes seeded alike draw different ports
+    first = free_ports(4)
+    random.seed(0)
+    assert free_ports(4) != first

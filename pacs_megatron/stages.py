@@ -142,10 +142,22 @@ def assemble_batch(cfg: RunConfig, c, scored: ScoredGroups, step: int) -> tuple[
     return batch, metrics, samples
 
 
+def forward_rows(cfg: RunConfig, dp_size: int) -> int:
+    """Rows of this DP rank's first mini-batch when they take their old log-probs from their training
+    forward (``algorithm.old_logp_from_forward``; pi_theta = pi_old there), else 0."""
+    algo = cfg.algorithm
+    if not algo.old_logp_from_forward or algo.rollout_correction != "none":
+        return 0
+    return cfg.mini_batch_prompts // dp_size * cfg.rollout.n
+
+
 def prepare_local_batch(
     cfg: RunConfig, actor, batch: TrainBatch, dp_rank: int, dp_size: int
 ) -> tuple[TrainBatch, dict]:
-    """This DP rank's groups, with outcome advantages (baselines) and old log-probs filled."""
+    """This DP rank's groups, with outcome advantages (baselines) and old log-probs filled.
+
+    The first :func:`forward_rows` rows get theirs in :func:`update_actor` (from their training forward):
+    their ``old_logp`` holds NaN until then, so any reader before it fails loudly."""
     loss_cfg = cfg.algorithm.loss_config()
     if get_loss(cfg.algorithm.loss).needs_advantages and getattr(loss_cfg, "adv_estimator", "") != "gae":
         batch = batch.with_(advantages=outcome_advantages(batch.scores, batch.group_size, loss_cfg))
@@ -153,29 +165,54 @@ def prepare_local_batch(
         local = dp_balanced_shard(batch, dp_rank, dp_size, cfg.mini_batch_prompts)
     else:
         local = dp_shard(batch, dp_rank, dp_size)
-    mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
-    out = actor.compute_logprobs(
-        local, mbs, cfg.rollout.temperature, with_entropy=True, mini_batch_groups=cfg.mini_batch_prompts // dp_size
-    )
     if getattr(actor, "reference", None) is not None:  # algorithm.kl_loss_coef > 0 (actor/reference.py)
-        ref = actor.compute_ref_logprobs(local, mbs, cfg.rollout.temperature, cfg.mini_batch_prompts // dp_size)
+        ref_mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
+        ref = actor.compute_ref_logprobs(local, ref_mbs, cfg.rollout.temperature, cfg.mini_batch_prompts // dp_size)
         local = local.with_(ref_logp=ref)
-    metrics = {}
-    if getattr(out, "entropy", None) is not None:
-        m = local.response_mask.float()
-        metrics["actor/entropy"] = (out.entropy * m).sum() / m.sum().clamp(min=1.0)
-    local, correction = rollout_mismatch(cfg, local.with_(old_logp=out.token_logp))
+    first = forward_rows(cfg, dp_size)
+    old = torch.full(local.input_ids.shape, float("nan"))
+    entropy = torch.full(local.input_ids.shape, float("nan"))
+    if first < len(local):  # mini-batches after the first: the no-grad pass under pi_old
+        mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
+        out = actor.compute_logprobs(
+            local.rows(first, len(local)),
+            mbs,
+            cfg.rollout.temperature,
+            with_entropy=True,
+            mini_batch_groups=cfg.mini_batch_prompts // dp_size,
+        )
+        old[first:], entropy[first:] = out.token_logp, out.entropy
+    local = local.with_(old_logp=old, old_entropy=entropy)
+    return (local, {}) if first else finish_old_logp(cfg, local)
+
+
+def finish_old_logp(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict]:
+    """Once every row has its old log-probs: the policy's entropy, the rollout mismatch and, with
+    ``algorithm.rollout_correction``, the importance weights."""
+    m = local.response_mask.float()
+    metrics = {"actor/entropy": (local.old_entropy * m).sum() / m.sum().clamp(min=1.0)}
+    local, correction = rollout_mismatch(cfg, local)
     return local, metrics | correction
 
 
 def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict:
-    """``ppo_epochs`` passes over mini-batches of whole groups, one optimizer step each."""
+    """``ppo_epochs`` passes over mini-batches of whole groups, one optimizer step each. The first
+    mini-batch of the first epoch fills its own old log-probs when :func:`forward_rows` says so."""
     per_rank_prompts = cfg.mini_batch_prompts // dp_size
+    first = forward_rows(cfg, dp_size)
     history: list[dict] = []
+    extra: dict = {}
     skipped_before = actor.skipped_steps
     for _ in range(cfg.algorithm.ppo_epochs):
         for mini in split_mini_batches(local, per_rank_prompts):
-            history.append(actor.train_step(mini))
+            if first and not history:
+                metrics, fwd = actor.train_step_from_forward(mini)
+                old, entropy = local.old_logp.clone(), local.old_entropy.clone()
+                old[:first], entropy[:first] = fwd.token_logp, fwd.entropy
+                local, extra = finish_old_logp(cfg, local.with_(old_logp=old, old_entropy=entropy))
+                history.append(metrics)
+            else:
+                history.append(actor.train_step(mini))
     metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0] if k != "actor/max_abs_logratio"}
     # Before any update the policy equals the rollout policy: any non-zero log-ratio here is noise
     # between the old-log-prob pass and the training forward, i.e. noise in PACS's reward.
@@ -183,7 +220,7 @@ def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict
     metrics["actor/skipped_steps"] = history[-1].get("actor/skipped_steps", 0.0)
     metrics["actor/updates"] = float(len(history) - (actor.skipped_steps - skipped_before))  # applied, not skipped
     metrics |= post_update_metrics(cfg, actor, local)  # pacs/post_*: the classifier after the update
-    return metrics
+    return metrics | extra
 
 
 def format_warmup(cfg: RunConfig, rt, c) -> dict:

@@ -24,6 +24,7 @@ from pacs_megatron.config.training import stop_deadline
 from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
 from pacs_megatron.utils.checkpoint import CheckpointManager
 from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.utils.memory import StepMemory
 from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress
 from pacs_megatron.utils.preemption import PreemptionFlag
 from pacs_megatron.utils.run_record import RunRecord
@@ -69,7 +70,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         writer.truncate_after(-1)  # a restarted fresh run's earlier step-0 validation
         writer.log(0, stages.validate(cfg, c, 0))
     progress = Progress(cfg.trainer.total_steps, start, rt.is_rank0 and cfg.logging.progress_bar)
-    run = _Run(cfg, rt, c, ckpt, writer, flag, progress)
+    run = _Run(cfg, rt, c, ckpt, writer, flag, progress, StepMemory(rt.groups.device))
     steps = _async_steps if cfg.rollout.placement == "separate" else _sync_steps
     step, stopped = steps(run, start)
     if stopped is not None:
@@ -93,6 +94,8 @@ class _Run:
     writer: MetricsWriter
     flag: PreemptionFlag
     progress: Progress
+    memory: StepMemory
+    """perf/peak_rss_gb*: each step's own high-water mark (started by the loops, read in _end_step)."""
 
 
 def _sync_steps(run: _Run, start: int) -> tuple[int, int | None]:
@@ -101,6 +104,7 @@ def _sync_steps(run: _Run, start: int) -> tuple[int, int | None]:
     step = start
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         timer, t0 = PhaseTimer(), time.perf_counter()
+        run.memory.start()
         with timer("rollout"):
             batch, metrics, samples = sampling_stages.collect_step(cfg, c, step)  # prompts, rollouts, rewards
             c.engine.sleep()  # colocated: free the engine's memory while the actor trains
@@ -123,6 +127,7 @@ def _async_steps(run: _Run, start: int) -> tuple[int, int | None]:
     step = start
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         timer, t0 = PhaseTimer(), time.perf_counter()
+        run.memory.start()
         with timer("rollout"):  # waiting for the engines: async/trainer_wait_s of it
             batch, metrics, samples = async_stages.take_batch(cfg, c, pipe, step)
         metrics |= _update(run, batch, timer)
@@ -163,7 +168,7 @@ def _synced(run: _Run, step: int, sync, *args) -> dict:
 def _end_step(run: _Run, step: int, metrics: dict, samples: list, timer: PhaseTimer, t0: float) -> int | None:
     """Log the step, checkpoint when due; the exit code when a signal or the time budget stops the run."""
     cfg, rt, c = run.cfg, run.rt, run.c
-    metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0}
+    metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0} | run.memory.metrics()
     metrics["perf/tokens_per_s"] = metrics["data/tokens"] / metrics["timing/step_s"]
     run.writer.log(step, metrics)
     stages.save_samples(rt, samples)

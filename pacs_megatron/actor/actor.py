@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from pacs_megatron.actor import checkpoint as ckpt
-from pacs_megatron.actor.forward import forward_logprobs, run_schedule
+from pacs_megatron.actor.forward import forward_logprobs, gather_rows, run_schedule
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
 from pacs_megatron.actor.moe import MoeStats
 from pacs_megatron.actor.offload import ActorOffload
@@ -35,7 +35,7 @@ from pacs_megatron.actor.optimizer import (
 )
 from pacs_megatron.actor.reference import ReferencePolicy
 from pacs_megatron.actor.thd import use_thd
-from pacs_megatron.actor.train_step import check_train_batch, reduce_metrics, train_loss_func
+from pacs_megatron.actor.train_step import FORWARD_KEYS, check_train_batch, reduce_metrics, train_loss_func
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights
 from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
@@ -126,8 +126,8 @@ class MegatronActor:
             else None
         )
         """Router statistics of each train step (MoE models), logged as moe/*."""
-        self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device)
-        """THD-packed micro-batches (GPU + Transformer Engine; unverified, actor/thd.py)."""
+        self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device, cfg.actor.routing_replay == "rollout")
+        """THD-packed micro-batches (actor/thd.py; CPU, and GPU with Transformer Engine: unverified there)."""
         self.optimizer = build_optimizer(self.model, cfg, groups, self.param_dtype)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.iteration = 0
@@ -202,15 +202,29 @@ class MegatronActor:
     def train_step(self, batch: TrainBatch, loss_name: str | None = None) -> dict[str, float]:
         """One optimizer step on this DP rank's share of one mini-batch (collective); metrics are
         reduced over DP and identical on every rank."""
+        return self._train_step(batch, loss_name, old_from_forward=False)[0]
+
+    def train_step_from_forward(self, batch: TrainBatch) -> tuple[dict[str, float], LogprobResult]:
+        """:meth:`train_step` where pi_theta = pi_old (the first mini-batch after a rollout): the old
+        log-probs are the training forward's own, detached, so ``batch.old_logp`` is not read and no
+        separate pass is needed. Returns the metrics and those log-probs with their entropy (collective;
+        the same on every rank of the replica), bit-identical to :meth:`compute_logprobs` before the step."""
+        metrics, result = self._train_step(batch, None, old_from_forward=True)
+        assert result is not None
+        return metrics, result
+
+    def _train_step(
+        self, batch: TrainBatch, loss_name: str | None, old_from_forward: bool
+    ) -> tuple[dict[str, float], LogprobResult | None]:
         name = loss_name or self.cfg.algorithm.loss
         loss = get_loss(name)
         if name == self.cfg.algorithm.loss:  # the RL loss gets the recipe's KL / entropy terms, if any
             a = self.cfg.algorithm
             loss = regularize(loss, a.kl_loss_coef, a.kl_loss_type, a.entropy_coeff)
-        check_train_batch(batch, loss, name)
+        check_train_batch(batch, loss, name, old_from_forward)
         mbs = self.cfg.algorithm.micro_batch_size
         packed = self._packed(batch, 0)
-        micro = packed[0] if packed else split_micro_batches(batch, min(mbs, len(batch)))
+        micro, rows = packed or (split_micro_batches(batch, min(mbs, len(batch))), torch.arange(len(batch)))
         make = partial(
             train_loss_func,
             spec=self.spec,
@@ -218,12 +232,20 @@ class MegatronActor:
             loss=loss,
             loss_cfg=self._loss_config(name),
             temperature=self.cfg.rollout.temperature,
+            old_from_forward=old_from_forward,
         )
-        return self._update(micro, make)
+        store: list = []
+        metrics = self._update(micro, make, store)
+        if not old_from_forward:
+            return metrics, None
+        token_logp, entropy = gather_rows(micro, rows, store, FORWARD_KEYS, tuple(batch.input_ids.shape), self.groups)
+        seq_logp = (token_logp * batch.response_mask.to(token_logp.dtype)).sum(dim=-1)
+        return metrics, LogprobResult(token_logp, seq_logp, entropy)
 
-    def _update(self, micro: list[TrainBatch], make) -> dict[str, float]:
+    def _update(self, micro: list[TrainBatch], make, store_out: list | None = None) -> dict[str, float]:
         """Forward/backward of ``micro`` with megatron loss functions from ``make``, then one optimizer
-        step; the DP-reduced metrics of the loss functions plus the step's (shared with the critic)."""
+        step; the DP-reduced metrics of the loss functions plus the step's (shared with the critic).
+        ``store_out`` receives what the loss functions reported (last pipeline stage)."""
         self.offloader.restore()  # optimizer state back from the host (actor.offload_during_rollout)
         for c in self.model:
             c.train()
@@ -232,6 +254,8 @@ class MegatronActor:
         if self.moe_stats is not None:
             self.moe_stats.start()
         store = run_schedule(self.model, micro, make, self.groups, forward_only=False, thd=self.thd)
+        if store_out is not None:
+            store_out.extend(store)
         metrics = reduce_metrics(store, self.groups)
         if self.moe_stats is not None:
             metrics.update(self.moe_stats.finish(self.groups, self.spec.moe_layers))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
 from pacs_megatron.actor.moe import set_routing_replay
-from pacs_megatron.actor.thd import pack_thd
+from pacs_megatron.actor.thd import ThdBatch, pack_thd
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
 from pacs_megatron.ops import fused_logprobs
 from pacs_megatron.parallel import ParallelGroups
@@ -41,8 +41,10 @@ def token_logprobs(
     temperature: float,
     with_entropy: bool = False,
     inplace_backward: bool = False,
+    thd: ThdBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``token_logp [b, T]`` float32 (and ``entropy [b, T]``) from this rank's logits ``[b, T, V/tp]``.
+    """``token_logp [b, T]`` float32 (and ``entropy [b, T]``) from this rank's logits ``[b, T, V/tp]``, or
+    from THD-packed logits ``[1, N, V/tp]`` of ``thd`` (actor/thd.py: targets and results follow the packing).
 
     The op is called with ``mask=None`` in every pass: token_logp must cover prompt tokens too (the
     weight-sync probe compares them) and the old-log-prob pass and the training forward must run the
@@ -55,7 +57,10 @@ def token_logprobs(
     logits must then have no other reader in backward (here: none, they are the loss' only input).
     """
     logits = mask_padded_vocab(logits, spec, groups, inplace=inplace_backward)
-    targets = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_ID)
+    if thd is None:
+        targets = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_ID)
+    else:
+        targets = thd.next_token_targets(IGNORE_ID)
     rec = fused_logprobs(
         logits,
         targets,
@@ -65,12 +70,17 @@ def token_logprobs(
         return_entropy=with_entropy,
         inplace_backward=inplace_backward,
     )
+    if thd is not None:
+        token_logp = thd.unpack_predictions(rec.token_logp.float())
+        entropy = thd.unpack_predictions(rec.entropy.float()) if with_entropy else None
+        return token_logp, entropy
     token_logp = F.pad(rec.token_logp[:, :-1].float(), (1, 0))
     entropy = F.pad(rec.entropy[:, :-1].float(), (1, 0)) if with_entropy else None
     return token_logp, entropy
 
 
-LossFactory = Callable[[TrainBatch, torch.Tensor, bool], Callable]
+LossFactory = Callable[..., Callable]
+"""``make_loss_func(micro_batch, input_ids_on_device, dummy[, thd=ThdBatch])`` -> megatron's ``loss_func``."""
 
 
 def interleave_padding(num_micro: int, groups: ParallelGroups) -> int:
@@ -92,11 +102,12 @@ def run_schedule(
     """Run megatron's schedule over ``micro``; returns what the loss functions reported, one entry
     per micro-batch on the last pipeline stage (empty elsewhere).
 
-    ``make_loss_func(micro_batch, input_ids_on_device, dummy)`` returns megatron's ``loss_func``. In
+    ``make_loss_func(micro_batch, input_ids_on_device, dummy)`` returns megatron's ``loss_func`` (with
+    ``thd``, also ``thd=`` the micro-batch's :class:`ThdBatch`: the logits come packed). In
     ``forward_only`` mode it is called with ``non_loss_data=True`` and returns a dict of tensors.
     With vpp > 1, repeats of the last micro-batch pad the pass (:func:`interleave_padding`); their
     loss functions get ``dummy=True`` and must contribute nothing (a zero loss and a zero count),
-    and their outputs are dropped. ``thd``: run the layers on THD-packed rows (GPU + TE, actor/thd.py).
+    and their outputs are dropped. ``thd``: run the layers on THD-packed rows (actor/thd.py).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -108,7 +119,7 @@ def run_schedule(
     def forward_step(data_iterator, model):
         k, mb = next(data_iterator)
         ids = mb.input_ids.to(device, non_blocking=True)
-        if thd:  # unverified on GPU: see actor/thd.py
+        if thd:  # CPU: actor/attention.py; GPU (TE): written, never run (actor/thd.py)
             p = pack_thd(ids, mb.seq_lens, 8 * groups.tp_size)
             out = model(
                 input_ids=p.input_ids,
@@ -116,8 +127,7 @@ def run_schedule(
                 attention_mask=None,
                 packed_seq_params=p.packed_seq_params(),
             )
-            loss_func = make_loss_func(mb, ids, k >= n_real)
-            return out, lambda logits, *a, **kw: loss_func(p.unpack(logits), *a, **kw)
+            return out, make_loss_func(mb, ids, k >= n_real, thd=p)
         set_routing_replay(model, mb.routed_experts, ids.shape[1])  # MoE (actor/moe.py); None: route anew
         # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
@@ -157,11 +167,12 @@ def logprob_loss_func(
     groups: ParallelGroups,
     temperature: float,
     with_entropy: bool,
+    thd: ThdBatch | None = None,
 ):
     """loss_func of the forward-only pass: collect ``token_logp`` (and ``entropy``) on the last stage."""
 
     def loss_func(logits, non_loss_data=False):  # noqa: ARG001 - megatron's signature
-        token_logp, entropy = token_logprobs(logits, ids, spec, groups, temperature, with_entropy)
+        token_logp, entropy = token_logprobs(logits, ids, spec, groups, temperature, with_entropy, thd=thd)
         out = {"token_logp": token_logp}
         if entropy is not None:
             out["entropy"] = entropy
@@ -191,20 +202,34 @@ def forward_logprobs(
     make = partial(logprob_loss_func, spec=spec, groups=groups, temperature=temperature, with_entropy=with_entropy)
     with torch.no_grad():
         store = run_schedule(chunks, micro, make, groups, forward_only=True, thd=thd)
-    n_out = 2 if with_entropy else 1
-    buf = torch.zeros((n_out, B, T), dtype=torch.float32, device=groups.device)
+    keys = ("token_logp", "entropy") if with_entropy else ("token_logp",)
+    out = gather_rows(micro, rows, store, keys, (B, T), groups)
+    return out[0], (out[1] if with_entropy else None)
+
+
+def gather_rows(
+    micro: list[TrainBatch],
+    rows: torch.Tensor,
+    store: list[dict],
+    keys: tuple[str, ...],
+    shape: tuple[int, int],
+    groups: ParallelGroups,
+) -> torch.Tensor:
+    """``[len(keys), B, T]`` float32 CPU: each key's per-micro-batch ``[b, t]`` tensors of ``store`` (the
+    last stage's loss-function outputs) put back at their source ``rows`` (micro-batch i holds rows
+    ``rows[sum(len(micro[:i])) : ...]``), on every rank of the pipeline; columns past a micro-batch's
+    length hold 0."""
+    buf = torch.zeros((len(keys), *shape), dtype=torch.float32, device=groups.device)
     if groups.is_last_stage:
         start = 0
         for mb, d in zip(micro, store):
             idx = rows[start : start + len(mb)].to(groups.device)
             start += len(mb)
-            buf[0, idx, : d["token_logp"].shape[1]] = d["token_logp"]
-            if with_entropy:
-                buf[1, idx, : d["entropy"].shape[1]] = d["entropy"]
+            for i, key in enumerate(keys):
+                buf[i, idx, : d[key].shape[1]] = d[key]
     if groups.pp_size > 1:
         torch.distributed.broadcast(buf, src=groups.pp_last_rank, group=groups.pp_group)
-    buf = buf.cpu()
-    return buf[0], (buf[1] if with_entropy else None)
+    return buf.cpu()
 
 
 def _unwrap(model):

@@ -15,10 +15,12 @@ replaces the MLP of its sparse layers by megatron's MoELayer: a softmax top-k ro
 non-grouped ``SequentialMLP`` experts, and the allgather token dispatcher (it runs on gloo).
 
 The layer spec is Transformer Engine's when TE imports (GPU), megatron's local spec otherwise (which
-uses Apex norms when present, torch's RMSNorm without). On CPU: fp32, ``use_cpu_initialization``
-(weights drawn full-size and split, so a seed gives the same model for any TP), fusions off,
-dropout 0. The vocabulary is padded to a multiple of TP (see docs/layout_conversion.md); padded
-logits are masked out before the softmax (:func:`mask_padded_vocab`).
+uses Apex norms when present, torch's RMSNorm without), with its core attention replaced by torch's
+fused SDPA (actor/attention.py: faster, and it runs THD-packed micro-batches on CPU). On CPU: fp32 by
+default (``model.dtype=bfloat16`` works too: norms cast to it, megatron's bf16 optimizer patched in
+parallel/cpu_patches.py), ``use_cpu_initialization`` (weights drawn full-size and split, so a seed gives
+the same model for any TP), fusions off, dropout 0. The vocabulary is padded to a multiple of TP (see
+docs/layout_conversion.md); padded logits are masked out before the softmax (:func:`mask_padded_vocab`).
 """
 
 from __future__ import annotations
@@ -275,15 +277,19 @@ def build_model_chunks(spec: ModelSpec, config, groups: ParallelGroups) -> list:
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from pacs_megatron.actor.attention import use_sdpa_attention
+
     te = have_transformer_engine()
     if te:
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    else:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    else:  # torch SDPA core attention (also for THD-packed micro-batches), actor/attention.py
+        layer_spec = use_sdpa_attention(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm))
     chunks = []
     for vp in range(groups.vpp_size):
         if spec.is_moe:  # dense and MoE layers mixed as moe_layer_freq says; this stage's slice
             layer_spec = _moe_block_spec(config, te, vp if groups.vpp_size > 1 else None, groups.pp_rank)
+            if not te:
+                layer_spec = use_sdpa_attention(layer_spec)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,

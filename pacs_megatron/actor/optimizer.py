@@ -7,6 +7,7 @@
   with GPUs only by default (``optimizer.use_distributed_optimizer=auto``): on CPU without Apex/TE
   its resume path has known bugs in megatron-core 0.16.1, so CPU runs use the plain optimizer.
   bf16 parameters keep fp32 main weights inside the optimizer; fp32 runs use the FP32 optimizer.
+  On CPU the inner torch Adam runs its fused kernel (:func:`use_fused_adam`).
 * Schedule: ``OptimizerParamScheduler`` with linear warm-up, then constant / linear / cosine decay to
   ``min_lr`` over :func:`total_optimizer_steps`. Megatron's convention: the scheduler advances after
   each successful update, so update k (0-based) uses lr(k) (with warm-up the first update has lr 0).
@@ -85,8 +86,26 @@ def build_optimizer(wrapped: list, cfg: RunConfig, groups: ParallelGroups, dtype
     if ocfg.use_distributed_optimizer:
         # The distributed optimizer's checkpointing wants megatron's gloo DP groups, which 0.16.1
         # cannot take through pg_collection: let it read parallel_state (written for GPU, never run here).
-        return get_megatron_optimizer(ocfg, wrapped)
-    return get_megatron_optimizer(ocfg, wrapped, use_gloo_process_groups=False, pg_collection=groups.pg_collection)
+        optimizer = get_megatron_optimizer(ocfg, wrapped)
+    else:
+        optimizer = get_megatron_optimizer(
+            ocfg, wrapped, use_gloo_process_groups=False, pg_collection=groups.pg_collection
+        )
+    if groups.device.type == "cpu":
+        use_fused_adam(optimizer)
+    return optimizer
+
+
+def use_fused_adam(optimizer) -> None:
+    """Switch megatron's inner ``torch.optim.Adam(W)`` (what it builds without Apex / TE, with torch's
+    multi-tensor default) to torch's fused kernel: one pass over each tensor instead of a dozen foreach
+    ops. On CPU for SmolLM2's 134.5M fp32 parameters, one thread: 0.75-0.79 s -> 0.10-0.12 s CPU per
+    step (2026-11-25). The update rule is the same (float rounding aside)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=None)
 
 
 def build_scheduler(optimizer, cfg: RunConfig):

@@ -1,21 +1,20 @@
-"""THD sequence packing for token-budget micro-batches on GPU with Transformer Engine.
+"""THD sequence packing for token-budget micro-batches: the layers run on the rows' real tokens only.
 
-**Unverified on GPU: written for megatron-core 0.16.1 + Transformer Engine, never run** (no GPU and no
-TE where it was written; the index bookkeeping below is tested on CPU, the TE attention path is not).
-
-A token-budget micro-batch (data/packing.py) still pads each row to the micro-batch's longest row.
-With TE's THD format the rows are concatenated without padding into one sequence ``[1, total]``,
-and attention and RoPE restart at every row boundary given by ``cu_seqlens`` (``PackedSeqParams``).
+A token-budget micro-batch (data/packing.py) still pads each row to the micro-batch's longest row (with
+short and truncated responses in one group, about half the tokens of a SmolLM2 step were padding).
+In the THD format the rows are concatenated without padding into one sequence ``[1, N]``, and attention
+and RoPE restart at every row boundary given by ``cu_seqlens`` (``PackedSeqParams``). On CPU the core
+attention is actor/attention.py's SDPA module (megatron's local one refuses THD); on GPU it is
+Transformer Engine's (**that path is written for GPU, never run**).
 Shape legend: b rows, T the micro-batch's padded length, N packed tokens (+ tail padding), V/tp vocab shard.
 
     ids [b, T] --pack--> ids [1, N] --GPTModel(packed_seq_params)--> logits [1, N, V/tp]
-                                                                      --unpack--> logits [b, T, V/tp]
+        --log-prob op (targets: next_token_targets)--> [1, N] --unpack_predictions--> token_logp [b, T]
 
-Only the transformer layers run packed; the last stage scatters the logits back to the padded
-``[b, T]`` layout (zeros at padding) so the log-prob op and every loss stay as they are, and the
-old-log-prob pass and the training pass pack identically (batch invariance). N is padded up to a
-multiple of ``8 * tp`` (sequence parallelism splits the packed sequence over TP) with one extra
-pseudo-sequence, so no real row attends to the padding. The CPU path never calls this module.
+The log-prob op runs on the packed logits (no padded N x V copy); only the per-token results go back
+to the padded ``[b, T]`` layout every loss reads. The old-log-prob pass and the training pass pack
+identically (batch invariance). N is padded up to a multiple of ``8 * tp`` (sequence parallelism
+splits the packed sequence over TP) with one extra pseudo-sequence, so no real row attends to the padding.
 """
 
 from __future__ import annotations
@@ -56,11 +55,27 @@ class ThdBatch:
         cu, m = self.cu_seqlens.to(torch.int32), self.max_seqlen
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m)
 
-    def unpack(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[1, N, V]`` packed logits -> ``[b, T, V]`` padded layout, zeros at padding (differentiable)."""
+    def next_token_targets(self, ignore_id: int) -> torch.Tensor:
+        """``[1, N]`` the token each packed position predicts (the next one of its row); ``ignore_id`` at a
+        row's last token and on the tail padding (no prediction, log-prob 0, no gradient)."""
+        targets = torch.full_like(self.input_ids, ignore_id)
+        real = self.rows.numel()
+        has_next = torch.ones(real, dtype=torch.bool, device=self.input_ids.device)
+        has_next[self.cu_seqlens[1 : self.shape[0] + 1].long() - 1] = False
+        nxt = torch.roll(self.input_ids[0, :real], -1)
+        targets[0, :real] = torch.where(has_next, nxt, torch.full_like(nxt, ignore_id))
+        return targets
+
+    def unpack_predictions(self, values: torch.Tensor) -> torch.Tensor:
+        """``[1, N]`` per-position values of the packed next-token predictions -> ``[b, T]`` in the padded
+        convention (column t holds the prediction of token t, column 0 and padding hold 0); differentiable."""
         b, T = self.shape
-        out = logits.new_zeros((b, T, logits.shape[-1]))
-        return out.index_put((self.rows.to(logits.device), self.cols.to(logits.device)), logits[0, : self.rows.numel()])
+        real = self.rows.numel()
+        rows, cols = self.rows.to(values.device), self.cols.to(values.device) + 1
+        lens = (self.cu_seqlens[1 : b + 1] - self.cu_seqlens[:b]).to(values.device)
+        keep = cols < lens[rows]  # a row's last token predicts nothing
+        out = values.new_zeros((b, T))
+        return out.index_put((rows[keep], cols[keep]), values[0, :real][keep])
 
 
 def pack_thd(input_ids: torch.Tensor, seq_lens: torch.Tensor, multiple: int = 8) -> ThdBatch:
@@ -87,9 +102,12 @@ def pack_thd(input_ids: torch.Tensor, seq_lens: torch.Tensor, multiple: int = 8)
     )
 
 
-def use_thd(dynamic_batching: bool, device: torch.device) -> bool:
-    """THD packing: with dynamic batching, on GPU, where Transformer Engine imports (the layer spec
-    is then TE's, whose attention reads ``packed_seq_params``)."""
+def use_thd(dynamic_batching: bool, device: torch.device, routing_replay: bool = False) -> bool:
+    """THD packing: with dynamic batching, on CPU (actor/attention.py) or on GPU where Transformer
+    Engine imports (the layer spec is then TE's, whose attention reads ``packed_seq_params``); not with
+    MoE routing replay, whose recorded experts are laid out per padded row."""
     from pacs_megatron.actor.model import have_transformer_engine
 
-    return dynamic_batching and device.type == "cuda" and have_transformer_engine()
+    if not dynamic_batching or routing_replay:
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and have_transformer_engine())

@@ -27,16 +27,20 @@ import torch.distributed as dist
 
 from pacs_megatron.actor.forward import token_logprobs
 from pacs_megatron.actor.model import ModelSpec
+from pacs_megatron.actor.thd import ThdBatch
 from pacs_megatron.data.batching import TrainBatch
 from pacs_megatron.pacs import LossInputs, LossSpec
 from pacs_megatron.parallel import ParallelGroups
 
 _DENOM = "_denominator"
 _MAXLR = "actor/max_abs_logratio"
+FORWARD_KEYS = ("_token_logp", "_entropy")
+"""What a loss function with ``old_from_forward`` reports besides metrics: its forward's ``[b, T]`` log-probs
+and entropy (detached), the old log-probs of its rows (private keys: never reduced as metrics)."""
 
 
-def check_train_batch(batch: TrainBatch, loss: LossSpec, loss_name: str) -> None:
-    if batch.old_logp is None:
+def check_train_batch(batch: TrainBatch, loss: LossSpec, loss_name: str, old_from_forward: bool = False) -> None:
+    if batch.old_logp is None and not old_from_forward:
         raise ValueError(
             "train_step needs batch.old_logp (fill it with compute_logprobs first; for loss 'sft' pass zeros)"
         )
@@ -53,17 +57,30 @@ def train_loss_func(
     loss: LossSpec,
     loss_cfg: Any,
     temperature: float,
+    old_from_forward: bool = False,
+    thd: ThdBatch | None = None,
 ):
     """megatron ``loss_func`` of one micro-batch (runs on the last pipeline stage). A ``dummy``
-    (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight."""
+    (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight.
+
+    ``old_from_forward`` (pi_theta = pi_old, the first mini-batch of a step): the old log-probs are this
+    forward's own, detached, bit-identical to what the no-grad pass gives (same kernel, same micro-batch);
+    they and the entropy are reported under :data:`FORWARD_KEYS`."""
 
     def loss_func(logits):
         token_logp, entropy = token_logprobs(
-            logits, ids, spec, groups, temperature, with_entropy=loss.needs_entropy, inplace_backward=True
+            logits,
+            ids,
+            spec,
+            groups,
+            temperature,
+            with_entropy=old_from_forward or loss.needs_entropy,
+            inplace_backward=True,
+            thd=thd,
         )
         dev = token_logp.device
         mask = mb.response_mask.to(dev)
-        old = mb.old_logp.to(dev)
+        old = token_logp.detach() if old_from_forward else mb.old_logp.to(dev)
         inputs = LossInputs(
             logp=token_logp,
             old_logp=old,
@@ -85,6 +102,8 @@ def train_loss_func(
             reported = {k: torch.as_tensor(v).detach().double().reshape(()) for k, v in metrics.items()}
             reported[_DENOM] = denom.detach().double().reshape(())
             reported[_MAXLR] = ratio.double()
+            if old_from_forward:
+                reported.update(zip(FORWARD_KEYS, (token_logp.detach(), entropy.detach())))
         n = denom.detach().round().to(torch.int).to(dev)
         return value * denom.to(value.dtype), n, reported
 
@@ -98,7 +117,7 @@ def reduce_metrics(store: list[dict], groups: ParallelGroups) -> dict[str, float
     """
     out: dict[str, float] | None = None
     if groups.is_last_stage:
-        keys = sorted(k for k in store[0] if k not in (_DENOM, _MAXLR))
+        keys = sorted(k for k in store[0] if k != _MAXLR and not k.startswith("_"))
         den = torch.stack([d[_DENOM] for d in store]).cpu()
         vals = torch.stack([torch.stack([d[k] for k in keys]) for d in store]).cpu() if keys else None
         sums = torch.cat(

@@ -30,6 +30,13 @@ class AlgorithmConfig:
     logprob_micro_batch_size: int = 0
     """Sequences per forward of the old-log-prob pass; 0 means micro_batch_size. Any value gives
     bit-identical log-probs on CPU (batch invariance)."""
+    old_logp_from_forward: bool = True
+    """The first mini-batch of a step is trained while pi_theta = pi_old: take its old log-probs from its
+    own training forward (detached) instead of a separate no-grad pass, which then covers the other
+    mini-batches only (none with one update per step). Same loss and gradient (the batch-invariant
+    kernel gives the pass's values bit for bit, tests/actor/test_old_logp_from_forward.py); saves a
+    forward over the mini-batch. Ignored (the pass covers every row) with ``rollout_correction``, whose
+    weights need pi_old before the first loss. False: the separate pass over every row."""
     rollout_correction: str = "none"
     """Correct the rollout/actor mismatch (e.g. FP8 rollouts) by importance weights pi_old / pi_rollout:
     "none", "tis" (truncated: min(ratio, is_cap)) or "mis" (masked: ratio, zeroed outside [1/is_cap,

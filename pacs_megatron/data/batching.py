@@ -45,6 +45,9 @@ class TrainBatch:
     """n responses per prompt."""
     old_logp: torch.Tensor | None = None
     """``[B, T]`` float32 log-probs of the rollout policy (filled by the old-log-prob pass)."""
+    old_entropy: torch.Tensor | None = None
+    """``[B, T]`` float32 entropy of pi_old's predictive distribution at each position (filled with
+    ``old_logp``; the step's ``actor/entropy``)."""
     advantages: torch.Tensor | None = None
     """``[B]`` float32 outcome advantages (baselines only), or ``[B, T]`` per-token GAE advantages."""
     rollout_logp: torch.Tensor | None = None

@@ -13,8 +13,12 @@ Two kinds of patch:
   whose tensor factories build ``device="cuda"`` tensors on the CPU. Everything else resolves to
   the real ``torch``.
 
-Plus one function replaced by a CPU equivalent (an assertion on the CUDA tensor type name), and
-one missing name defined (``moe_utils.te_general_gemm``, for MoE routers).
+Plus one function replaced by a CPU equivalent (an assertion on the CUDA tensor type name), one
+missing name defined (``moe_utils.te_general_gemm``, for MoE routers), and the constructors of the
+bf16/fp16 optimizers (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``), which sort
+parameters by ``param.type()`` against the CUDA names (``torch.cuda.BFloat16Tensor``) and raise
+``TypeError`` on any CPU parameter: while they run, a CPU tensor's ``type()`` reads as its CUDA name.
+That is what lets ``model.dtype=bfloat16`` train on CPU (bf16 weights, fp32 main weights and grads).
 """
 
 from __future__ import annotations
@@ -93,6 +97,38 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
             g.mul_(clip_coeff)
 
 
+def _cuda_type_name(type_fn):
+    """``Tensor.type`` that names a CPU tensor as its CUDA twin when asked for its name (no argument)."""
+
+    @functools.wraps(type_fn)
+    def type_(self, *args, **kwargs):
+        name = type_fn(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    type_._pacs_cuda_names = True  # type: ignore[attr-defined]
+    return type_
+
+
+def _with_cuda_type_names(init):
+    """``init`` run while ``torch.Tensor.type`` names CPU tensors as CUDA ones (re-entrant: the
+    distributed optimizer's constructor calls its base class's)."""
+
+    @functools.wraps(init)
+    def wrapper(*args, **kwargs):
+        original = torch.Tensor.type
+        if getattr(original, "_pacs_cuda_names", False):
+            return init(*args, **kwargs)
+        torch.Tensor.type = _cuda_type_name(original)
+        try:
+            return init(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    return wrapper
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for a CPU-only run; returns True when patches are (already) in place."""
     global _applied
@@ -114,6 +150,9 @@ def apply_cpu_patches() -> bool:
         importlib.import_module(name).torch = proxy
     optimizer_mod = importlib.import_module("megatron.core.optimizer.optimizer")
     optimizer_mod.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    distrib_mod = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    for cls in (optimizer_mod.Float16OptimizerWithFloat16Params, distrib_mod.DistributedOptimizer):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
     # MoE router gating (RouterGatingLinearFunction) tests ``te_general_gemm is not None``, but the
     # name is only bound when Transformer Engine imports: a NameError without TE. None selects the
     # torch.mm fallback that is already there.

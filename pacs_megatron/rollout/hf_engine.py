@@ -9,8 +9,9 @@ Layout of one generation chunk (P = longest prompt, R = prompts x n rows)::
 
     prefill : input_ids [U, P] left-padded unique prompts -> last logits [U, V] and cache
               -> both repeated n times (rows r = u * n + j: a prompt's samples are contiguous)
-    decode  : t = 0 .. max_tokens-1: sample [R] -> append -> forward [R, 1] with the cache
-    rows that hit a stop token keep decoding pad (masked out) until every row stopped
+    decode  : t = 0 .. max_tokens-1: sample [R'] -> append -> forward [R', 1] with the cache, where R' are
+              the rows still running: a row that samples a stop token leaves the batch and the cache
+              (``batch_select_indices``), so decode work follows the live rows, not the longest one
 
 Position ids count real tokens only (``cumsum(mask) - 1``), so a left-padded prompt sees exactly the
 positions and attention it would see alone; results match an unpadded forward to fp32 round-off.
@@ -272,17 +273,21 @@ class HFEngine:
         rows = logits.shape[0]
         stop_ids = torch.tensor(sorted({*self.stop_token_ids, *sampling.stop_token_ids}), device=dev)
         next_pos = positions[:, -1] + 1
-        done = torch.zeros(rows, dtype=torch.bool, device=dev)
-        tokens, logps = [], []
+        alive = torch.arange(rows, device=dev)  # rows still decoding; a finished row leaves the batch
+        tokens = torch.full((rows, sampling.max_tokens), self.pad_token_id, dtype=torch.long, device=dev)
+        logps = torch.zeros((rows, sampling.max_tokens), dtype=torch.float32, device=dev)
         for t in range(sampling.max_tokens):
             tok, lp = sample_tokens(logits, sampling, generator)
-            tok = tok.masked_fill(done, self.pad_token_id)
-            tokens.append(tok)
-            logps.append(lp)
-            done = done | torch.isin(tok, stop_ids)
-            if bool(done.all()) or t == sampling.max_tokens - 1:
+            tokens[alive, t], logps[alive, t] = tok, lp.float()
+            running = ~torch.isin(tok, stop_ids)
+            if t == sampling.max_tokens - 1 or not bool(running.any()):
+                tokens, logps = tokens[:, : t + 1], logps[:, : t + 1]
                 break
-            mask = torch.cat([mask, (~done).long()[:, None]], dim=1)  # finished rows: pads, masked out
+            if not bool(running.all()):  # drop finished rows (and their cache): no decode work on padding
+                keep = running.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                alive, mask, next_pos, tok = alive[keep], mask[keep], next_pos[keep], tok[keep]
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
             logits = self.model(
                 input_ids=tok[:, None],
                 attention_mask=mask,
@@ -290,13 +295,20 @@ class HFEngine:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
-            if self.routing:
-                steps.append(self.routing.take((rows, 1)))
+            if self.routing:  # finished rows hold the filler (never read: past their last token)
+                step = self._routing_filler(rows)
+                step[alive.cpu()] = self.routing.take((len(alive), 1))
+                steps.append(step)
             next_pos = next_pos + 1
-        responses = self._to_responses(torch.stack(tokens, 1), torch.stack(logps, 1), stop_ids, len(prompts), n)
+        responses = self._to_responses(tokens, logps, stop_ids, len(prompts), n)
         if self.routing:
             responses = self.routing.attach(responses, torch.cat(steps, dim=1), [len(p) for p in prompts], width)
         return responses
+
+    def _routing_filler(self, rows: int) -> torch.Tensor:
+        """``[rows, 1, L, k]`` int16 routing record of rows that decode nothing (0..k-1, as padding)."""
+        r = self.routing
+        return torch.arange(r.topk, dtype=torch.int16).expand(rows, 1, r.num_layers, r.topk).clone()
 
     def _to_responses(self, tokens: torch.Tensor, logps: torch.Tensor, stop_ids, num_prompts: int, n: int) -> list:
         """[R, L] sampled tokens -> Responses cut after the first stop token."""

@@ -46,18 +46,24 @@ def to_float(v: Any) -> float:
 
 
 class PhaseTimer:
-    """Wall time per named phase of a step: ``with timer("rollout"): ...`` -> ``timing/rollout_s``."""
+    """Wall time per named phase of a step: ``with timer("rollout"): ...`` -> ``timing/rollout_s``; and
+    this process's CPU time in it (all its threads), ``timing/rollout_cpu_s``: on a machine shared with
+    other work the CPU time still measures the phase's own work (bench/rl_step.py prints both)."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
-            self.times[f"timing/{name}_s"] = self.times.get(f"timing/{name}_s", 0.0) + time.perf_counter() - start
+            for key, spent in (
+                (f"timing/{name}_s", time.perf_counter() - start),
+                (f"timing/{name}_cpu_s", time.process_time() - cpu),
+            ):
+                self.times[key] = self.times.get(key, 0.0) + spent
 
 
 class MetricsWriter:

@@ -54,6 +54,8 @@ def _layout_body(rank, world, model_dir, tp, pp, vpp, mbs):
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
     actor = MegatronActor(cfg, groups, model_dir)
     out = {"dp_rank": groups.dp_rank}
+    inner = [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
+    out["fused_adam"] = all(g["fused"] for o in inner for g in o.param_groups)
     w0 = _export(actor)
 
     local = dp_shard(sample_batch(VOCAB), groups.dp_rank, groups.dp_size)
@@ -108,6 +110,7 @@ def test_single_process_matches_hf(reference, model_dir):
     hot = hf_logprobs(model_dir, batch.input_ids, temperature=0.5)
     assert (reference["hot_logp"] - hot)[valid].abs().max() <= 1e-5
     assert reference["invariant"] and reference["guard"]
+    assert reference["fused_adam"], "on CPU the actor's Adam runs torch's fused kernel (actor/optimizer.py)"
     # Unchanged weights: the training forward reproduces the old log-probs bit for bit.
     assert reference["m_pacs"]["actor/max_abs_logratio"] == 0.0
     assert reference["m_grpo"]["actor/max_abs_logratio"] == 0.0

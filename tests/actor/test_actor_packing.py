@@ -17,6 +17,8 @@ import torch
 from _actor_helpers import GROUP, hf_config, make_qwen2, rel_update_diff, run_config, sample_batch, valid_positions
 from _dist import run_distributed
 
+from pacs_megatron.data.batching import split_mini_batches
+
 VOCAB = 255
 GROUPS, MINI = 8, 4  # 8 prompt groups per step, 2 mini-batches of 4
 BUDGET = 40  # rows x padded length: 2 rows of 16 or 4 rows of 8 per micro-batch
@@ -95,8 +97,8 @@ def test_dynamic_batching_matches_fixed(layout, model_dir):
 
 
 def test_thd_pack_unpack_round_trip():
-    """The bookkeeping of the (GPU-only) THD path: packed tokens, restarting positions, boundaries, and
-    logits scattered back to the padded layout with gradients."""
+    """The THD bookkeeping: packed tokens, restarting positions, boundaries, next-token targets that
+    never cross a row, and packed predictions scattered back to the padded layout with gradients."""
     from pacs_megatron.actor.thd import pack_thd
 
     batch = sample_batch(VOCAB, groups=3)
@@ -108,11 +110,16 @@ def test_thd_pack_unpack_round_trip():
     valid = torch.arange(T)[None] < batch.seq_lens[:, None]
     assert torch.equal(p.input_ids[0, :real], batch.input_ids[valid])
     assert torch.equal(p.position_ids[0, :real], torch.arange(T).expand(b, T)[valid])
-    logits = torch.randn(1, p.input_ids.shape[1], 5, requires_grad=True)
-    out = p.unpack(logits)
-    assert torch.equal(out[valid], logits[0, :real]) and not out[~valid].any()
+    targets = p.next_token_targets(-100)
+    predicted = torch.arange(T)[None].expand(b, T)[valid] + 1 < batch.seq_lens.repeat_interleave(batch.seq_lens)
+    assert torch.equal(targets[0, :real][predicted], batch.input_ids[:, 1:][valid[:, 1:]])
+    assert targets[0, :real][~predicted].eq(-100).all() and targets[0, real:].eq(-100).all()
+    values = torch.randn(1, p.input_ids.shape[1], requires_grad=True)
+    out = p.unpack_predictions(values)  # column t: the prediction of token t (from position t - 1)
+    shifted = torch.nn.functional.pad(valid[:, 1:] & valid[:, :-1], (1, 0))
+    assert torch.equal(out[shifted], values[0, :real][predicted]) and not out[:, 0].any()
     out.sum().backward()
-    assert logits.grad[0, :real].eq(1).all() and logits.grad[0, real:].eq(0).all()
+    assert values.grad[0, :real].eq(predicted.float()).all() and values.grad[0, real:].eq(0).all()
 
 
 def _thd_body(rank, world, model_dir):
@@ -121,22 +128,30 @@ def _thd_body(rank, world, model_dir):
 
     cfg = _config(model_dir, 1, 1, 1, True)
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-    actor = MegatronActor(cfg, groups, model_dir)
     batch = sample_batch(VOCAB, groups=GROUPS)
-    out = {"thd": actor.thd}
+    out = {}
     for thd in (True, False):
+        actor = MegatronActor(cfg, groups, model_dir)
+        out["thd_default"] = out.get("thd_default", actor.thd)
         actor.thd = thd
-        out[thd] = actor.compute_logprobs(batch, micro_batch_size=GROUP, temperature=1.0).token_logp
+        res = actor.compute_logprobs(batch, micro_batch_size=GROUP, temperature=1.0, with_entropy=True)
+        metrics = actor.train_step(split_mini_batches(batch.with_(old_logp=res.token_logp), MINI)[0])
+        out[thd] = {"logp": res.token_logp, "entropy": res.entropy, "metrics": metrics}
+        out[thd]["weights"] = {n: t.clone() for n, t in actor.export_hf_weights()}
     return out
 
 
-@pytest.mark.gpu
-def test_thd_matches_padded_on_gpu(model_dir):
-    """Never run here (no GPU, no Transformer Engine): THD-packed log-probs equal the padded path's."""
-    from pacs_megatron.actor.model import have_transformer_engine
-
-    if not torch.cuda.is_available() or not have_transformer_engine():
-        pytest.skip("needs a GPU and Transformer Engine")
-    r = run_distributed(_thd_body, 1, model_dir, gpu=True)[0]
+def test_thd_matches_padded(model_dir):
+    """THD-packed micro-batches (the CPU default with dynamic batching: SDPA core attention; on GPU
+    Transformer Engine's) give the padded path's log-probs, entropy, loss and update."""
+    r = run_distributed(_thd_body, 1, model_dir)[0]
     valid = valid_positions(sample_batch(VOCAB, groups=GROUPS))
-    assert r["thd"] and (r[True] - r[False])[valid].abs().max() <= 1e-3
+    assert r["thd_default"], "dynamic batching on CPU packs THD"
+    thd, pad = r[True], r[False]
+    assert (thd["logp"] - pad["logp"])[valid].abs().max() <= 1e-5
+    assert (thd["entropy"] - pad["entropy"])[valid].abs().max() <= 1e-5
+    assert thd["metrics"]["actor/max_abs_logratio"] == 0.0  # old-log-prob pass and training forward agree
+    for key in ("pacs/loss", "actor/grad_norm"):
+        assert thd["metrics"][key] == pytest.approx(pad["metrics"][key], rel=1e-5)
+    for name, w in pad["weights"].items():
+        torch.testing.assert_close(thd["weights"][name], w, rtol=0, atol=1e-5)

@@ -93,6 +93,33 @@ def test_engine_logprobs_equal_forward_logprobs(engine, tok):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
+def test_finished_rows_leave_the_decode_batch(engine, tok):
+    """A row that samples a stop token leaves the decode batch and the KV cache: a response of L tokens
+    is fed to exactly L - 1 decode forwards, and the rows left running still get the log-probs of a plain
+    forward over prompt + response (a wrong cache row would change them)."""
+    widths: list[tuple[int, int]] = []
+
+    def record(module, args, kwargs):  # noqa: ARG001
+        widths.append(tuple(kwargs["input_ids"].shape))
+
+    hook = engine.model.register_forward_pre_hook(record, with_kwargs=True)
+    prompts = ids(tok, ["3+5=", "12+34=", "7+1="])
+    stops = tuple(tok.convert_tokens_to_ids(list("0123")))  # likely tokens: rows stop at different times
+    sp = SamplingParams(n=4, temperature=1.5, max_tokens=10, seed=5, stop_token_ids=stops)
+    try:
+        groups = engine.generate(prompts, sp)
+    finally:
+        hook.remove()
+    lengths = [len(r.token_ids) for g in groups for r in g]
+    decode_rows = [rows for rows, cols in widths if cols == 1]
+    assert len(set(lengths)) > 1, "test needs responses of different lengths"
+    assert sum(decode_rows) == sum(n - 1 for n in lengths)
+    seqs = [list(p) + list(r.token_ids) for p, g in zip(prompts, groups) for r in g]
+    got = engine.logprobs(seqs, temperature=1.5)
+    for seq, full, r in zip(seqs, got, (r for g in groups for r in g)):
+        torch.testing.assert_close(full[len(seq) - len(r.token_ids) - 1 :], torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+
+
 def test_eos_forcing_model_stops_immediately(model_dirs, tok):
     eng = forced_engine(model_dirs[1], tok, tok.eos_token_id)
     groups = eng.generate(ids(tok, ["3+5=", "1+1="]), SamplingParams(n=3, max_tokens=8, seed=0))

@@ -1,0 +1,121 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention`` for the local (non-TE) layer spec.
+
+megatron-core's local ``DotProductAttention`` materialises the ``[b, heads, s, s]`` scores with baddbmm,
+masks them with a separately built causal mask, runs a softmax and a bmm, keeps the probabilities for
+backward, and refuses packed (THD) sequences. On CPU this module replaces it: one fused SDPA call per
+layer (causal, grouped-query heads; in bf16 on short rows two batched matmuls with an fp32 softmax, see
+:data:`MATMUL_ATTENTION_MAX_LEN`), and THD-packed micro-batches (``PackedSeqParams``, actor/thd.py), so
+the layers run on the rows' real tokens instead of rows padded to the longest one.
+
+Shape legend: s sequence, b rows, t packed tokens, h query heads, g KV heads (this TP rank's), d head dim.
+
+    sbhd: q [s, b, h, d], k/v [s, b, g, d]       -> [s, b, h * d]
+    thd : q [t, h, d], k/v [t, g, d], cu_seqlens -> [t, h, d]    (megatron reshapes it to [t, 1, h * d])
+
+THD attention scatters the packed tokens into a zero-padded ``[rows, max_len]`` layout, runs the causal
+SDPA there and gathers the real tokens back: a padded query only attends to itself and earlier tokens of
+its own (padding) row, so no real token ever sees padding or another row. Attention is a small share of
+the FLOPs at these lengths; the linear layers, which are most of them, never see the padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+MATMUL_ATTENTION_MAX_LEN = 256
+"""Longest (padded) row for which half-precision attention on CPU runs as two batched matmuls with an fp32
+softmax instead of SDPA: torch's CPU flash kernel is slow in bf16 on short rows. Measured fwd+bwd, one
+thread, 9 heads of 64, bf16, flash / matmul ms (2026-11-25, loaded machine): T=48 103 / 22, T=80 91 / 29,
+T=160 93 / 57, T=320 113 / 89, T=640 161 / 341; in fp32 flash is as fast or faster at every length."""
+
+
+def _thd_index(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(rows [t], cols [t], num_rows, max_len)`` of every packed token from ``cu_seqlens [rows + 1]``."""
+    bounds = cu_seqlens.to(torch.long).cpu()
+    lens = bounds[1:] - bounds[:-1]
+    rows = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    cols = torch.arange(int(bounds[-1])) - bounds[:-1][rows]
+    return rows.to(device), cols.to(device), int(lens.numel()), int(lens.max())
+
+
+class SDPACoreAttention(MegatronModule):
+    """Drop-in for megatron's ``DotProductAttention`` (same constructor and forward signature), causal only."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,  # noqa: ARG002 - megatron's signature
+        pg_collection=None,
+    ) -> None:
+        super().__init__(config=config)
+        from megatron.core.transformer.enums import AttnMaskType
+
+        tp = pg_collection.tp.size() if pg_collection is not None else config.tensor_model_parallel_size
+        self.layer_number = layer_number
+        self.heads = config.num_attention_heads // tp
+        self.kv_heads = (config.num_query_groups or config.num_attention_heads) // tp
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout or attn_mask_type != AttnMaskType.causal or attention_type != "self":
+            raise ValueError(
+                "SDPACoreAttention supports causal self-attention without dropout only "
+                f"(got mask {attn_mask_type}, type {attention_type!r}, dropout {dropout})"
+            )
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention on ``[b, h|g, s, d]``; KV heads are repeated for grouped-query attention."""
+        if self.kv_heads != self.heads:
+            rep = self.heads // self.kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        s = q.shape[-2]
+        if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and s <= MATMUL_ATTENTION_MAX_LEN:
+            scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+            probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1).to(q.dtype)
+            return torch.matmul(probs, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,  # noqa: ARG002 - causal by construction
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention takes no explicit attention mask or bias (causal only)")
+        if packed_seq_params is None:  # sbhd
+            s, b = query.shape[:2]
+            out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        rows, cols, num_rows, width = _thd_index(packed_seq_params.cu_seqlens_q, query.device)
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [t, h, d] -> [rows, h, width, d]
+            buf = x.new_zeros((num_rows, width, *x.shape[1:]))
+            return buf.index_put((rows, cols), x).transpose(1, 2)
+
+        out = self._sdpa(padded(query), padded(key), padded(value))
+        return out.transpose(1, 2)[rows, cols]
+
+
+def use_sdpa_attention(layer_spec):
+    """``layer_spec`` (a local-spec ``ModuleSpec`` of a transformer layer, or a block spec holding
+    ``layer_specs``) with every self-attention's core attention replaced by :class:`SDPACoreAttention`."""
+    specs = getattr(layer_spec, "layer_specs", None) or [layer_spec]
+    for spec in specs:
+        attn = spec.submodules.self_attention
+        attn.submodules.core_attention = SDPACoreAttention
+    return layer_spec

@@ -232,8 +232,25 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     dataset = build_train_dataset(cfg, tokenizer)
     val_sets = build_val_datasets(cfg, tokenizer) if cfg.trainer.test_freq else {}
     actor = MegatronActor(cfg, rt.groups, str(rt.model_dir))
-    # FP8 rollouts on vLLM: the sync tells the engine the layout of the weights it will send
-    engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
-    sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
+    if cfg.rollout.placement == "separate":  # engines on their own ranks (docs/async.md)
+        dataset, engine, sync = _separate_engines(cfg, rt, dataset, actor)
+    else:
+        # FP8 rollouts on vLLM: the sync tells the engine the layout of the weights it will send
+        engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
+        sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
     critic = build_critic(cfg, rt.groups, actor)
     return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync, critic)
+
+
+def _separate_engines(cfg: RunConfig, rt: Runtime, dataset, actor):
+    """Collective: connect to the engine processes the launcher started; the prompt stream that saves its
+    in-flight batches as untrained, the remote engines, and the weight sync over the weight group."""
+    from pacs_megatron.rollout.pipeline import InFlightPrompts
+    from pacs_megatron.rollout.remote import RemoteEngines
+    from pacs_megatron.weight_sync.remote import RemoteWeightSync
+
+    tokenizer_dir = Path(cfg.model.tokenizer or rt.model_dir).absolute()
+    engine = RemoteEngines(cfg, Path(rt.model_dir).absolute(), tokenizer_dir, rt.config_dict, rt.groups.device)
+    vocab, dtype = actor.hf_config.vocab_size, actor.param_dtype
+    sync = RemoteWeightSync(actor, engine, cfg.sync, vocab, dtype, cfg.rollout, rt.groups.device)
+    return InFlightPrompts(dataset), engine, sync

@@ -31,7 +31,9 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
   under the data root and its rows parse (a byte that is not UTF-8 is named with its line);
 - ``rollout.engine=vllm``: ``data.max_prompt_length + rollout.max_response_length`` fits the model's
-  ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start).
+  ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start);
+- ``rollout.placement=separate`` on a GPU machine started by the local launcher: a GPU for every trainer
+  rank and every engine (written for GPU, never run there).
 
 Every failure is a :class:`~pacs_megatron.config.ConfigError` naming the key and the fix, which the
 CLI's error boundary (launch/errors.py) prints as one line and turns into exit code 2.
@@ -57,7 +59,9 @@ def preflight(cfg: RunConfig) -> None:
     preflight_resume(cfg)
     check_data(cfg)
     check_vllm_context(cfg)
+    check_engine_gpus(cfg)
     warn_unused(cfg)
+    warn_uncorrected_staleness(cfg)
 
 
 def check_reward(cfg: RunConfig) -> None:
@@ -262,3 +266,40 @@ def check_vllm_context(cfg: RunConfig) -> None:
             f"({cfg.rollout.max_response_length}) = {need} exceeds the model's max_position_embeddings ({limit}), "
             "which vLLM refuses as max_model_len (rollout.engine=vllm): lower one of the two"
         )
+
+
+def check_engine_gpus(cfg: RunConfig) -> None:
+    """rollout.placement=separate, local launch on GPUs: the engines take the GPUs after the trainer ranks'
+    (launch/local.py), so the machine needs world_size + rollout.engines of them. Written for GPU, never run."""
+    from pacs_megatron.utils.dist import under_launcher
+
+    if cfg.rollout.placement != "separate" or cfg.launcher.kind == "ray" or under_launcher():
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    need, have = cfg.parallel.world_size + cfg.rollout.engines, torch.cuda.device_count()
+    if have < need:
+        raise ConfigError(
+            f"rollout.placement=separate needs a GPU per trainer rank and per engine: parallel.world_size="
+            f"{cfg.parallel.world_size} + rollout.engines={cfg.rollout.engines} = {need}, this machine has {have}: "
+            "lower one of them, or use launcher.kind=ray on a cluster"
+        )
+
+
+def warn_uncorrected_staleness(cfg: RunConfig) -> None:
+    """rollout.max_staleness > 0 without importance weights: stale samples are used as if drawn from the
+    proximal policy (on the CPU default k = 1 then degraded to reward 0.48 at step 200, 1.00 with tis:
+    docs/benchmarks.md). A warning, not an error: a recipe that moves little per step may not need them."""
+    from pacs_megatron.utils.logging import get_logger
+
+    if cfg.rollout.max_staleness and cfg.algorithm.rollout_correction == "none":
+        if os.environ.get("PACS_LAUNCHER_KIND") != "local":  # once, by the launcher, not by every rank
+            get_logger(__name__).warning(
+                "rollout.max_staleness=%d with algorithm.rollout_correction=none: samples up to %d policy versions "
+                "old are trained on as if drawn from the current one; algorithm.rollout_correction=tis weights them "
+                "(docs/async.md)",
+                cfg.rollout.max_staleness,
+                cfg.rollout.max_staleness,
+            )

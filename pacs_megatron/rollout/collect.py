@@ -32,6 +32,8 @@ def generate_sharded(
     engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, step: int
 ) -> list[list[Response]]:
     """``sampling.n`` responses per prompt, for all prompts, on every rank."""
+    if getattr(engine, "remote", False):  # engines on their own ranks: they shard the same way (rollout/remote.py)
+        return engine.generate_step(prompt_ids, sampling, step)
     replica, replicas = replica_coords(engine)
     seeded = replace(sampling, seed=step_seed(sampling.seed or 0, step, replica))
     flat = map_sharded(list(prompt_ids), lambda part: engine.generate(part, seeded) if part else [], replica, replicas)

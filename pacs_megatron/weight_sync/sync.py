@@ -154,36 +154,55 @@ class WeightSync:
             rel_diff = max(rel_diff, (d / ref.abs().clamp(min=1.0)).max().item())
         return abs_diff, rel_diff
 
-    def check(self) -> tuple[float, float, float]:
-        """Probe (collective on the actor): ``(max |engine - reference|, the same / max(1, |reference|),
-        max |engine - actor|)`` per token, where the reference is the actor holding what the engine
-        should hold (its trained weights, or their quantize-dequantize). The second is what the
-        tolerance bounds: float32 rounding grows with the magnitude of a log-prob (a trained model gives
-        random probe tokens log-probs of -30 and below), while a wrong or missing tensor moves log-probs
-        by O(1) whatever their size. The third is the quantization gap (the first without quantization)."""
-        if self.probe is None:
-            return float("nan"), float("nan"), float("nan")
+    def reference_logprobs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collective on the actor: ``(actor, reference)`` log-probs of the probe sequences, where the reference
+        is the actor holding what the engine should hold (its trained weights, or their quantize-dequantize)."""
         p = self.probe
         actor_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
-        engine_lp = self.engine.logprobs([row[: int(n)].tolist() for row, n in zip(p.input_ids, p.seq_lens)])
-        gap, _ = self._probe_diffs(engine_lp, actor_lp)
         if self.quantizer is None:
-            ref_lp = actor_lp
-        else:
-            with self.actor.swapped_hf_weights(self._quantized):
-                ref_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
-            self._quantized = {}
+            return actor_lp, actor_lp
+        with self.actor.swapped_hf_weights(self._quantized):
+            ref_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
+        self._quantized = {}
+        return actor_lp, ref_lp
+
+    def probe_sequences(self) -> list[list[int]]:
+        """The probe's token sequences (what the engine computes log-probs of)."""
+        p = self.probe
+        return [row[: int(n)].tolist() for row, n in zip(p.input_ids, p.seq_lens)]
+
+    def compare(
+        self, engine_lp: list[torch.Tensor], actor_lp: torch.Tensor, ref_lp: torch.Tensor
+    ) -> tuple[float, float, float]:
+        """``(max |engine - reference|, the same / max(1, |reference|), max |engine - actor|)`` per token."""
+        gap, _ = self._probe_diffs(engine_lp, actor_lp)
         abs_diff, rel_diff = self._probe_diffs(engine_lp, ref_lp)
         return abs_diff, rel_diff, gap
 
-    def sync(self) -> SyncResult:
-        """Push, then probe; raise :class:`WeightSyncError` above the tolerance."""
-        pushed = self.push()
-        diff, scaled, gap = self.check()
+    def check(self) -> tuple[float, float, float]:
+        """Probe (collective on the actor): :meth:`compare` of the engine's log-probs with the actor's. The
+        second value is what the tolerance bounds: float32 rounding grows with the magnitude of a log-prob (a
+        trained model gives random probe tokens log-probs of -30 and below), while a wrong or missing tensor
+        moves log-probs by O(1) whatever their size. The third is the quantization gap (the first without
+        quantization)."""
+        if self.probe is None:
+            return float("nan"), float("nan"), float("nan")
+        actor_lp, ref_lp = self.reference_logprobs()
+        return self.compare(self.engine.logprobs(self.probe_sequences()), actor_lp, ref_lp)
+
+    def raise_if_off(self, diff: float, scaled: float) -> None:
+        """:class:`WeightSyncError` when the probe's scaled difference exceeds the tolerance."""
         if scaled > self.tolerance:
             raise WeightSyncError(
                 f"after weight sync the engine's log-probs differ from the actor's by {diff:.3g} "
                 f"({scaled:.3g} relative to max(1, |logp|), > sync.probe_tolerance {self.tolerance:.3g}): "
                 "the engine does not hold the actor's weights"
             )
+
+    def sync(self, version: int = 0) -> SyncResult:
+        """Push, then probe; raise :class:`WeightSyncError` above the tolerance. ``version`` (the RL step of the
+        weights) matters only to engines on other ranks, which stamp their samples with it (remote.py)."""
+        pushed = self.push()
+        diff, scaled, gap = self.check()
+        self.raise_if_off(diff, scaled)
         return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap)

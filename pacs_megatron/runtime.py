@@ -2,10 +2,11 @@
 the config (dataset, actor, engine, reward scorer, weight sync), with their save and restore.
 
 ``setup`` runs first on every rank: process groups, output dir, the model directory (written for
-the tiny synthetic model), seeds, and the checkpoint to resume from (validated, model unchanged;
-see utils/resume.py), before any heavy piece is built. ``build_components`` then builds the heavy pieces in data-flow
-order. Checkpoints hold the actor (model, optimizer, scheduler, RNG; megatron dist_checkpointing)
-and the trainer's own state (step, data position, resolved config, model shape) as ``extra_state``.
+the tiny synthetic model, imported for a GGUF file), seeds, and the checkpoint to resume from
+(validated, model unchanged; see utils/resume.py), before any heavy piece is built.
+``build_components`` then builds the heavy pieces in data-flow order. Checkpoints hold the actor
+(model, optimizer, scheduler, RNG; megatron dist_checkpointing) and the trainer's own state (step,
+data position, resolved config, model shape) as ``extra_state``.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ def _seed_everything(seed: int) -> None:
 
 def check_shared_dirs(cfg: RunConfig, output_dir: Path, model_dir: Path) -> None:
     """Collective: trainer.output_dir on a filesystem every rank sees (canary, utils/shared_fs.py);
-    model.path too when rank 0 wrote it (the tiny model), else present on every node (a copy per
+    model.path too when rank 0 writes it (init=tiny or gguf), else present on every node (a copy per
     node's own disk is fine for a model that is only read)."""
     require_shared(output_dir, "trainer.output_dir")
-    if cfg.model.init == "tiny":
+    if cfg.model.written_by_run:
         require_shared(model_dir, "model.path")
         return
     missing = missing_on(model_dir / "config.json")
@@ -109,17 +110,29 @@ def claim_run_dir(cfg: RunConfig):
     return run_dir
 
 
+def write_model_dir(cfg: RunConfig, model_dir: Path) -> None:
+    """Rank 0, first run: the tiny model's config + task tokenizer, or the import of ``model.gguf``."""
+    if cfg.model.init == "gguf":
+        from pacs_megatron.actor.gguf_import import import_gguf
+
+        logger.info("importing %s into %s (first run; dequantized to fp32)", cfg.model.gguf, model_dir)
+        import_gguf(cfg.model.gguf, model_dir)
+        logger.info("imported %s into %s", cfg.model.gguf, model_dir)
+        return
+    from pacs_megatron.data.synthetic import write_tiny_model_dir
+
+    write_tiny_model_dir(model_dir, cfg.model.tiny)
+    logger.info("wrote the tiny model config and task tokenizer to %s", model_dir)
+
+
 def _setup(cfg: RunConfig) -> Runtime:
     from pacs_megatron.parallel import initialize_parallel
 
     output_dir, model_dir = Path(cfg.trainer.output_dir), Path(cfg.model.path)
     if dist.get_rank() == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.model.init == "tiny" and not (model_dir / "config.json").is_file():
-            from pacs_megatron.data.synthetic import write_tiny_model_dir
-
-            write_tiny_model_dir(model_dir, cfg.model.tiny)
-            logger.info("wrote the tiny model config and task tokenizer to %s", model_dir)
+        if cfg.model.written_by_run and not (model_dir / "config.json").is_file():
+            write_model_dir(cfg, model_dir)
     dist.barrier()
     check_shared_dirs(cfg, output_dir, model_dir)  # a node-local disk fails here, not at the first checkpoint
     check_tiny_model_dir(cfg)
@@ -214,12 +227,30 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     from pacs_megatron.weight_sync import WeightSync
     from pacs_megatron.weight_sync.quantize import vllm_fp8_config
 
-    tokenizer = load_tokenizer(cfg.model.tokenizer or str(rt.model_dir), cfg.data.chat_template)
+    template = cfg.data.chat_template if cfg.data.renders_prompts else "none"  # the raw arith prompts have none
+    tokenizer = load_tokenizer(cfg.model.tokenizer or str(rt.model_dir), template)
     dataset = build_train_dataset(cfg, tokenizer)
     val_sets = build_val_datasets(cfg, tokenizer) if cfg.trainer.test_freq else {}
     actor = MegatronActor(cfg, rt.groups, str(rt.model_dir))
-    # FP8 rollouts on vLLM: the sync tells the engine the layout of the weights it will send
-    engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
-    sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
+    if cfg.rollout.placement == "separate":  # engines on their own ranks (docs/async.md)
+        dataset, engine, sync = _separate_engines(cfg, rt, dataset, actor)
+    else:
+        # FP8 rollouts on vLLM: the sync tells the engine the layout of the weights it will send
+        engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
+        sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
     critic = build_critic(cfg, rt.groups, actor)
     return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync, critic)
+
+
+def _separate_engines(cfg: RunConfig, rt: Runtime, dataset, actor):
+    """Collective: connect to the engine processes the launcher started; the prompt stream that saves its
+    in-flight batches as untrained, the remote engines, and the weight sync over the weight group."""
+    from pacs_megatron.rollout.pipeline import InFlightPrompts
+    from pacs_megatron.rollout.remote import RemoteEngines
+    from pacs_megatron.weight_sync.remote import RemoteWeightSync
+
+    tokenizer_dir = Path(cfg.model.tokenizer or rt.model_dir).absolute()
+    engine = RemoteEngines(cfg, Path(rt.model_dir).absolute(), tokenizer_dir, rt.config_dict, rt.groups.device)
+    vocab, dtype = actor.hf_config.vocab_size, actor.param_dtype
+    sync = RemoteWeightSync(actor, engine, cfg.sync, vocab, dtype, cfg.rollout, rt.groups.device)
+    return InFlightPrompts(dataset), engine, sync

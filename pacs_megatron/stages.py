@@ -26,8 +26,9 @@ from pacs_megatron.data.routing import RoutedExperts, fetch_routed_experts
 from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.pacs import get_loss, outcome_advantages
-from pacs_megatron.pacs.rollout_correction import importance_weights, mismatch_metrics
+from pacs_megatron.pacs.decoupled import decoupled_old_logp
 from pacs_megatron.reward.rollouts import score_rollouts
+from pacs_megatron.reward.verifiers import has_boxed
 from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.types import Response, SamplingParams
 
@@ -89,6 +90,12 @@ def generate_scored(cfg: RunConfig, c, records, step: int, round_: int = 0) -> S
     if round_:
         sampling = replace(sampling, seed=cfg.rollout.seed + 104_729 * round_)
     groups: list[list[Response]] = generate_sharded(c.engine, [r.prompt_ids for r in records], sampling, step)
+    return score_groups(c, records, groups)
+
+
+def score_groups(c, records, groups: list[list[Response]]) -> ScoredGroups:
+    """Score the responses of ``records`` (``groups``: n per prompt, sampled here or by the engines of the
+    asynchronous loop); collective, every rank gets every score."""
     flat = [(rec, resp) for rec, group in zip(records, groups) for resp in group]
     scores, reward_metrics = score_rollouts(
         c.scorer,
@@ -127,6 +134,7 @@ def assemble_batch(cfg: RunConfig, c, scored: ScoredGroups, step: int) -> tuple[
         "response/length_mean": lengths.mean(),
         "response/length_max": lengths.max(),
         "response/truncation_rate": torch.tensor([float(resp.truncated) for _, resp in flat]).mean(),
+        "response/boxed_rate": torch.tensor([float(has_boxed(resp.text)) for _, resp in flat]).mean(),
         "data/tokens": float(batch.seq_lens.sum()),
         **reward_metrics,
     }
@@ -254,14 +262,11 @@ def save_samples(rt, samples: list[dict]) -> None:
 
 def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict]:
     """The engine's sampled-token log-probs vs the actor's old log-probs (this rank's rows): mismatch
-    metrics every step, and the importance weights of ``algorithm.rollout_correction`` (tis / mis)."""
-    if local.rollout_logp is None:
-        return local, {}
-    metrics = mismatch_metrics(local.old_logp, local.rollout_logp, local.response_mask)
+    metrics every step, and the importance weights of ``algorithm.rollout_correction`` (tis / mis). The
+    old log-probs are the proximal policy's (the actor before this step's update): the engine's only enter
+    the weights, whatever policy version sampled them (pacs/decoupled.py)."""
     algo = cfg.algorithm
-    if algo.rollout_correction == "none":
-        return local, metrics
-    w, m = importance_weights(
+    _, w, metrics = decoupled_old_logp(
         local.old_logp,
         local.rollout_logp,
         local.response_mask,
@@ -269,6 +274,8 @@ def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dic
         algo.is_cap,
         algo.resolved_is_level,
     )
+    if w is None:  # no correction: is_weights (if any) are the truncation weights, unchanged
+        return local, metrics
     if local.is_weights is not None:  # truncated rows already weighted 0 (algorithm.overlong.mask_truncated)
         w = w * local.is_weights
-    return local.with_(is_weights=w), metrics | m
+    return local.with_(is_weights=w), metrics

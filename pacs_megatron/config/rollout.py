@@ -68,6 +68,18 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a response in BOTH engines; empty: the tokenizer's EOS plus the eos_token_id(s)
     of MODEL/generation_config.json (rollout/stop_tokens.py)."""
+    placement: str = "colocated"
+    """Where the engines run: "colocated" (inside the trainer ranks, phases in turn: generate, train, sync) or
+    "separate" (``rollout.engines`` engine processes on their own cores / GPUs, trainer ranks never generate;
+    weights reach them over a gloo / NCCL group spanning both). See docs/async.md."""
+    max_staleness: int = 0
+    """k: the trainer trains on samples of policy versions up to k steps older than the policy the update
+    starts from, while the engines generate the next k batches (separate placement). 0 is the synchronous
+    loop. Every sample carries its version; the staleness of step s is exactly min(k, s - 1 - resumed step)."""
+    engines: int = 1
+    """Engine processes (replicas) with rollout.placement=separate; each one GPU on GPU machines."""
+    engine_timeout_s: float = 900.0
+    """Separate placement: how long the trainer waits for the engine processes to start and answer."""
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
@@ -78,6 +90,21 @@ class RolloutConfig:
         _positive("rollout.max_response_length", self.max_response_length)
         _positive("rollout.batch_size", self.batch_size)
         _choice("rollout.quantization", self.quantization, ("none", "fp8", "nvfp4"))
+        _choice("rollout.placement", self.placement, ("colocated", "separate"))
+        _positive("rollout.max_staleness", self.max_staleness, allow_zero=True)
+        _positive("rollout.engines", self.engines)
+        _positive("rollout.engine_timeout_s", self.engine_timeout_s)
+        if self.max_staleness and self.placement == "colocated":
+            raise ConfigError(
+                f"rollout.max_staleness={self.max_staleness} needs rollout.placement=separate: colocated engines "
+                "share the trainer's devices, so nothing overlaps (slime refuses it too); set "
+                "rollout.placement=separate or rollout.max_staleness=0"
+            )
+        if self.placement == "separate" and self.engine == "vllm" and self.vllm.tensor_parallel_size > 1:
+            raise ConfigError(
+                "rollout.placement=separate runs one vLLM replica per engine process: set "
+                "rollout.vllm.tensor_parallel_size=1 and raise rollout.engines instead"
+            )
 
 
 @dataclass

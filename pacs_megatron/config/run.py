@@ -92,8 +92,16 @@ class RunConfig:
         if algo.loss == "pacs" and algo.policy.adv_estimator == "gae":
             raise ConfigError("algorithm.policy.adv_estimator=gae is for loss ppo/grpo: set algorithm.loss=ppo")
         check_run_switches(self)  # dynamic sampling, overlong shaping, KL / entropy (config/switches.py)
-        if self.data.task == "arith" and self.reward.fn == "math":
-            raise ConfigError("data.task=arith is scored by reward.fn=arith (exact match), not 'math'")
+        if self.data.task == "arith" and self.data.arith.style == "raw" and self.reward.fn in ("math", "math_boxed"):
+            raise ConfigError(
+                f"data.task=arith is scored by reward.fn=arith (exact match), not {self.reward.fn!r} "
+                "(data.arith.style=words asks in words, scored by math_boxed or math)"
+            )
+        if self.data.task == "arith" and self.data.arith.style == "words" and self.reward.fn == "arith":
+            raise ConfigError(
+                "data.arith.style=words asks for the answer in \\boxed{}: score it with reward.fn=math_boxed (or "
+                "math), not the exact match 'arith'"
+            )
         truncated = [f for f, on in (("top_k", self.rollout.top_k > 0), ("top_p", self.rollout.top_p < 1)) if on]
         if algo.rollout_correction != "none" and truncated:
             # the engines report log-probs of the top-k/top-p renormalised distribution they sample from

@@ -62,6 +62,13 @@ def check_run_switches(cfg) -> None:
             "the 0/1 outcome, a length-shaped reward is no label; use algorithm.overlong.mask_truncated=true for "
             "PACS, or algorithm.loss=grpo/ppo"
         )
+    if cfg.algorithm.filter_groups != "none" and cfg.rollout.placement == "separate":
+        raise ConfigError(
+            f"algorithm.filter_groups={cfg.algorithm.filter_groups} with rollout.placement=separate: the asynchronous "
+            "loop samples fixed batches of trainer.train_batch_size prompts up to rollout.max_staleness steps ahead, "
+            "so it cannot draw more generation rounds for a step; set algorithm.filter_groups=none, or "
+            "rollout.placement=colocated with rollout.max_staleness=0"
+        )
     if over.buffer_len > max_len:
         raise ConfigError(
             f"algorithm.overlong.buffer_len={over.buffer_len} exceeds rollout.max_response_length={max_len}: the "

@@ -5,9 +5,10 @@
 
 ``data.task="math"`` reads ``data.train_files`` / ``data.val_files`` (names of the shared sets or file
 paths) with the PACS instruction and ``data.chat_template``; ``"arith"`` builds the synthetic task
-(train and validation are its whole problem set, validation keyed ``"arith"``; with
-``data.arith.test_fraction`` the split's train part and held-out part, keyed ``"arith_heldout"``, and with
-``data.arith.val_fraction`` a disjoint validation part, keyed ``"arith_val"``).
+(raw "3+5=" prompts, or math problems in words; train and validation are its whole problem set,
+validation keyed ``"arith"``; with ``data.arith.test_fraction`` the split's train part and held-out
+part, keyed ``"arith_heldout"``, and with ``data.arith.val_fraction`` a disjoint validation part, keyed
+``"arith_val"``).
 """
 
 from __future__ import annotations
@@ -34,15 +35,21 @@ def load_dataset(name_or_path: str, data: DataConfig, tokenizer, limit: int = 0)
     if limit:
         problems = problems[:limit]
     records = build_records(
-        problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name=name
+        problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name, data.shots
     )
     logger.info("dataset %s: %d prompts from %s", name, len(records), path)
     return name, records
 
 
 def arith_prompt_records(problems, data: DataConfig, tokenizer, name: str) -> list[PromptRecord]:
-    """The synthetic task's records (the raw problem text is the prompt), through the same
-    ``data.max_prompt_length`` / ``data.overlong_prompts`` check as every other source of prompts."""
+    """The synthetic task's records, through the same ``data.max_prompt_length`` /
+    ``data.overlong_prompts`` check as every other source of prompts: the raw problem text is the
+    prompt, or (``data.arith.style=words``) the problem is rendered as a math problem (instruction and
+    ``data.chat_template``)."""
+    if data.arith.style == "words":
+        return build_records(
+            problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name, data.shots
+        )
     texts = [p.problem for p in problems]
     return tokenize_prompts(problems, texts, tokenizer, data.max_prompt_length, data.overlong_prompts, name)
 
@@ -51,7 +58,7 @@ def build_train_dataset(cfg: RunConfig, tokenizer) -> PromptDataset:
     """The train stream of ``cfg.data`` (all train files concatenated, shuffled per epoch)."""
     data = cfg.data
     if data.task == "arith":
-        records = arith_prompt_records(arith_split(data.arith, data.seed)[0], data, tokenizer, "arith")
+        records = arith_prompt_records(arith_split(data.arith)[0], data, tokenizer, "arith")
         return PromptDataset(records, data.seed, data.shuffle, name="arith")
     records: list[PromptRecord] = []
     names = []
@@ -66,7 +73,7 @@ def build_val_datasets(cfg: RunConfig, tokenizer) -> dict[str, list[PromptRecord
     """Validation sets by name, each capped at ``trainer.val_max_problems`` (first rows; 0: all)."""
     data, limit = cfg.data, cfg.trainer.val_max_problems
     if data.task == "arith":
-        splits = arith_splits(data.arith, data.seed)
+        splits = arith_splits(data.arith)
         name = "arith_heldout" if data.arith.test_fraction else "arith"  # held-out problems only
         sets = {name: arith_prompt_records(splits["test"], data, tokenizer, name)}
         if splits["val"]:  # the validation split (tuning), disjoint from the held-out one

@@ -2,9 +2,15 @@
 
 Math prompts follow PACS (ritzz-ai/PACS ``preprocess_dataset.py``): one user message
 ``f"{problem} Please reason step by step, and put your final answer within \\boxed{{}}."`` rendered
-with the tokenizer's chat template. The shared Qwen2.5 tokenizer has no template, so the project ships
-Qwen2.5's ChatML as ``templates/qwen2.5.jinja`` and sets it explicitly on the tokenizer
-(``chat_template="qwen2.5"``); ``"none"`` feeds the instruction-suffixed text raw (base-model style).
+with a chat template chosen by ``data.chat_template`` (:func:`select_template`):
+
+- ``"auto"`` (default): the tokenizer's own template, as verl and TRL use it; a Qwen2 tokenizer
+  without one (the shared Qwen2.5 tokenizer files have none) gets the shipped Qwen2.5 ChatML
+  (``templates/qwen2.5.jinja``), and any other tokenizer without one is refused: a non-Qwen model
+  never silently gets ChatML;
+- ``"model"``: the tokenizer's own template, refused when it has none;
+- ``"qwen2.5"``: the shipped Qwen2.5 ChatML, whatever the tokenizer;
+- ``"none"``: the instruction-suffixed text raw (base-model style).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
+from pacs_megatron.config.base import ConfigError
 from pacs_megatron.data.records import DataFormatError, Problem, PromptRecord
 from pacs_megatron.utils.logging import get_logger
 
@@ -23,6 +30,8 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 
 TEMPLATES = {"qwen2.5": "qwen2.5.jinja"}
 """Chat template names -> files under ``pacs_megatron/data/templates``."""
+CHOICES = ("auto", "model", "none", *TEMPLATES)
+"""Values of ``data.chat_template`` (and eval's ``--chat-template``)."""
 
 
 def with_instruction(problem: str) -> str:
@@ -44,8 +53,45 @@ def chat_template(name: str) -> str | None:
     return resources.files("pacs_megatron.data").joinpath("templates", TEMPLATES[name]).read_text(encoding="utf-8")
 
 
-def load_tokenizer(path: str | Path, template: str = "qwen2.5"):
-    """A fast tokenizer from a local directory (never the network), with ``template`` set explicitly.
+def select_template(choice: str, own: str | None, qwen_tokenizer: bool, where: str = "the tokenizer") -> str | None:
+    """The Jinja source ``data.chat_template=choice`` gives a tokenizer whose own template is ``own``
+    (None: it has none), or None for raw text; :class:`ConfigError` (one line) when nothing fits.
+
+    Example:
+        >>> select_template("auto", "{{ x }}", qwen_tokenizer=False)
+        '{{ x }}'
+        >>> select_template("auto", None, qwen_tokenizer=True).startswith("{#- Qwen2.5 ChatML")
+        True
+    """
+    if choice not in CHOICES:
+        raise ConfigError(f"data.chat_template={choice!r} is not valid: choose one of {list(CHOICES)}")
+    if choice in ("none", *TEMPLATES):
+        return chat_template(choice)
+    if own:
+        return own
+    if choice == "model":
+        raise ConfigError(
+            f"data.chat_template=model: {where} has no chat template: set data.chat_template=none (raw prompt text)"
+            " or qwen2.5 (ChatML), or use a tokenizer that ships one"
+        )
+    if not qwen_tokenizer:
+        raise ConfigError(
+            f"data.chat_template=auto: {where} has no chat template and is not a Qwen2 tokenizer, so none is "
+            "guessed: set data.chat_template=none (raw prompt text) or qwen2.5 (ChatML), or use a tokenizer that "
+            "ships one"
+        )
+    logger.info("data.chat_template=auto: %s has no chat template; using the shipped Qwen2.5 ChatML", where)
+    return chat_template("qwen2.5")
+
+
+def is_qwen_tokenizer(class_name: str | None) -> bool:
+    """Whether a tokenizer class (``tokenizer_config.json``'s ``tokenizer_class``) is Qwen2's."""
+    return bool(class_name) and class_name.startswith("Qwen2")
+
+
+def load_tokenizer(path: str | Path, template: str = "auto"):
+    """A fast tokenizer from a local directory (never the network), with its chat template chosen by
+    ``template`` (:func:`select_template`; ``"none"`` leaves the tokenizer's own in place, unused).
 
     A tokenizer without a pad token gets its EOS as pad. Padding side is left as configured: every
     consumer here pads token ids itself.
@@ -56,25 +102,33 @@ def load_tokenizer(path: str | Path, template: str = "qwen2.5"):
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {path} does not exist (model.tokenizer / --tokenizer)")
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    source = chat_template(template)
-    if source is not None:
-        tok.chat_template = source
+    if template != "none":
+        qwen = is_qwen_tokenizer(type(tok).__name__)
+        tok.chat_template = select_template(template, tok.chat_template or None, qwen, f"the tokenizer in {path}")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def render(problem: Problem, tokenizer, template: str) -> str:
-    """The prompt text of a math problem under ``template`` ("qwen2.5" or "none").
+def render(problem: Problem, tokenizer, template: str, shots: Sequence[Sequence[str]] = ()) -> str:
+    """The prompt text of a math problem under ``template`` (any of :data:`CHOICES`; the tokenizer's
+    ``chat_template`` is the one :func:`load_tokenizer` selected).
 
     Rows that already hold chat messages (PACS parquet) are rendered as they are; plain rows get the
-    PACS instruction in one user turn.
+    PACS instruction in one user turn. ``shots`` (``data.shots``: [problem, response] pairs) come first as
+    earlier user/assistant turns (with ``template="none"``, as text above the problem).
     """
     messages = [{"role": r, "content": c} for r, c in problem.messages or ()] or [
         {"role": "user", "content": with_instruction(problem.problem)}
     ]
+    examples = [
+        {"role": role, "content": text}
+        for question, response in shots
+        for role, text in (("user", with_instruction(question)), ("assistant", response))
+    ]
+    messages = examples + messages
     if template == "none":
-        return messages[-1]["content"]
+        return "\n\n".join(m["content"] for m in messages[-1 - len(examples) :])
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template: load it with load_tokenizer(path, template)")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -131,8 +185,14 @@ def tokenize_prompts(
 
 
 def build_records(
-    problems: Sequence[Problem], tokenizer, template: str, max_prompt_length: int, overlong: str = "drop", name=""
+    problems: Sequence[Problem],
+    tokenizer,
+    template: str,
+    max_prompt_length: int,
+    overlong: str = "drop",
+    name="",
+    shots: Sequence[Sequence[str]] = (),
 ) -> list[PromptRecord]:
-    """Render and tokenize math problems (instruction + template), applying the length filter."""
-    texts = [render(p, tokenizer, template) for p in problems]
+    """Render and tokenize math problems (shots + instruction + template), applying the length filter."""
+    texts = [render(p, tokenizer, template, shots) for p in problems]
     return tokenize_prompts(problems, texts, tokenizer, max_prompt_length, overlong, name)

@@ -45,24 +45,26 @@ def arith_problems(cfg: ArithTaskConfig, seed: int = 0) -> list[Problem]:
         >>> len(ps), ps[-1].problem, ps[-1].answer, sorted({p.answer for p in ps})[-1]
         (25, '4+4=', '8', '8')
     """
-    pairs = [(a, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1)]
+    span = range(cfg.min_operand, cfg.max_operand + 1)
+    pairs = [(a, b) for a in span for b in span]
     if cfg.num_problems:
         if cfg.num_problems > len(pairs):
             raise ValueError(
                 f"data.arith.num_problems={cfg.num_problems} exceeds the {len(pairs)} distinct problems of "
-                f"max_operand={cfg.max_operand}"
+                f"operands {cfg.min_operand}..{cfg.max_operand}"
             )
         pairs = sorted(random.Random(seed).sample(pairs, cfg.num_problems))
     out = []
     for a, b in pairs:
         answer = (a + b) % cfg.modulo if cfg.modulo else a + b
         text = f"{answer:0{cfg.answer_width}d}" if cfg.answer_width else str(answer)
-        out.append(Problem(id=f"arith-{a}+{b}", problem=f"{a}+{b}=", answer=text, source="arith"))
+        problem = f"What is {a} + {b}?" if cfg.style == "words" else f"{a}+{b}="
+        out.append(Problem(id=f"arith-{a}+{b}", problem=problem, answer=text, source="arith"))
     return out
 
 
 def _operands(p: Problem) -> tuple[int, int]:
-    a, b = p.problem.rstrip("=").split("+")
+    a, b = p.id.removeprefix("arith-").split("+")
     return min(int(a), int(b)), max(int(a), int(b))
 
 
@@ -83,17 +85,18 @@ def _take_pairs(problems: Sequence[Problem], candidates: Sequence[int], k: int, 
     return set(taken)
 
 
-def arith_splits(cfg: ArithTaskConfig, seed: int = 0) -> dict[str, list[Problem]]:
+def arith_splits(cfg: ArithTaskConfig) -> dict[str, list[Problem]]:
     """``{"train", "val", "test"}`` problems (each in (a, b) order): a ``split_seed``-seeded
     ``test_fraction`` held out, then a ``val_fraction`` for validation, both by unordered pair; with
-    ``test_fraction=0`` train and test are all problems and val is empty.
+    ``test_fraction=0`` train and test are all problems and val is empty. The ``num_problems`` subset is
+    drawn with ``split_seed`` too: every training seed (``data.seed``) sees the same problems.
 
     Example:
         >>> s = arith_splits(ArithTaskConfig(max_operand=9, modulo=0, test_fraction=0.2, val_fraction=0.2))
         >>> [len(s[k]) for k in ("train", "val", "test")]
         [60, 20, 20]
     """
-    problems = arith_problems(cfg, seed)
+    problems = arith_problems(cfg, cfg.split_seed)
     if not cfg.test_fraction:
         return {"train": problems, "val": [], "test": problems}
     n = len(problems)
@@ -113,9 +116,9 @@ def arith_splits(cfg: ArithTaskConfig, seed: int = 0) -> dict[str, list[Problem]
     }
 
 
-def arith_split(cfg: ArithTaskConfig, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
+def arith_split(cfg: ArithTaskConfig) -> tuple[list[Problem], list[Problem]]:
     """``(train, test)`` of :func:`arith_splits` (the validation split is in neither)."""
-    s = arith_splits(cfg, seed)
+    s = arith_splits(cfg)
     return s["train"], s["test"]
 
 

@@ -64,6 +64,7 @@ def cache_key(args, model_dir: Path, data_root: Path) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "seed": args.seed,
         "chat_template": args.chat_template,
+        "shots": getattr(args, "shots", []),
         "tokenizer": str(Path(args.tokenizer or model_dir).resolve()),
         "max_prompt_length": args.max_prompt_length,
         "reward": args.reward,

@@ -11,8 +11,9 @@ responses, their scores, finish reasons and token counts (the ``eval_rollout.jso
 same under the PACS reference's names (``data_source``, ``output``, ``score``).
 
 Per dataset: ``pass@k`` for each k, ``mean@n`` (mean score), ``num_problems``, ``response_length``
-(mean tokens) and ``truncation_rate``. ``overall`` is the unweighted mean over datasets of each metric
-they all share (the "Avg." column of papers), present with two or more datasets.
+(mean tokens), ``truncation_rate`` and ``boxed_rate`` (share of responses with a non-empty
+``\\boxed{}``). ``overall`` is the unweighted mean over datasets of each metric they all share (the
+"Avg." column of papers), present with two or more datasets.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from pacs_megatron.eval.passk import dataset_metrics
 from pacs_megatron.reward.rollouts import score_rollouts
+from pacs_megatron.reward.verifiers import has_boxed
 from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.utils.logging import get_logger
 
@@ -158,6 +160,9 @@ def compute_metrics(rows: Sequence[Mapping[str, Any]], k_list: Sequence[int]) ->
         if all("num_tokens" in r for r in drows):
             lengths = [t for r in drows for t in r["num_tokens"]]
             m["response_length"] = sum(lengths) / len(lengths)
+        if all("responses" in r for r in drows):
+            texts = [t for r in drows for t in r["responses"]]
+            m["boxed_rate"] = sum(map(has_boxed, texts)) / max(len(texts), 1)
         if all("finish_reasons" in r for r in drows):
             reasons = [f for r in drows for f in r["finish_reasons"]]
             m["truncation_rate"] = sum(f == "length" for f in reasons) / len(reasons)

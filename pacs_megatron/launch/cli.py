@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
-from pacs_megatron.launch.local import on_ranks
+from pacs_megatron.launch.engine_rank import engines_for_rank
+from pacs_megatron.launch.local import on_ranks, stop_engines
 from pacs_megatron.launch.preflight import preflight
 from pacs_megatron.launch.rank import run_rank
 from pacs_megatron.launch.slurm import apply_srun_env, srun_exit_code
@@ -74,6 +75,10 @@ def layout_summary(cfg: RunConfig) -> dict:
             )
         }
         check_layout(cfg.parallel, hf)  # heads/KV heads over TP, layers over PP x VPP
+    elif cfg.model.init == "gguf":  # imported by the first run: the layout is checked on the GGUF's own shape
+        from pacs_megatron.actor.gguf_import import read_gguf_info
+
+        check_layout(cfg.parallel, read_gguf_info(cfg.model.gguf).config)
     elif cfg.model.init != "tiny":
         raise ConfigError(
             f"model.path={cfg.model.path!r} has no config.json: point it at a Hugging Face model directory"
@@ -101,7 +106,8 @@ def main(args: argparse.Namespace) -> int:
     if cfg.trainer.dry_run:
         sys.stdout.write(to_yaml(cfg) + "\n# layout\n" + json.dumps(layout, indent=2) + "\n")
         return 0
-    if not (under_launcher() or cfg.parallel.world_size == 1):
+    separate = cfg.rollout.placement == "separate"  # engine processes beside the ranks (docs/async.md)
+    if not (under_launcher() or (cfg.parallel.world_size == 1 and not separate)):
         restore_default_handlers()  # a driver or spawner, not a rank: it installs its own forwarding
     if cfg.launcher.kind == "ray" and not under_launcher():
         from pacs_megatron.launch.ray_launcher import main as ray_main  # ray is imported only here
@@ -111,12 +117,17 @@ def main(args: argparse.Namespace) -> int:
         logger.error("launcher.kind=torchrun but RANK/WORLD_SIZE are not set: start with torchrun or srun")
         return 2
     argv = ["pacs_megatron", "train", "--config", args.config, *overrides]
-    return on_ranks(argv, cfg.parallel.world_size, lambda: _train_here(cfg))
+    return on_ranks(argv, cfg.parallel.world_size, lambda: _train_here(cfg), engines=cfg if separate else None)
 
 
 def _train_here(cfg: RunConfig) -> int:
-    """This process is a rank (or the only one): train."""
+    """This process is a rank (or the only one): train. Under torchrun / srun, with rollout.placement=separate,
+    trainer rank 0 starts the engine processes (no launcher of ours did) and stops them after."""
     from pacs_megatron.train import train
 
-    # srun: 75 means "checkpointed, requeue me"; run_rank: one error per job, not one traceback per rank
-    return srun_exit_code(run_rank(train, cfg))
+    engines = engines_for_rank(cfg)
+    try:
+        # srun: 75 means "checkpointed, requeue me"; run_rank: one error per job, not one traceback per rank
+        return srun_exit_code(run_rank(train, cfg))
+    finally:
+        stop_engines(engines)

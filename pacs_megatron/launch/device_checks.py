@@ -1,4 +1,4 @@
-"""Checks of the config that need the device or an import: the parameter dtype (``model.dtype``), the
+"""Checks of the config that need the device or an import: the
 rollout engine's package (``rollout.engine=vllm``), quantized rollouts (``rollout.quantization``) and
 routing replay (``actor.routing_replay``). One line naming the option and the fix, before any model
 is built; :func:`check_device` runs them, first among launch/preflight.py's checks.
@@ -28,7 +28,6 @@ from pacs_megatron.config.actor import ActorConfig
 
 def check_device(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` when the config asks for what this device or install cannot run."""
-    check_dtype(cfg)
     check_engine_installed(cfg.rollout)
     check_rollout_quantization(cfg.rollout, cfg.parallel.backend)
     check_routing_replay(cfg.actor, cfg.rollout, cfg.parallel.backend)
@@ -37,21 +36,6 @@ def check_device(cfg: RunConfig) -> None:
 def runs_on_cpu(backend: str) -> bool:
     """Whether a run with ``parallel.backend=backend`` trains on CPU (see the module docstring)."""
     return backend == "gloo" or (backend == "auto" and not torch.cuda.is_available())
-
-
-BF16_TRAINS_ON_CPU = False
-"""Whether the actor trains bf16 parameters on CPU. Today it does not: megatron-core's mixed-precision
-optimizer accepts only ``torch.cuda.*Tensor`` parameters, so the ranks died 10-30 s in with a TypeError
-traceback. Set True (or delete :func:`check_dtype`'s condition) once bf16 on CPU works."""
-
-
-def check_dtype(cfg: RunConfig) -> None:
-    """``model.dtype=bfloat16`` on a CPU run, refused while :data:`BF16_TRAINS_ON_CPU` is False."""
-    if cfg.model.dtype == "bfloat16" and runs_on_cpu(cfg.parallel.backend) and not BF16_TRAINS_ON_CPU:
-        raise ConfigError(
-            f"model.dtype=bfloat16 on CPU (parallel.backend={cfg.parallel.backend}): megatron-core's bf16 optimizer "
-            "needs CUDA tensors; use model.dtype=float32 (or auto: float32 on CPU, bfloat16 on GPU)"
-        )
 
 
 def check_engine_installed(rollout: RolloutConfig) -> None:

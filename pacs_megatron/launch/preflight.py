@@ -17,19 +17,23 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
 - ``trainer.resume`` (``--resume``): a named checkpoint directory exists, and the checkpoint a resume
   would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
   shape (``utils/resume.py``);
-- ``model.dtype=bfloat16`` on CPU and ``rollout.engine=vllm`` without vllm installed (device_checks.py);
+- ``rollout.engine=vllm`` without vllm installed (device_checks.py);
 - ``trainer.output_dir``: writable (not read-only, not a file: ``utils/paths.py``), not locked by a
   running run, a fresh start does not land on an old run (``utils/run_dir.py``), and its disk has room
   for a checkpoint (the last one's size, or an estimate from the model's size before the first);
   checked by the launcher and rank 0 only, since rank 0 takes the lock;
 - every model path, with the check every command shares (``utils/model_dir.py``): ``model.path`` holds a
-  ``config.json`` that parses (and, for ``init=pretrained``, readable safetensors weights that agree with
-  it), ``model.tokenizer`` (or ``model.path``) holds a tokenizer, and ``critic.init``, when the learned
-  critic is on and it names a directory, holds a config.json and weights too;
+  ``config.json`` that parses (and, for ``init=pretrained`` and ``gguf``, readable safetensors weights that
+  agree with it), or for ``init=gguf`` without one, ``model.gguf`` is a GGUF file of an architecture
+  transformers reads (an existing ``model.path`` must come from that same file), ``model.tokenizer`` (or
+  ``model.path``) holds a tokenizer, and ``critic.init``, when the learned critic is on and it names a
+  directory, holds a config.json and weights too; ``data.chat_template`` finds a template for that tokenizer;
 - ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
   under the data root and its rows parse (a byte that is not UTF-8 is named with its line);
 - ``rollout.engine=vllm``: ``data.max_prompt_length + rollout.max_response_length`` fits the model's
-  ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start).
+  ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start);
+- ``rollout.placement=separate`` on a GPU machine started by the local launcher: a GPU for every trainer
+  rank and every engine (written for GPU, never run there).
 
 Every failure is a :class:`~pacs_megatron.config.ConfigError` naming the key and the fix, which the
 CLI's error boundary (launch/errors.py) prints as one line and turns into exit code 2.
@@ -55,7 +59,9 @@ def preflight(cfg: RunConfig) -> None:
     preflight_resume(cfg)
     check_data(cfg)
     check_vllm_context(cfg)
+    check_engine_gpus(cfg)
     warn_unused(cfg)
+    warn_uncorrected_staleness(cfg)
 
 
 def check_reward(cfg: RunConfig) -> None:
@@ -161,14 +167,58 @@ def check_model_paths(cfg: RunConfig) -> None:
     from pacs_megatron.utils.model_dir import check_model_dir, check_tokenizer
 
     m = cfg.model
-    tiny_to_write = m.init == "tiny" and not (Path(m.path) / "config.json").is_file()
-    if not tiny_to_write:
-        check_model_dir("model.path", m.path, weights=m.init == "pretrained", tokenizer=False)
-    if m.tokenizer or not tiny_to_write:
+    to_write = m.written_by_run and not (Path(m.path) / "config.json").is_file()
+    if m.init == "gguf":
+        check_gguf(cfg, to_write)
+    if not to_write:
+        check_model_dir("model.path", m.path, weights=m.init in ("pretrained", "gguf"), tokenizer=False)
+    if m.tokenizer or not to_write:
         key, tok = ("model.tokenizer", m.tokenizer) if m.tokenizer else ("model.path", m.path)
         check_tokenizer(key, tok)
+    check_chat_template(cfg, to_write)
     if critic_enabled(cfg) and cfg.critic.init != "actor":
         check_model_dir("critic.init", cfg.critic.init, tokenizer=False)
+
+
+def check_chat_template(cfg: RunConfig, to_write: bool) -> None:
+    """Math prompts (data.task=math, arith in words): ``data.chat_template`` finds a template for this
+    tokenizer (data/prompts.py), read from its files (or, for a GGUF still to import, from the file's
+    metadata) without loading it."""
+    import json
+
+    from pacs_megatron.data.prompts import is_qwen_tokenizer, select_template
+
+    m = cfg.model
+    if not cfg.data.renders_prompts or cfg.data.chat_template == "none" or (to_write and m.init == "tiny"):
+        return
+    if to_write and not m.tokenizer:  # init=gguf: the tokenizer comes out of the file
+        from pacs_megatron.actor.gguf_import import read_gguf_info
+
+        info = read_gguf_info(m.gguf)
+        own, qwen, where = info.has_chat_template, info.config.get("model_type") == "qwen2", f"model.gguf={m.gguf}"
+    else:
+        tok_dir = Path(m.tokenizer or m.path)
+        config_path = tok_dir / "tokenizer_config.json"
+        tok_cfg = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        own = (tok_dir / "chat_template.jinja").is_file() or bool(tok_cfg.get("chat_template"))
+        qwen, where = is_qwen_tokenizer(tok_cfg.get("tokenizer_class")), f"the tokenizer in {tok_dir}"
+    select_template(cfg.data.chat_template, "(its own)" if own else None, qwen, where)
+
+
+def check_gguf(cfg: RunConfig, to_import: bool) -> None:
+    """model.init=gguf: the file is a GGUF transformers reads (when it is still to be imported), or the
+    existing model.path was imported from this same file (sha256 in its provenance record)."""
+    from pacs_megatron.actor.gguf_import import GGUFImportError, check_imported, read_gguf_info
+
+    try:
+        if to_import:
+            read_gguf_info(cfg.model.gguf)
+            return
+        problem = check_imported(cfg.model.path, cfg.model.gguf)
+    except GGUFImportError as e:
+        raise ConfigError(f"model.gguf={cfg.model.gguf!r}: {e}") from None
+    if problem:
+        raise ConfigError(problem)
 
 
 def unused_critic_settings(cfg: RunConfig) -> list[str]:
@@ -216,3 +266,40 @@ def check_vllm_context(cfg: RunConfig) -> None:
             f"({cfg.rollout.max_response_length}) = {need} exceeds the model's max_position_embeddings ({limit}), "
             "which vLLM refuses as max_model_len (rollout.engine=vllm): lower one of the two"
         )
+
+
+def check_engine_gpus(cfg: RunConfig) -> None:
+    """rollout.placement=separate, local launch on GPUs: the engines take the GPUs after the trainer ranks'
+    (launch/local.py), so the machine needs world_size + rollout.engines of them. Written for GPU, never run."""
+    from pacs_megatron.utils.dist import under_launcher
+
+    if cfg.rollout.placement != "separate" or cfg.launcher.kind == "ray" or under_launcher():
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    need, have = cfg.parallel.world_size + cfg.rollout.engines, torch.cuda.device_count()
+    if have < need:
+        raise ConfigError(
+            f"rollout.placement=separate needs a GPU per trainer rank and per engine: parallel.world_size="
+            f"{cfg.parallel.world_size} + rollout.engines={cfg.rollout.engines} = {need}, this machine has {have}: "
+            "lower one of them, or use launcher.kind=ray on a cluster"
+        )
+
+
+def warn_uncorrected_staleness(cfg: RunConfig) -> None:
+    """rollout.max_staleness > 0 without importance weights: stale samples are used as if drawn from the
+    proximal policy (on the CPU default k = 1 then degraded to reward 0.48 at step 200, 1.00 with tis:
+    docs/benchmarks.md). A warning, not an error: a recipe that moves little per step may not need them."""
+    from pacs_megatron.utils.logging import get_logger
+
+    if cfg.rollout.max_staleness and cfg.algorithm.rollout_correction == "none":
+        if os.environ.get("PACS_LAUNCHER_KIND") != "local":  # once, by the launcher, not by every rank
+            get_logger(__name__).warning(
+                "rollout.max_staleness=%d with algorithm.rollout_correction=none: samples up to %d policy versions "
+                "old are trained on as if drawn from the current one; algorithm.rollout_correction=tis weights them "
+                "(docs/async.md)",
+                cfg.rollout.max_staleness,
+                cfg.rollout.max_staleness,
+            )

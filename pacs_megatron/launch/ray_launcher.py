@@ -15,6 +15,11 @@ the job's ranks on a node; on GPUs each rank sees its node's job GPUs in local-r
 (CUDA_VISIBLE_DEVICES), as under torchrun, so CUDA IPC between colocated ranks works (GPU path never
 run: unverified on GPU).
 
+With ``rollout.placement=separate`` the placement group has ``rollout.engines`` more bundles of the
+same shape, one engine process each (launch/engine_rank.py, hosted by a RankActor as a rank is), told
+rank 0's rendezvous store; an engine that ends before the ranks fails the job like a rank, and the
+engines are stopped once the ranks are done.
+
 A rank exiting non-zero gets the others :data:`~pacs_megatron.launch.local.GRACE_S` to follow (they
 usually fail in the same collective); a lost actor (node or process gone) stops the job at once,
 since its peers would wait in a collective forever. OMP_NUM_THREADS is the launching shell's, else
@@ -31,6 +36,7 @@ import time
 from collections import defaultdict
 
 from pacs_megatron.config import RunConfig, to_yaml
+from pacs_megatron.launch.engine_rank import STARTED_ENV
 from pacs_megatron.launch.local import FORWARDED, GRACE_S
 from pacs_megatron.launch.ray_rank import TRAINER, RankActor, RankProgram, RankResult
 from pacs_megatron.utils.logging import get_logger
@@ -88,7 +94,11 @@ def _bundles(cfg: RunConfig) -> list[dict]:
     if gpus < 0:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
     bundle = {"CPU": float(cfg.launcher.cpus_per_rank)} | ({"GPU": float(gpus)} if gpus else {})
-    return [dict(bundle) for _ in range(cfg.parallel.world_size)]
+    return [dict(bundle) for _ in range(cfg.parallel.world_size + _engines(cfg))]
+
+
+def _engines(cfg: RunConfig) -> int:
+    return cfg.rollout.engines if cfg.rollout.placement == "separate" else 0
 
 
 def reserve(cfg: RunConfig):
@@ -108,7 +118,8 @@ def reserve(cfg: RunConfig):
         raise LaunchError(
             f"placement group not granted within launcher.placement_timeout_s={cfg.launcher.placement_timeout_s:g}: "
             f"asked {len(bundles)} bundles of {bundles[0]} ({strategy}, one per rank of parallel.world_size="
-            f"{cfg.parallel.world_size}); the cluster has {len(nodes)} node(s) with {per_node}. Use a smaller layout, "
+            f"{cfg.parallel.world_size} and per rollout engine: {_engines(cfg)}); the cluster has {len(nodes)} node(s) "
+            f"with {per_node}. Use a smaller layout, "
             "another launcher.placement, launcher.gpus_per_rank=0, or add nodes"
         ) from None
     return pg
@@ -222,11 +233,13 @@ def launch_ray(cfg: RunConfig, program: RankProgram = TRAINER) -> int:
             ).remote(i)
             for i, b in enumerate(bundles)
         ]
+        world = cfg.parallel.world_size
         places = ray.get([a.where.remote() for a in actors])
-        order = _rank_order(places)
+        order = _rank_order(places[:world])  # trainer ranks: the first world_size bundles; engines: the rest
         places[order[0]]["port"] = ray.get(actors[order[0]].host_store.remote())  # bound by rank 0's actor
         gcs = ray.get_runtime_context().gcs_address
-        envs = rank_envs(places, order, cfg.launcher.cpus_per_rank, gcs, cfg.launcher.env)
+        extra = cfg.launcher.env | ({STARTED_ENV: "1"} if _engines(cfg) else {})
+        envs = rank_envs(places[:world], order, cfg.launcher.cpus_per_rank, gcs, extra)
         ranked = [actors[b] for b in order]
         where = [places[b] for b in order]
         logger.info(
@@ -237,7 +250,8 @@ def launch_ray(cfg: RunConfig, program: RankProgram = TRAINER) -> int:
         )
         yaml = to_yaml(cfg)
         refs = [a.run.remote(r, yaml, envs[r], os.getcwd(), program) for r, a in enumerate(ranked)]
-        code, report = _supervise(ranked, refs, where)
+        engines = _start_engines(cfg, actors[world:], places[world:], places[order[0]], envs[0])
+        code, report = _supervise(ranked, refs, where, engines)
         if report:
             sys.stdout.write(report)
             sys.stdout.flush()
@@ -250,9 +264,26 @@ def launch_ray(cfg: RunConfig, program: RankProgram = TRAINER) -> int:
         ray.shutdown()
 
 
-def _supervise(actors: list, refs: list, where: list[dict]) -> tuple[int, str]:
-    """Wait for every rank; forward signals; on the first failure stop the rest and name that rank.
-    Returns the exit code and rank 0's captured stdout."""
+def _start_engines(cfg: RunConfig, actors: list, places: list[dict], master: dict, rank0_env: dict) -> dict:
+    """Run the engine processes in their actors (placement=separate); ``{ref: (engine index, place)}``."""
+    from pacs_megatron.launch.engine_rank import MODULE, engine_env
+
+    store = f"{master['ip']}:{master['port']}"
+    refs = {}
+    for e, (actor, place) in enumerate(zip(actors, places)):
+        gpu = ",".join(place["gpu_ids"]) or None  # GPU cluster: never run
+        base = {k: v for k, v in rank0_env.items() if k not in ("CUDA_VISIBLE_DEVICES", STARTED_ENV)}
+        env = engine_env(base, e, store, cfg.launcher.cpus_per_rank, cfg.rollout.engine_timeout_s, gpu)
+        env["PACS_NODE_IP"], env["PACS_RAY_NODE_ID"] = place["ip"], place["node_id"]
+        refs[actor.run.remote(e, "", env, os.getcwd(), RankProgram(MODULE))] = (e, place)
+    if refs:
+        logger.info("ray: %d rollout engine(s) on nodes %s", len(refs), [p["node_id"][:8] for _, p in refs.values()])
+    return refs
+
+
+def _supervise(actors: list, refs: list, where: list[dict], engines: dict | None = None) -> tuple[int, str]:
+    """Wait for every rank; forward signals; on the first failure stop the rest and name that rank (or
+    engine: one ending while the ranks run fails the job). Returns the exit code and rank 0's captured stdout."""
     import ray
 
     received: list[int] = []
@@ -264,7 +295,19 @@ def _supervise(actors: list, refs: list, where: list[dict]) -> tuple[int, str]:
     stop_at: float | None = None
     report = ""
     try:
+        engines = dict(engines or {})
         while pending:
+            done, _ = ray.wait(list(engines), num_returns=len(engines), timeout=0) if engines else ([], [])
+            for ref in done:  # an engine exits 0 only once the trainer closed it
+                e, place = engines.pop(ref)
+                try:
+                    ended = ray.get(ref)
+                    why = f"exited with code {ended.code}: {ended.tail[-1] if ended.tail else 'no output'}"
+                except ray.exceptions.RayActorError:
+                    ended, why = None, "was lost (its Ray actor died)"
+                if (ended is None or ended.code != 0) and failure is None:
+                    failure = f"rollout engine {e} on node {place['node_id'][:8]} ({place['host']}) {why}"
+                    stop_at = time.monotonic() + GRACE_S
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
             for ref in ready:
                 r = pending.pop(ref)

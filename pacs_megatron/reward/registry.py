@@ -4,6 +4,8 @@ Every reward has one signature, ``fn(prompt, response, ground_truth, extra) -> f
 the record's metadata dict or None). ``reward.fn`` names one:
 
 - ``"math"``: math-verify equivalence of the response's final answer (PACS's reward);
+- ``"math_boxed"``: the same on the last ``\\boxed{}`` only, a plain number boxed as a plain number
+  (verl's and DeepScaleR's rule: no box, no reward);
 - ``"arith"``: exact match of the synthetic task;
 - ``"package.module:function"``: any importable function with that signature.
 
@@ -20,7 +22,7 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-from pacs_megatron.reward.verifiers import arith_reward, math_reward
+from pacs_megatron.reward.verifiers import arith_reward, boxed_math_reward, math_reward
 
 RewardFn = Callable[[str, str, str, Any], float]
 
@@ -39,6 +41,16 @@ def math_score(prompt: str, response: str, ground_truth: str, extra: Any = None)
     return math_reward(response, ground_truth)
 
 
+def math_boxed_score(prompt: str, response: str, ground_truth: str, extra: Any = None) -> float:
+    """Registry form of :func:`~pacs_megatron.reward.verifiers.boxed_math_reward` (the prompt is unused).
+
+    Example:
+        >>> math_boxed_score("1+1?", "1 + 1 = \\\\boxed{2}", "2", None), math_boxed_score("", "1 + 1", "2", None)
+        (1.0, 0.0)
+    """
+    return boxed_math_reward(response, ground_truth)
+
+
 def arith_score(prompt: str, response: str, ground_truth: str, extra: Any = None) -> float:
     """Registry form of :func:`~pacs_megatron.reward.verifiers.arith_reward`.
 
@@ -49,7 +61,7 @@ def arith_score(prompt: str, response: str, ground_truth: str, extra: Any = None
     return arith_reward(response, ground_truth)
 
 
-REWARDS: dict[str, RewardFn] = {"math": math_score, "arith": arith_score}
+REWARDS: dict[str, RewardFn] = {"math": math_score, "math_boxed": math_boxed_score, "arith": arith_score}
 """Built-in rewards by name."""
 
 

@@ -7,13 +7,16 @@ intervals, symbolic). math-verify guards its parsers with ``signal.alarm``: call
 main thread (the scorer runs it in worker processes); in a thread its timeouts fail and the parse
 returns nothing, which scores 0.
 
-``arith_reward`` is the synthetic task's exact match: no parsing, no timeouts.
+``boxed_math_reward`` is the strict form (only the last ``\\boxed{}`` counts, a number boxed as a
+number), for tasks where the lenient parse is gamed; ``arith_reward`` is the synthetic task's exact
+match: no parsing, no timeouts.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 
 from pacs_megatron.utils.logging import get_logger
 
@@ -52,6 +55,65 @@ def math_reward(response: str, ground_truth: str) -> float:
         logger.debug("math-verify failed on gold %r: %s", ground_truth, e)
         return 0.0
     return float(score)
+
+
+def last_boxed(response: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``response`` (braces balanced), or None.
+
+    Example:
+        >>> last_boxed("a \\\\boxed{1}, \\\\boxed{\\\\frac{1}{2}}."), last_boxed("no box"), last_boxed("\\\\boxed{2")
+        ('\\\\frac{1}{2}', None, None)
+    """
+    start = response.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    while i < len(response):
+        depth += {"{": 1, "}": -1}.get(response[i], 0)
+        if depth == 0:
+            return response[start + len("\\boxed{") : i]
+        i += 1
+    return None
+
+
+def has_boxed(response: str) -> bool:
+    """Whether ``response`` states an answer the way the PACS instruction asks: a non-empty last
+    ``\\boxed{...}`` (math_reward also accepts a bare final number, so a right answer is not necessarily
+    a boxed one).
+
+    Example:
+        >>> has_boxed("so \\\\boxed{7}."), has_boxed("the answer is 7"), has_boxed("\\\\boxed{}")
+        (True, False, False)
+    """
+    content = last_boxed(response)
+    return bool(content and content.strip())
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _plain_number(text: str) -> bool:
+    return bool(_NUMBER.fullmatch(re.sub(r"[\s$,]|\\[,!; ]", "", text)))
+
+
+def boxed_math_reward(response: str, ground_truth: str) -> float:
+    """:func:`math_reward` of the last ``\\boxed{}`` only: a response without one scores 0 (the rule of
+    verl's and DeepScaleR's math rewards), and a plain-number answer must be boxed as a plain number.
+
+    Why stricter than PACS's reward: math-verify evaluates arithmetic, so for "What is 1 + 4?" the
+    lenient reward scores a response that merely restates "1 + 4" (or boxes it) as right; a policy
+    learns that in a few steps. Equivalence is still math-verify's ("5.0" = "5", "1,080" = "1080").
+
+    Example:
+        >>> [boxed_math_reward(r, "5") for r in ("so \\\\boxed{5}", "1 + 4 = 5", "\\\\boxed{1 + 4}", "\\\\boxed{5.0}")]
+        [1.0, 0.0, 0.0, 1.0]
+    """
+    content = last_boxed(response)
+    if content is None or not content.strip():
+        return 0.0
+    if _plain_number(ground_truth) and not _plain_number(content):
+        return 0.0
+    return math_reward("\\boxed{" + content + "}", ground_truth)
 
 
 def arith_reward(response: str, ground_truth: str) -> float:

@@ -35,6 +35,8 @@ def generate_sharded(
 
     MoE routing records (``Response.routed_experts``) are not gathered: they are large (data/routing.py),
     so a response keeps them only on the ranks of the replica that generated it (None elsewhere)."""
+    if getattr(engine, "remote", False):  # engines on their own ranks: they shard the same way (rollout/remote.py)
+        return engine.generate_step(prompt_ids, sampling, step)
     replica, replicas = replica_coords(engine)
     seeded = replace(sampling, seed=step_seed(sampling.seed or 0, step, replica))
     own: list[list[Response]] = []

@@ -14,7 +14,8 @@ recomputes from the existing rollouts anyway and says what differs; ``--resample
 Rows also carry the PACS reference's field names (``data_source``, ``output``, ``score``).
 
 Prompts are built as for training: the PACS instruction in one user turn under ``--chat-template``
-(Qwen2.5 ChatML by default), tokenized with ``--tokenizer`` (default: the model directory).
+(``auto``: the tokenizer's own, as ``data.chat_template``), tokenized with ``--tokenizer`` (default: the
+model directory).
 
 Before anything is sampled, every flag is checked (``--out`` writable, ``--reward`` loadable, ``--device``
 present, the model directory's weights, config and tokenizer: utils/model_dir.py); a problem is one
@@ -72,10 +73,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=0, help="first N problems of each set (0: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
-    p.add_argument("--chat-template", choices=("qwen2.5", "none"), default="qwen2.5", help="prompt template")
+    p.add_argument(
+        "--chat-template",
+        choices=("auto", "model", "qwen2.5", "none"),
+        default="auto",
+        help="as data.chat_template: auto (the tokenizer's own; Qwen2.5 ChatML for a Qwen2 tokenizer without one), "
+        "model, qwen2.5, none",
+    )
+    p.add_argument(
+        "--shots",
+        type=_shots,
+        default=[],
+        help='as data.shots: worked examples before each problem, JSON [["problem", "response"], ...]',
+    )
     p.add_argument("--data-root", default="", help="folder of the shared sets (default: $PACS_DATA_ROOT)")
     p.add_argument("--max-prompt-length", type=int, default=8192, help="longer prompts are dropped (logged)")
-    p.add_argument("--reward", default="math", help="'math', 'arith' or 'package.module:function'")
+    p.add_argument("--reward", default="math", help="'math', 'math_boxed', 'arith' or 'package.module:function'")
     p.add_argument("--reward-workers", type=int, default=2, help="reward processes (0: one)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="per-response reward timeout (s)")
     p.add_argument("--resample", action="store_true", help="sample again even if eval_rollout.jsonl exists")
@@ -177,12 +190,26 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shots(text: str) -> list[list[str]]:
+    """``--shots`` JSON -> [[problem, response], ...] (DataConfig checks the pairs)."""
+    import json
+
+    try:
+        shots = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(shots, list):
+        raise argparse.ArgumentTypeError("give a JSON list of [problem, response] pairs")
+    return shots
+
+
 def _data_config(args: argparse.Namespace):
     from pacs_megatron.config import DataConfig
 
     return DataConfig(
         data_root=args.data_root,
         chat_template=args.chat_template,
+        shots=args.shots,
         max_prompt_length=args.max_prompt_length,
         overlong_prompts="drop",
         bad_records="error",

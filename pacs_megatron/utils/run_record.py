@@ -112,6 +112,8 @@ class RunRecord:
         ]
         argv += ["--top-p", f"{t.val_top_p:g}", "--max-tokens", str(cfg.rollout.max_response_length)]
         argv += ["--chat-template", data.chat_template, "--reward", cfg.reward.fn]
+        if data.shots:
+            argv += ["--shots", json.dumps(data.shots)]
         if data.data_root and data.task != "arith":
             argv += ["--data-root", data.data_root]
         return shlex.join(argv)
@@ -124,7 +126,7 @@ class RunRecord:
             return []
         from pacs_megatron.data.synthetic import arith_splits
 
-        splits = arith_splits(self.cfg.data.arith, self.cfg.data.seed)
+        splits = arith_splits(self.cfg.data.arith)
         named = {"arith_heldout" if self.cfg.data.arith.test_fraction else "arith": splits["test"]}
         if splits["val"]:
             named["arith_val"] = splits["val"]

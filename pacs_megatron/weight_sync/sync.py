@@ -104,6 +104,16 @@ def probe_diffs(engine_lp: list[torch.Tensor], actor_lp: torch.Tensor, probe: Tr
     return abs_max, rel_max, cont_sum / max(cont_n, 1)
 
 
+def random_probe_batch(vocab_size: int, num_sequences: int, seed: int = 1234) -> TrainBatch:
+    """``PROBE_LEN`` random tokens per sequence, every one bounded relative to max(1, |logp|) (no greedy
+    part: its response mask is empty): the probe of engines on other ranks (remote.py), which get the
+    sequences with the weights, before they could continue them."""
+    ids = probe_prompts(vocab_size, num_sequences, seed, PROBE_LEN)
+    half = PROBE_LEN // 2
+    b = build_train_batch([r[:half] for r in ids], [r[half:] for r in ids], [0.0] * num_sequences, 1, pad_id=0)
+    return b.with_(response_mask=torch.zeros_like(b.response_mask))
+
+
 class WeightSync:
     """Pushes the actor's weights into the engine and checks the result."""
 
@@ -133,6 +143,9 @@ class WeightSync:
         )
         """Bound of the mean difference over the greedy continuation."""
         self.prompts = probe_prompts(vocab_size, cfg.probe_sequences) if cfg.probe_sequences else None
+        self.probe: TrainBatch | None = None
+        """A fixed probe, for engines on other ranks (remote.py: :func:`random_probe_batch`); the colocated
+        sync builds its probe each time (:meth:`probe_batch`, with the engine's greedy continuation)."""
         # Buckets and the cast serve a transport; an engine that copies each tensor into place as it
         # arrives (casting on the copy) gets the stream tensor by tensor, uncast.
         in_place = getattr(engine, "loads_in_place", False)
@@ -188,31 +201,49 @@ class WeightSync:
         cont = all_gather_objects(cont)[0]
         return build_train_batch(self.prompts, cont, [0.0] * len(cont), 1, pad_id=0)
 
+    def reference_logprobs(self, p: TrainBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collective on the actor: ``(actor, reference)`` log-probs of the probe ``p`` (default
+        :attr:`probe`), where the reference is the actor holding what the engine should hold (its trained
+        weights, or their quantize-dequantize)."""
+        p = self.probe if p is None else p
+        actor_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
+        if self.quantizer is None:
+            return actor_lp, actor_lp
+        with self.actor.swapped_hf_weights(self._quantized):
+            ref_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
+        self._quantized = {}
+        return actor_lp, ref_lp
+
+    def probe_sequences(self, p: TrainBatch | None = None) -> list[list[int]]:
+        """The token sequences of the probe ``p`` (default :attr:`probe`): what the engine scores."""
+        p = self.probe if p is None else p
+        return [row[: int(n)].tolist() for row, n in zip(p.input_ids, p.seq_lens)]
+
+    def compare(
+        self, engine_lp: list[torch.Tensor], actor_lp: torch.Tensor, ref_lp: torch.Tensor, p: TrainBatch | None = None
+    ) -> tuple[float, float, float, float]:
+        """``(max |engine - reference|, the same / max(1, |reference|) over the random prompt tokens, mean
+        |engine - reference| over the greedy continuation (0: none), max |engine - actor|)`` per token of
+        the probe ``p`` (default :attr:`probe`)."""
+        p = self.probe if p is None else p
+        gap = probe_diffs(engine_lp, actor_lp, p)[0]
+        return (*probe_diffs(engine_lp, ref_lp, p), gap)
+
     def check(self) -> tuple[float, float, float, float]:
-        """Probe (collective on the actor): ``(max |engine - reference|, the same / max(1, |reference|) over
-        the random prompt tokens, mean |engine - reference| over the greedy continuation, max |engine -
-        actor|)`` per token, where the reference is the actor holding what the engine should hold (its
-        trained weights, or their quantize-dequantize). The second and third are what the tolerance
-        bounds (see the module docstring); the last is the quantization gap (the first without it)."""
+        """Probe (collective on the actor): :meth:`compare` of the engine's log-probs of the random prompts
+        and its greedy continuation (:meth:`probe_batch`) with the actor's. The second and third values are
+        what the tolerances bound (see the module docstring); the last is the quantization gap (the first
+        without it)."""
         nan = float("nan")
         if self.prompts is None:
             return nan, nan, nan, nan
         p = self.probe_batch()
-        actor_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
-        engine_lp = self.engine.logprobs([row[: int(n)].tolist() for row, n in zip(p.input_ids, p.seq_lens)])
-        gap = probe_diffs(engine_lp, actor_lp, p)[0]
-        if self.quantizer is None:
-            ref_lp = actor_lp
-        else:
-            with self.actor.swapped_hf_weights(self._quantized):
-                ref_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
-            self._quantized = {}
-        return (*probe_diffs(engine_lp, ref_lp, p), gap)
+        actor_lp, ref_lp = self.reference_logprobs(p)
+        return self.compare(self.engine.logprobs(self.probe_sequences(p)), actor_lp, ref_lp, p)
 
-    def sync(self) -> SyncResult:
-        """Push, then probe; raise :class:`WeightSyncError` above the tolerance."""
-        pushed = self.push()
-        diff, scaled, greedy, gap = self.check()
+    def raise_if_off(self, diff: float, scaled: float, greedy: float = float("nan")) -> None:
+        """:class:`WeightSyncError` when the probe's scaled difference on the random prompt tokens, or its
+        mean difference over the greedy continuation, exceeds its tolerance."""
         if scaled > self.tolerance or greedy > self.greedy_tolerance:
             if scaled > self.tolerance:
                 where = f"{scaled:.3g} relative to max(1, |logp|) on the random prompt tokens, > sync.probe_tolerance"
@@ -224,4 +255,11 @@ class WeightSync:
                 f"after weight sync the engine's log-probs differ from the actor's by up to {diff:.3g} ({where} "
                 f"{bound:.3g}): the engine does not hold the actor's weights"
             )
+
+    def sync(self, version: int = 0) -> SyncResult:
+        """Push, then probe; raise :class:`WeightSyncError` above the tolerance. ``version`` (the RL step of the
+        weights) matters only to engines on other ranks, which stamp their samples with it (remote.py)."""
+        pushed = self.push()
+        diff, scaled, greedy, gap = self.check()
+        self.raise_if_off(diff, scaled, greedy)
         return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap, greedy)

@@ -1,4 +1,7 @@
-"""Prompt rendering: the PACS instruction, the shipped Qwen2.5 ChatML template, the length filter."""
+"""Prompt rendering: the PACS instruction, the chat template choice (auto / model / qwen2.5 / none), the
+length filter."""
+
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,7 @@ README_CHATML = (
     "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n"
     "<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n"
 )
+REPO = Path(__file__).resolve().parents[2]
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 
@@ -60,3 +64,112 @@ def test_overlong_prompts_drop_or_error(qwen_tok, caplog):
     assert r.problem == "1+1?" and r.answer == "2"
     with pytest.raises(DataFormatError, match="problem 'long' has .* prompt tokens > data.max_prompt_length=64"):
         build_records([short, long], qwen_tok, "qwen2.5", max_prompt_length=64, overlong="error", name="set")
+
+
+OWN = (
+    "{% for m in messages %}<<{{ m['role'] }}|{{ m['content'] }}>>{% endfor %}"
+    "{% if add_generation_prompt %}<<a|{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def plain_toks(tmp_path_factory):
+    """Two non-Qwen tokenizer dirs (the arith character tokenizer): without and with a template of its own."""
+    from pacs_megatron.data.synthetic import build_arith_tokenizer
+
+    root = tmp_path_factory.mktemp("toks")
+    bare, own = root / "bare", root / "own"
+    build_arith_tokenizer().save_pretrained(str(bare))
+    tok = build_arith_tokenizer()
+    tok.chat_template = OWN
+    tok.save_pretrained(str(own))
+    return bare, own
+
+
+def test_template_choice(plain_toks, data_root):
+    from pacs_megatron.config import ConfigError
+
+    bare, own = plain_toks
+    p = Problem("x", "1+1", "2", "t")
+    # auto and model take the tokenizer's own template (as verl and TRL do); qwen2.5 and none are explicit
+    for choice in ("auto", "model"):
+        assert render(p, load_tokenizer(own, choice), choice) == f"<<user|1+1 {INSTRUCTION}>><<a|"
+    assert render(p, load_tokenizer(own, "qwen2.5"), "qwen2.5").startswith("<|im_start|>system\nYou are Qwen")
+    assert render(p, load_tokenizer(own, "none"), "none") == f"1+1 {INSTRUCTION}"
+    # a non-Qwen tokenizer without a template never gets ChatML by default: one line naming the fix
+    for choice, match in (("auto", "has no chat template and is not a Qwen2"), ("model", "has no chat template")):
+        with pytest.raises(ConfigError, match=f"data.chat_template={choice}: the tokenizer in .*bare {match}") as e:
+            load_tokenizer(bare, choice)
+        assert "\n" not in str(e.value) and "data.chat_template=none" in str(e.value)
+    # the shared Qwen2.5 tokenizer files carry no template: auto gives the shipped ChatML, model refuses
+    qwen = data_root / "tokenizers" / "qwen2.5"
+    assert render(p, load_tokenizer(qwen, "auto"), "auto") == render(p, load_tokenizer(qwen, "qwen2.5"), "qwen2.5")
+    with pytest.raises(ConfigError, match="data.chat_template=model"):
+        load_tokenizer(qwen, "model")
+
+
+def test_template_choice_checked_before_any_rank(plain_toks, tmp_path, capfd):
+    """The launcher reads the same choice from the tokenizer files (no load), and eval refuses in one line."""
+    from pacs_megatron.cli import main
+    from pacs_megatron.config import ConfigError, load_config
+    from pacs_megatron.launch.preflight import check_chat_template
+
+    bare, own = plain_toks
+    cfg = [f"model.path={tmp_path}", f"model.tokenizer={bare}", "data.task=math", "reward.fn=math"]
+    config = REPO / "examples" / "configs" / "cpu_tiny.yaml"
+    for choice in ("auto", "model"):
+        with pytest.raises(ConfigError, match=f"data.chat_template={choice}: the tokenizer in"):
+            check_chat_template(load_config(config, [*cfg, f"data.chat_template={choice}"]), to_write=False)
+    check_chat_template(load_config(config, [*cfg, "data.chat_template=none"]), to_write=False)
+    check_chat_template(load_config(config, [*cfg, f"model.tokenizer={own}", "data.chat_template=model"]), False)
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tmp_path / "m"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(model)  # fmt: skip
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "problem": "1+1", "answer": "2", "source": "t"}\n')
+    argv = [
+        "eval",
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(bare),
+        "--data",
+        str(tmp_path / "p.jsonl"),
+        "--n",
+        "1",
+        "--k",
+        "1",
+    ]
+    capfd.readouterr()
+    assert main(argv) == 2  # the default --chat-template auto, refused before any engine is built
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "chat_template" in lines[0] and "auto" in lines[0], lines
+
+
+def test_shots_come_first_as_earlier_turns(qwen_tok):
+    from pacs_megatron.config import ConfigError, DataConfig
+
+    shot = ["What is 23 + 45?", "23 + 45 = 68. The answer is \\boxed{68}."]
+    p = Problem("x", "What is 2+3?", "5", "t")
+    text = render(p, qwen_tok, "qwen2.5", [shot])
+    assert text == (
+        f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}<|im_end|>\n"
+        f"<|im_start|>user\nWhat is 23 + 45? {INSTRUCTION}<|im_end|>\n"
+        f"<|im_start|>assistant\n{shot[1]}<|im_end|>\n"
+        f"<|im_start|>user\nWhat is 2+3? {INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (
+        render(p, qwen_tok, "none", [shot])
+        == f"What is 23 + 45? {INSTRUCTION}\n\n{shot[1]}\n\nWhat is 2+3? {INSTRUCTION}"
+    )
+    assert render(p, qwen_tok, "qwen2.5", []) == render(p, qwen_tok, "qwen2.5")  # the default: no shots
+    records = build_records([p], qwen_tok, "qwen2.5", 512, shots=[shot])
+    assert records[0].prompt_text == text
+    with pytest.raises(ConfigError, match=r"data.shots\[0\].*\[problem, response\]"):
+        DataConfig(task="math", shots=[["only a problem"]])
+    with pytest.raises(ConfigError, match=r"data.shots\[0\]: the response shows no \\boxed"):
+        DataConfig(task="math", shots=[["What is 1 + 1?", "2"]])
+    with pytest.raises(ConfigError, match="data.shots needs prompts rendered as math problems"):
+        DataConfig(task="arith", shots=[shot])

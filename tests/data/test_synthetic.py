@@ -5,6 +5,7 @@ import random
 from collections import Counter
 
 import pytest
+from _runs import REPO
 
 from pacs_megatron.config import ArithTaskConfig, ConfigError, TinyModelConfig
 from pacs_megatron.data.synthetic import (
@@ -12,6 +13,7 @@ from pacs_megatron.data.synthetic import (
     EOS_ID,
     arith_problems,
     arith_records,
+    arith_splits,
     build_arith_tokenizer,
     format_warmup_examples,
     write_tiny_model_dir,
@@ -171,3 +173,53 @@ def test_zero_padded_answers_have_one_length_and_the_warmup_keeps_it():
         ArithTaskConfig(max_operand=9, modulo=0, answer_width=1)
     with pytest.raises(ConfigError, match="data.arith.answer_width"):
         ArithTaskConfig(answer_width=-1)
+
+
+def test_problem_subset_and_splits_do_not_depend_on_the_training_seed():
+    """With num_problems, the subset is drawn by split_seed like the splits: runs with other data.seed
+    (the seeds of a comparison) train and validate on the same problems."""
+    from pacs_megatron.config import load_config
+    from pacs_megatron.data.factory import build_train_dataset, build_val_datasets
+
+    tok = build_arith_tokenizer()
+    base = ["data.arith.num_problems=40", "data.arith.test_fraction=0.25", "data.arith.max_operand=19"]
+    sets = []
+    for seed in (1, 2):
+        cfg = load_config(None, ["model.init=tiny", "model.path=x", "reward.fn=arith", "data.task=arith", *base])
+        cfg.data.seed = seed
+        train = build_train_dataset(cfg, tok)
+        sets.append(
+            ({r.id for r in train.records}, {k: [r.id for r in v] for k, v in build_val_datasets(cfg, tok).items()})
+        )
+    assert sets[0] == sets[1]
+    assert len(sets[0][0]) == 30 and len(sets[0][1]["arith_heldout"]) == 10
+
+
+def test_words_style_pairs_and_range():
+    cfg = ArithTaskConfig(style="words", min_operand=10, max_operand=12, modulo=0, test_fraction=0.34)
+    s = arith_splits(cfg)
+    assert s["test"][0].problem.startswith("What is 1") and s["test"][0].problem.endswith("?")
+    ops = {tuple(sorted(map(int, p.id.removeprefix("arith-").split("+")))) for p in s["train"]}
+    held = {tuple(sorted(map(int, p.id.removeprefix("arith-").split("+")))) for p in s["test"]}
+    assert ops.isdisjoint(held) and all(10 <= x <= 12 for pair in ops | held for x in pair)
+    assert {p.answer for p in s["train"] + s["test"]} <= {str(x) for x in range(20, 25)}
+    with pytest.raises(ConfigError, match="min_operand=5 exceeds"):
+        ArithTaskConfig(min_operand=5, max_operand=4)
+
+
+def test_smollm2_recipe_splits_are_disjoint():
+    """The real-model recipe's train / validation / held-out problems: no problem twice, no commuted
+    twin across splits, the validation split apart from the held-out one, and the same split for
+    every training seed."""
+    from pacs_megatron.config import load_config
+
+    cfg = load_config(str(REPO / "examples" / "configs" / "cpu_smollm2.yaml"), ["data.seed=7"])
+    assert cfg.data.arith.style == "words" and cfg.reward.fn == "math_boxed"
+    s = arith_splits(cfg.data.arith)
+    assert [len(s[k]) for k in ("train", "val", "test")] == [120, 40, 40]
+    texts = [p.problem for v in s.values() for p in v]
+    assert len(texts) == len(set(texts)) == cfg.data.arith.num_problems
+    pairs = {k: {frozenset(p.id.removeprefix("arith-").split("+")) for p in v} for k, v in s.items()}
+    assert not (pairs["train"] & pairs["val"] or pairs["train"] & pairs["test"] or pairs["val"] & pairs["test"])
+    assert all(int(p.answer) == sum(map(int, p.id.removeprefix("arith-").split("+"))) for p in s["test"])
+    assert arith_splits(load_config(str(REPO / "examples" / "configs" / "cpu_smollm2.yaml")).data.arith) == s

@@ -82,3 +82,12 @@ def test_eval_doctests():
     for module in (passk, runner):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_boxed_rate_counts_non_empty_boxes():
+    rows = [
+        {"dataset": "d", "scores": [1.0, 1.0], "responses": ["so \\boxed{2}", "the answer is 2"]},
+        {"dataset": "d", "scores": [0.0, 0.0], "responses": ["\\boxed{}", "\\boxed{3"]},
+    ]
+    m = compute_metrics(rows, [1])["d"]
+    assert m["boxed_rate"] == 0.25 and m["mean@n"] == 0.5  # a right bare number counts as right, not as boxed

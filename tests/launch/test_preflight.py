@@ -113,3 +113,32 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_at_launch(tmp_path, capf
         lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
         assert len(lines) == 1 and "has 1.0 MiB free but a checkpoint takes about 5.7 MiB" in lines[0], lines
         assert not (disk / "run").exists()
+
+
+def test_gguf_model_is_checked_before_any_rank(tmp_path):
+    from _gguf_helpers import tiny_llama, write_gguf
+
+    from pacs_megatron.actor.gguf_import import import_gguf
+    from pacs_megatron.launch.cli import layout_summary
+    from pacs_megatron.launch.preflight import check_model_paths
+
+    model = tmp_path / "model"
+    src = write_gguf(tiny_llama(layers=2), tmp_path / "tiny.gguf")
+    base = [f"model.path={model}", "model.init=gguf", f"trainer.output_dir={tmp_path}/out"]
+    with pytest.raises(ConfigError, match="model.init=gguf needs model.gguf"):
+        load_config(CONFIG, base)
+    with pytest.raises(ConfigError, match="model.gguf is read only with model.init=gguf"):
+        load_config(CONFIG, ["model.gguf=x.gguf"])
+    with pytest.raises(ConfigError, match=r"model.gguf='/no/m.gguf': GGUF file /no/m.gguf does not exist"):
+        check_model_paths(load_config(CONFIG, [*base, "model.gguf=/no/m.gguf"]))
+    cfg = load_config(CONFIG, [*base, f"model.gguf={src}"])
+    check_model_paths(cfg)  # model.path does not exist yet: the first run imports the file
+    assert layout_summary(cfg)["tp"] == 2  # tp=2 divides the GGUF's 4 heads and 2 KV heads
+    with pytest.raises(ConfigError, match="must divide the model's num_key_value_heads=2"):
+        layout_summary(load_config(CONFIG, [*base, f"model.gguf={src}", "parallel.tp=4"]))
+    import_gguf(src, model)
+    check_model_paths(cfg)
+    assert layout_summary(cfg)["model"]["model_type"] == "llama"
+    other = write_gguf(tiny_llama(layers=2, seed=1), tmp_path / "other.gguf")
+    with pytest.raises(ConfigError, match=r"model.path='.*model' was imported from .*tiny.gguf"):
+        check_model_paths(load_config(CONFIG, [*base, f"model.gguf={other}"]))

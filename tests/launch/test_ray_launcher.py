@@ -124,6 +124,34 @@ def test_ray_strict_spread_matches_local_run(ray_cluster, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_ray_separate_engine_on_the_other_node_matches_a_local_run(ray_cluster, tmp_path):
+    """rollout.placement=separate under Ray: the trainer rank on one raylet, its engine on the other (strict_spread
+    over 1-CPU nodes), weights over gloo between them; k = 1 is deterministic, so the metrics equal the local
+    launcher's bit for bit (timings excepted)."""
+    sep = ["parallel.tp=1", "rollout.placement=separate", "rollout.max_staleness=1"]
+    local, ray_out = tmp_path / "local", tmp_path / "ray"
+    subprocess.run(_cmd(local, 3, *sep), env=_env(), check=True, timeout=600)
+    proc = subprocess.run(
+        _cmd(ray_out, 3, *sep, *_ray(ray_cluster, "launcher.placement=strict_spread")),
+        env=_env(),
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-3000:]
+    engine_nodes = re.search(r"ray: 1 rollout engine\(s\) on nodes \['(\w+)'\]", text)
+    trainer_node = json.loads((ray_out / "launch.json").read_text())["ranks"][0]["node_id"]
+    assert engine_nodes and not trainer_node.startswith(engine_nodes.group(1)), text[-3000:]
+    expected, got = _rows(local), _rows(ray_out)
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    assert [got[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in expected:
+        assert _maths(got[step]) == _maths(expected[step]), step
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
     out, log = tmp_path / "run", tmp_path / "driver.log"
     with log.open("w") as f:

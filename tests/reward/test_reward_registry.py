@@ -3,6 +3,7 @@
 import pytest
 
 from pacs_megatron.reward import REWARDS, RewardFunctionError, arith_reward, load_reward_fn, math_reward
+from pacs_megatron.reward.verifiers import boxed_math_reward, last_boxed
 
 # (response, ground truth, expected) -- chosen to pin the behaviour PACS's reward relies on.
 MATH_TABLE = [
@@ -33,6 +34,31 @@ def test_math_reward_table(response, gold, expected):
     assert math_reward(response, gold) == expected
 
 
+# (response, ground truth, math, math_boxed): the lenient reward evaluates a restated problem.
+BOXED_TABLE = [
+    ("1 + 4", "5", 1.0, 0.0),  # the restated problem: math-verify computes it
+    ("\\boxed{1 + 4}", "5", 1.0, 0.0),  # a boxed expression for a plain-number answer
+    ("The answer is 5.", "5", 1.0, 0.0),  # no box, no reward
+    ("so \\boxed{5}.", "5", 1.0, 1.0),
+    ("\\boxed{5} no, \\boxed{6}", "5", 0.0, 0.0),  # the last box counts
+    ("\\boxed{$5.0$}", "5", 1.0, 1.0),  # still math-verify's equivalence
+    ("\\boxed{1,080}", "1080", 1.0, 1.0),  # thousands separator inside the box
+    ("\\boxed{\\frac{1}{2}}", "\\frac12", 1.0, 1.0),  # a non-number answer: any form math-verify equates
+    ("\\boxed{}", "5", 0.0, 0.0),
+    ("\\boxed{5", "5", 0.0, 0.0),  # unclosed box
+]
+
+
+@pytest.mark.parametrize(("response", "gold", "lenient", "strict"), BOXED_TABLE)
+def test_boxed_math_reward_table(response, gold, lenient, strict):
+    assert (math_reward(response, gold), boxed_math_reward(response, gold)) == (lenient, strict)
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{1} \\boxed{2}") == "2" and last_boxed("\\boxed{{x}") is None
+
+
 def test_arith_exact_match():
     assert arith_reward("8", "8") == 1.0
     assert arith_reward(" 8\n", "8") == 1.0
@@ -42,7 +68,8 @@ def test_arith_exact_match():
 
 
 def test_builtins_live_in_the_registry_with_the_common_signature():
-    assert set(REWARDS) == {"math", "arith"}
+    assert set(REWARDS) == {"math", "math_boxed", "arith"}
+    assert load_reward_fn("math_boxed")("q", "1 + 2", "3", None) == 0.0
     assert load_reward_fn("math")("q", "\\boxed{3}", "3", None) == 1.0
     assert load_reward_fn("arith")("1+2=", "3", "3", {"id": "x"}) == 1.0
 

@@ -85,7 +85,7 @@ def test_launch_configs_and_summary(tmp_path, caplog):
     assert s["export_command"] == f"pacs-megatron export {plan.path} {tmp_path / 'hf'}"
     assert s["eval_command"] == (
         f"pacs-megatron eval --model {tmp_path / 'hf'} --data math500 --n 4 --k 1,4 --temperature 0.6 --top-p 0.95 "
-        "--max-tokens 1024 --chat-template qwen2.5 --reward math"
+        "--max-tokens 1024 --chat-template auto --reward math"
     )
     assert format_summary(s) in caplog.text and "0.100 (step 1) -> 0.700 (step 3)" in caplog.text
     assert "arith pass@4: best 0.900 (step 2), last 0.850 (step 3)" in caplog.text  # best AND last (issue 29)

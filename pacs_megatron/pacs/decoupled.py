@@ -1,0 +1,91 @@
+"""The decoupled off-policy correction (pure torch): which log-probs are "old" when the samples come from an
+older policy than the one the update starts from (``rollout.max_staleness`` > 0, docs/async.md).
+
+Three policies meet in one update at step s::
+
+    behaviour  pi_b      the engine's weights when it sampled y: version s-1-staleness (Response.logprobs,
+                         ``rollout_logp``); with k = 0 the same version as pi_prox, up to engine numerics
+    proximal   pi_prox   the actor at the start of step s (version s-1), recomputed by the old-log-prob pass
+                         (``old_logp``)
+    current    pi_theta  the actor being trained
+
+The decoupled objective (Hilton et al. 2021, "Batch size-invariance for policy optimization"; AReaL) keeps
+the two roles of "old" apart:
+
+- the ratio of PPO / GRPO and PACS's implicit reward ``r = beta * sum_t (log pi_theta - log pi_prox)`` are
+  measured against pi_prox, so the update's trust region and PACS's classifier logit start from 0 at
+  theta = prox, whatever the staleness;
+- the sampling distribution is corrected by ``w = pi_prox(y) / pi_b(y)``, truncated (tis) or masked (mis) at
+  ``algorithm.is_cap``: ``E_{y ~ pi_prox}[f(y)] = E_{y ~ pi_b}[w(y) f(y)]`` (exact below the cap).
+
+This is the same code path as the FP8 rollout correction (pacs/rollout_correction.py): behaviour log-probs
+never enter a ratio, only the weights. With ``algorithm.rollout_correction=none`` stale samples are used
+as if drawn from pi_prox (biased by the policy's drift over k steps; logged as ``rollout/kl_seq``).
+
+Example:
+    >>> prox = torch.tensor([[0.0, -1.0]]); behaviour = torch.tensor([[0.0, -1.5]]); mask = torch.tensor([[0, 1]])
+    >>> old, w, _ = decoupled_old_logp(prox, behaviour, mask, "tis", cap=2.0, level="sequence")
+    >>> torch.equal(old, prox), round(w.item(), 4)
+    (True, 1.6487)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pacs_megatron.pacs.rollout_correction import importance_weights, mismatch_metrics
+
+
+def decoupled_old_logp(
+    proximal_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    mode: str,
+    cap: float,
+    level: str,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """``(old_logp, is_weights, metrics)`` of the decoupled objective.
+
+    ``old_logp`` is ``proximal_logp`` (the ratio's and the implicit reward's reference); ``is_weights`` are
+    pi_prox / pi_b of ``mode`` ("tis" / "mis") at ``level`` ("token" ``[B, T]`` / "sequence" ``[B, 1]``), or
+    None for ``mode="none"`` or without behaviour log-probs; ``metrics`` are the mismatch metrics
+    (``rollout/logprob_diff_*``, ``rollout/kl_seq``, ...) and, with weights, ``rollout/is_*``.
+    """
+    if behaviour_logp is None:
+        return proximal_logp, None, {}
+    metrics = mismatch_metrics(proximal_logp, behaviour_logp, response_mask)
+    if mode == "none":
+        return proximal_logp, None, metrics
+    w, m = importance_weights(proximal_logp, behaviour_logp, response_mask, mode, cap, level)
+    return proximal_logp, w, metrics | m
+
+
+def staleness(versions: torch.Tensor, proximal_version: int) -> torch.Tensor:
+    """Per-row staleness: how many policy versions older than the proximal policy each sample's is.
+
+    Example:
+        >>> staleness(torch.tensor([4, 4, 3]), proximal_version=4).tolist()
+        [0, 0, 1]
+    """
+    s = proximal_version - versions.long()
+    if bool((s < 0).any()):
+        raise ValueError(
+            f"a sample of version {int(versions.max())} is newer than the proximal policy {proximal_version}"
+        )
+    return s
+
+
+def staleness_metrics(versions: torch.Tensor, proximal_version: int, max_staleness: int) -> dict[str, float]:
+    """``async/staleness_mean|max`` and ``async/staleness_frac_<j>`` (fraction of rows j versions old) for
+    j = 0..max_staleness.
+
+    Example:
+        >>> m = staleness_metrics(torch.tensor([4, 3, 3, 3]), 4, max_staleness=1)
+        >>> m["async/staleness_mean"], m["async/staleness_max"], m["async/staleness_frac_1"]
+        (0.75, 1.0, 0.75)
+    """
+    s = staleness(versions, proximal_version).double()
+    out = {"async/staleness_mean": float(s.mean()), "async/staleness_max": float(s.max())}
+    for j in range(max_staleness + 1):
+        out[f"async/staleness_frac_{j}"] = float((s == j).double().mean())
+    return out

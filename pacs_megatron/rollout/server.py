@@ -1,0 +1,124 @@
+"""The engine side of ``rollout.placement=separate``: one engine process serves the trainer's commands in order.
+
+    Generate(tag, prompts, sampling) -> engine.generate -> Result(tag, groups, version)
+    LoadWeights(version, layout)     -> WeightsWanted -> receive the buckets (weight group) -> engine.update_weights
+                                        -> probe log-probs -> Loaded(version, probe log-probs)
+    Close / the trainer gone         -> return
+
+Commands are served strictly in arrival order, one at a time: a Generate queued after a LoadWeights is
+sampled with those weights, which is what bounds staleness (rollout/pipeline.py). Every sample of a Result
+carries the version of the weights it was drawn with. The receiving side of the weight group is injected
+(``receive``: weight_sync/remote.py), so this module knows engines and messages only.
+
+A failure while serving is reported to the trainer as :class:`~pacs_megatron.rollout.protocol.Failed` with
+its traceback (the trainer raises it, naming the engine) before this process exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+
+from pacs_megatron.rollout.base import NamedTensors, RolloutEngine
+from pacs_megatron.rollout.protocol import (
+    DELAY_ENV,
+    Close,
+    Failed,
+    Generate,
+    Loaded,
+    LoadWeights,
+    Result,
+    WeightsWanted,
+    recv,
+    send,
+)
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+Receive = Callable[[LoadWeights], Iterable[NamedTensors]]
+
+
+class EngineServer:
+    """Serves one control connection with one engine.
+
+    Example:
+        >>> EngineServer(0, engine, conn, receive=lambda msg: []).serve()  # doctest: +SKIP
+        0
+    """
+
+    def __init__(self, index: int, engine: RolloutEngine, conn, receive: Receive) -> None:
+        self.index, self.engine, self.conn, self.receive = index, engine, conn, receive
+        self.version = -1
+        """Policy version of the weights the engine holds (-1: its start-up weights, never sampled with)."""
+        delays = [float(x) for x in (os.environ.get(DELAY_ENV) or "0").split(",")]
+        self.delay_s = delays[min(index, len(delays) - 1)]  # test hook: a slow engine
+        self._busy = self._idle = 0.0
+
+    def _times(self) -> dict:
+        out = {"engine": self.index, "busy_s": self._busy, "idle_s": self._idle}
+        self._busy = self._idle = 0.0
+        return out
+
+    def serve(self) -> int:
+        """Serve until Close (0) or until the trainer is gone or a command failed (1)."""
+        while True:
+            t0 = time.perf_counter()
+            try:
+                msg = recv(self.conn)
+            except (EOFError, OSError):
+                logger.warning("engine %d: the trainer closed the connection; exiting", self.index)
+                return 1
+            self._idle += time.perf_counter() - t0
+            if isinstance(msg, Close):
+                return 0
+            try:
+                self._handle(msg)
+            except Exception:  # noqa: BLE001 - the trainer reports it, naming this engine
+                error = traceback.format_exc()
+                logger.error("engine %d failed:\n%s", self.index, error)
+                try:
+                    send(self.conn, Failed(**self._times(), error=error))
+                except OSError:
+                    pass
+                return 1
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Generate):
+            self._generate(msg)
+        elif isinstance(msg, LoadWeights):
+            self._load(msg)
+        else:
+            raise TypeError(f"engine {self.index}: unknown command {type(msg).__name__}")
+
+    def _generate(self, msg: Generate) -> None:
+        t0 = time.perf_counter()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        groups = self.engine.generate(msg.prompts, msg.sampling) if msg.prompts else []
+        self._busy += time.perf_counter() - t0
+        send(self.conn, Result(**self._times(), tag=msg.tag, groups=groups, version=self.version))
+
+    def _load(self, msg: LoadWeights) -> None:
+        send(self.conn, WeightsWanted(**self._times(), version=msg.version))
+        t0 = time.perf_counter()
+        loaded = self.engine.update_weights(self._waited(self.receive(msg)))
+        load_s = time.perf_counter() - t0
+        self.version = msg.version
+        probe = self.engine.logprobs(msg.probe) if msg.probe else []
+        self._busy += time.perf_counter() - t0
+        logger.debug("engine %d: version %d loaded (%s tensors) in %.2fs", self.index, msg.version, loaded, load_s)
+        send(self.conn, Loaded(**self._times(), version=msg.version, probe_logprobs=probe, load_s=load_s))
+
+    def _waited(self, buckets: Iterable[NamedTensors]) -> Iterator[NamedTensors]:
+        """``buckets``, with the wait for the first one (the trainer's sender starting) counted as idle."""
+        t0 = time.perf_counter()
+        first = True
+        for bucket in buckets:
+            if first:
+                self._idle += time.perf_counter() - t0
+                self._busy -= time.perf_counter() - t0  # counted once, as idle (load_s still includes it)
+                first = False
+            yield bucket

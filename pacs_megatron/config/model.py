@@ -105,6 +105,11 @@ class ModelConfig:
             )
 
     @property
+    def loads_weights(self) -> bool:
+        """Whether the actor starts from the safetensors in ``path`` (init=pretrained, and gguf once imported)."""
+        return self.init in ("pretrained", "gguf")
+
+    @property
     def written_by_run(self) -> bool:
         """Whether the first run writes ``path`` when it holds no config.json (init=tiny and init=gguf)."""
         return self.init in ("tiny", "gguf")

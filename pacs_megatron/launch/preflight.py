@@ -171,7 +171,7 @@ def check_model_paths(cfg: RunConfig) -> None:
     if m.init == "gguf":
         check_gguf(cfg, to_write)
     if not to_write:
-        check_model_dir("model.path", m.path, weights=m.init in ("pretrained", "gguf"), tokenizer=False)
+        check_model_dir("model.path", m.path, weights=m.loads_weights, tokenizer=False)
     if m.tokenizer or not to_write:
         key, tok = ("model.tokenizer", m.tokenizer) if m.tokenizer else ("model.path", m.path)
         check_tokenizer(key, tok)

@@ -107,6 +107,11 @@ def llm_kwargs(
     }
     if cpu:
         kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * 2**30)
+        # Every prompt prefilled in one scheduler step: vLLM 0.32's CPU runner crashes ("CPU Generator does
+        # not use offset") when it rewinds a seeded request's generator after a partial (chunked) prefill,
+        # which a step of 64 prompts of ~115 tokens (SmolLM2's recipe) triggers with the default budget.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = v.max_num_seqs * kwargs["max_model_len"]
     if cfg.actor.routing_replay == "rollout" and not cpu:  # refused on CPU (launch/device_checks.py)
         # vLLM's AuxOutput connector: needs Model Runner V2 (picked by default on CUDA with Triton; vLLM
         # raises "requires Model Runner V2" otherwise) and prefix caching (set above)

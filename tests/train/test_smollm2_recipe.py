@@ -26,6 +26,9 @@ SMOKE = [
     "trainer.save_freq=0",
     "logging.progress_bar=false",
     "logging.tensorboard=false",
+    # fp32 and the HF engine: a smoke test needs no vLLM start-up, and fp32 lets it bound the sync probe tightly
+    "model.dtype=float32",
+    "rollout.engine=hf",
 ]
 
 

@@ -5,7 +5,7 @@ Random probe tokens of a trained model have log-probs of -10 to -30, where bf16 
 their check is relative to |logp|; a stale layer moves log-probs by a similar absolute amount whatever
 their size and hides there. Tokens the model predicts (its greedy continuation) have |logp| of a few
 nats at most, where bf16 noise is small: the mean difference over them must stay within
-``sync.probe_greedy_tolerance`` (0.1 in bf16).
+``sync.probe_greedy_tolerance`` (0.25 by default in bf16; 0.1 in the tiny model's test).
 
 Two models: a tiny random Qwen2 built to have a trained model's log-prob statistics (random tokens at
 -35, greedy ones at -0.7), where the correct bf16 sync passes, the stale one raises, and the relative
@@ -82,20 +82,22 @@ def _relative_only(engine, actor, vocab: int) -> float:
     return float(((got - ref).abs() / ref.abs().clamp(min=1.0)).max())
 
 
-def _check(model_dir: Path, tok, layer: int, scale: float, match: str = "greedy continuation"):
-    """(the correct bf16 sync's result, the old relative-only check's value on the stale engine)."""
+def _check(model_dir: Path, tok, layer: int, scale: float, match: str = "greedy continuation", greedy: float = -1.0):
+    """(the correct bf16 sync's result, the old relative-only check's value on the stale engine);
+    ``greedy``: sync.probe_greedy_tolerance (-1: the bf16 default)."""
     from pacs_megatron.rollout.hf_engine import HFEngine
 
     engine = HFEngine(model_dir, tok, dtype=torch.bfloat16, seed=0)
     actor = HFActor(model_dir)
     vocab = actor.model.config.vocab_size
-    sync = WeightSync(actor, engine, SyncConfig(dtype="bfloat16"), vocab, torch.float32)
+    cfg = SyncConfig(dtype="bfloat16", probe_greedy_tolerance=greedy)
+    sync = WeightSync(actor, engine, cfg, vocab, torch.float32)
     assert sync.tolerance == 5e-2
     correct = sync.sync()  # the actor's weights, in bf16: passes
     stale = actor.move_layer(layer, scale)  # the actor trains; the engine keeps that layer's old weights
     wrong = StaleLayerEngine(engine, stale)
     with pytest.raises(WeightSyncError, match=match):
-        WeightSync(actor, wrong, SyncConfig(dtype="bfloat16"), vocab, torch.float32).sync()
+        WeightSync(actor, wrong, cfg, vocab, torch.float32).sync()
     return correct, _relative_only(engine, actor, vocab)
 
 
@@ -135,7 +137,9 @@ def test_trained_like_model_stale_layer_fails_the_bf16_probe(tmp_path):
         bias[likely] = 0.0
         model.lm_head.weight[:, 0] = bias
     model.save_pretrained(model_dir)
-    correct, missed = _check(model_dir, tok, layer=2, scale=0.35)
+    # At 0.1: the bf16 default is 0.25 since a correct bf16-vs-bf16 sync of SmolLM2 measured 0.106 after
+    # 20 training steps (docs/weight_sync.md); a recipe that wants this layer caught sets 0.1.
+    correct, missed = _check(model_dir, tok, layer=2, scale=0.35, greedy=0.1)
     assert correct.greedy_logprob_diff < 0.03 and missed < 5e-2
 
 

@@ -86,18 +86,19 @@ def _layout(groups: ParallelGroups) -> dict:
     return {"tp": groups.tp_size, "pp": groups.pp_size, "vpp": groups.vpp_size, "dp": groups.dp_size}
 
 
+def _model_keys(n_chunks: int) -> list[str]:
+    """The checkpoint's keys of the model chunks: ``model``, or ``model0``, ``model1``, ... with VPP."""
+    return ["model"] if n_chunks == 1 else [f"model{i}" for i in range(n_chunks)]
+
+
 def _sharded_state(actor, is_loading: bool, with_rng: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     g = actor.groups
     sd: dict = {}
     # The GPTModels themselves (not megatron's DDP wrappers), so state-dict keys carry no "module.".
-    models = [unwrap(c) for c in actor.model]
-    if len(models) == 1:
-        sd["model"] = models[0].sharded_state_dict()
-    else:
-        for i, model in enumerate(models):
-            sd[f"model{i}"] = model.sharded_state_dict()
+    for key, model in zip(_model_keys(len(actor.model)), (unwrap(c) for c in actor.model)):
+        sd[key] = model.sharded_state_dict()
     metadata = DISTRIB_OPTIM_METADATA if actor.distributed_optimizer else None
     sd["optimizer"] = actor.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
     if with_rng:
@@ -146,12 +147,8 @@ def load_actor_checkpoint(actor, path: str | os.PathLike) -> dict:
     same_layout = common.get("layout") == _layout(g)
     sd = _sharded_state(actor, is_loading=True, with_rng=same_layout)
     loaded = dist_checkpointing.load(sd, str(target))
-    models = [unwrap(c) for c in actor.model]
-    if len(models) == 1:
-        models[0].load_state_dict(loaded["model"])
-    else:
-        for i, model in enumerate(models):
-            model.load_state_dict(loaded[f"model{i}"])
+    for key, model in zip(_model_keys(len(actor.model)), (unwrap(c) for c in actor.model)):
+        model.load_state_dict(loaded[key])
     actor.optimizer.load_state_dict(loaded["optimizer"])
     actor.scheduler.load_state_dict(common["scheduler"])
     actor.iteration = int(common["counters"]["iteration"])
@@ -166,3 +163,15 @@ def load_actor_checkpoint(actor, path: str | os.PathLike) -> dict:
     dist.barrier()
     logger.info("actor checkpoint loaded from %s (iteration %d)", target, actor.iteration)
     return extra
+
+
+def load_model_weights(chunks: list, path: str | os.PathLike) -> None:
+    """Collective: load only the model weights of the checkpoint at ``path`` into the GPTModel ``chunks``
+    (any TP/PP layout; the optimizer state stays on disk): what ``export`` needs."""
+    from megatron.core import dist_checkpointing
+
+    keys = _model_keys(len(chunks))
+    sharded = {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}
+    loaded = dist_checkpointing.load(sharded, str(Path(path) / MEGATRON_DIR))
+    for k, c in zip(keys, chunks):
+        c.load_state_dict(loaded[k])

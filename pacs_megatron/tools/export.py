@@ -111,10 +111,10 @@ def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
 def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, pp: int) -> int:
     """One rank's work: build the model chunks, load their weights, write the HF files (collective)."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
     from pacs_megatron.actor.actor import _seed_for_init, resolve_dtype
+    from pacs_megatron.actor.checkpoint import load_model_weights
     from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
     from pacs_megatron.actor.weights import save_hf
     from pacs_megatron.config import ParallelConfig
@@ -134,11 +134,7 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
             _seed_for_init(0, on_gpu)  # the weights are overwritten by the load
             chunks = build_model_chunks(spec, config, groups)
-        keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-        sharded = {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}
-        loaded = dist_checkpointing.load(sharded, str(ckpt / MEGATRON_DIR))  # model only: optimizer state stays
-        for k, c in zip(keys, chunks):
-            c.load_state_dict(loaded[k])
+        load_model_weights(chunks, ckpt)  # model only: optimizer state stays
         out_dtype = None if args.dtype == "auto" else resolve_dtype(args.dtype, on_gpu)
         save_hf(chunks, spec, groups, hf_config, args.out, tokenizer_dir, out_dtype)
         if groups.rank == 0:

@@ -10,6 +10,6 @@ test:
 test-gpu:
 	pytest -m gpu
 checkstyle:
-	ruff check pacs_megatron tests && ruff format --check pacs_megatron tests
+	ruff check pacs_megatron tests && ruff format --check pacs_megatron tests && lint-imports
 bench:
 	python -m pacs_megatron.bench.logprob && python -m pacs_megatron.bench.sync

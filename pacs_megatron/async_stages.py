@@ -7,13 +7,17 @@ differ, as in slime's train_async.py.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from pacs_megatron import sampling_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.rollout.pipeline import InFlightPrompts, RolloutPipeline
 
+if TYPE_CHECKING:
+    from pacs_megatron.runtime import Components
 
-def start_pipeline(cfg: RunConfig, c, resumed_step: int) -> RolloutPipeline:
+
+def start_pipeline(cfg: RunConfig, c: Components, resumed_step: int) -> RolloutPipeline:
     """Submit the first k + 1 steps after ``resumed_step`` (the engines hold its weights)."""
     if not isinstance(c.dataset, InFlightPrompts):
         raise TypeError("the asynchronous loop needs the prompt stream wrapped in InFlightPrompts (runtime.py)")
@@ -29,7 +33,7 @@ def start_pipeline(cfg: RunConfig, c, resumed_step: int) -> RolloutPipeline:
     return pipe
 
 
-def take_batch(cfg: RunConfig, c, pipe: RolloutPipeline, step: int):
+def take_batch(cfg: RunConfig, c: Components, pipe: RolloutPipeline, step: int):
     """Wait for step ``step``'s rollouts (at most k versions old), verify the weight versions they were sampled
     with, and assemble the batch: ``(batch, metrics, samples)`` as sampling_stages.collect_step returns (overlong
     shaping included; dynamic sampling is refused with this loop: config/switches.py)."""
@@ -45,7 +49,7 @@ def take_batch(cfg: RunConfig, c, pipe: RolloutPipeline, step: int):
     return batch, taken.metrics | m | shaping, samples
 
 
-def push_weights(cfg: RunConfig, c, step: int) -> dict:
+def push_weights(cfg: RunConfig, c: Components, step: int) -> dict:
     """Stage the updated weights as policy version ``step`` for the engines. With k = 0 (and at the last step)
     wait until every engine loaded and probed them, as the colocated sync does."""
     wait = cfg.rollout.max_staleness == 0 or step == cfg.trainer.total_steps

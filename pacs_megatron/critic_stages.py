@@ -18,6 +18,7 @@ statistics.
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,12 @@ from pacs_megatron.data.batching import TrainBatch, split_mini_batches
 from pacs_megatron.pacs import explained_variance, gae_advantages, outcome_token_rewards
 from pacs_megatron.pacs.gae import masked_mean_var
 
+if TYPE_CHECKING:
+    from pacs_megatron.parallel import ParallelGroups
+    from pacs_megatron.runtime import Components
 
-def _sum_dp(x: torch.Tensor, groups) -> torch.Tensor:
+
+def _sum_dp(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     """``x`` summed over the DP ranks (float64, every rank gets the sum)."""
     if groups.dp_size == 1:
         return x
@@ -37,7 +42,7 @@ def _sum_dp(x: torch.Tensor, groups) -> torch.Tensor:
     return y.cpu()
 
 
-def init_after_warmup(cfg: RunConfig, c) -> None:
+def init_after_warmup(cfg: RunConfig, c: Components) -> None:
     """After the format warm-up the policy RL starts from is the warmed-up actor: re-copy its trunk
     into the critic (``critic.init=actor``; an HF ``critic.init`` is left as loaded)."""
     critic = getattr(c, "critic", None)
@@ -45,7 +50,7 @@ def init_after_warmup(cfg: RunConfig, c) -> None:
         critic.copy_trunk_from(c.actor)
 
 
-def attach_values(cfg: RunConfig, c, local: TrainBatch) -> tuple[TrainBatch, dict]:
+def attach_values(cfg: RunConfig, c: Components, local: TrainBatch) -> tuple[TrainBatch, dict]:
     """``local`` with GAE ``advantages [B, T]``, ``old_values`` and ``returns`` of its own rows filled
     (collective over DP); unchanged when the run has no critic."""
     critic = getattr(c, "critic", None)
@@ -65,7 +70,7 @@ def attach_values(cfg: RunConfig, c, local: TrainBatch) -> tuple[TrainBatch, dic
     return local.with_(advantages=adv, old_values=values, returns=returns), metrics
 
 
-def update_critic(cfg: RunConfig, c, local: TrainBatch) -> dict:
+def update_critic(cfg: RunConfig, c: Components, local: TrainBatch) -> dict:
     """Critic epochs over this rank's mini-batches; metrics averaged over its steps ({} without critic)."""
     critic = getattr(c, "critic", None)
     if critic is None:

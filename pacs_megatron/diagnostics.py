@@ -17,16 +17,23 @@ cost: one forward of the batch without grad (the old-log-prob pass's price).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from pacs_megatron.pacs.loss import pacs_loss
 
+if TYPE_CHECKING:
+    from pacs_megatron.actor.actor import MegatronActor
+    from pacs_megatron.config import RunConfig
+    from pacs_megatron.data.batching import TrainBatch
+
 POST_PREFIX = "pacs/post_"
 _SKIP = ("pacs/mixed_group_frac",)  # a property of the rewards, not of the classifier
 
 
-def post_update_metrics(cfg, actor, local) -> dict[str, float]:
+def post_update_metrics(cfg: RunConfig, actor: MegatronActor, local: TrainBatch) -> dict[str, float]:
     """``pacs/post_*`` for this step (empty unless the loss is PACS and the switch is on); collective."""
     if cfg.algorithm.loss != "pacs" or not cfg.logging.post_update_metrics:
         return {}

@@ -16,6 +16,8 @@ resumed run draws what the uninterrupted run drew (tests/test_sampling_stages.py
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pacs_megatron import stages
@@ -26,6 +28,9 @@ from pacs_megatron.pacs.overlong import overlong_metrics, overlong_penalty, trun
 from pacs_megatron.stages import ScoredGroups
 from pacs_megatron.utils.logging import get_logger
 
+if TYPE_CHECKING:
+    from pacs_megatron.runtime import Components
+
 logger = get_logger(__name__)
 
 
@@ -33,7 +38,7 @@ class ShortBatchError(RuntimeError):
     """Dynamic sampling kept too few groups for the configured step (see the message for the fix)."""
 
 
-def collect_step(cfg: RunConfig, c, step: int) -> tuple[TrainBatch, dict, list]:
+def collect_step(cfg: RunConfig, c: Components, step: int) -> tuple[TrainBatch, dict, list]:
     """The step's batch (all rows, every rank), its metrics and a few samples; collective."""
     if cfg.algorithm.filter_groups == "none":
         scored, metrics = stages.generate_scored(cfg, c, c.dataset.next_batch(cfg.trainer.train_batch_size), step), {}
@@ -44,7 +49,7 @@ def collect_step(cfg: RunConfig, c, step: int) -> tuple[TrainBatch, dict, list]:
     return batch, batch_metrics | metrics | shaping, samples
 
 
-def filtered_groups(cfg: RunConfig, c, step: int) -> tuple[ScoredGroups, dict]:
+def filtered_groups(cfg: RunConfig, c: Components, step: int) -> tuple[ScoredGroups, dict]:
     """Generation rounds until ``train_batch_size`` groups pass ``algorithm.filter_groups`` (module docstring)."""
     algo, n, need = cfg.algorithm, cfg.rollout.n, cfg.trainer.train_batch_size
     start = c.dataset.state_dict()

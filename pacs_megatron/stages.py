@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,10 @@ from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.reward.verifiers import has_boxed
 from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.types import Response, SamplingParams
+
+if TYPE_CHECKING:
+    from pacs_megatron.actor.actor import MegatronActor
+    from pacs_megatron.runtime import Components, Runtime
 
 
 def train_sampling(cfg: RunConfig) -> SamplingParams:
@@ -83,7 +88,7 @@ class ScoredGroups:
         return [(rec, resp) for rec, group in zip(self.records, self.groups) for resp in group]
 
 
-def generate_scored(cfg: RunConfig, c, records, step: int, round_: int = 0) -> ScoredGroups:
+def generate_scored(cfg: RunConfig, c: Components, records, step: int, round_: int = 0) -> ScoredGroups:
     """Sample ``n`` responses per prompt and score them (all rows, every rank). ``round_`` > 0 (a further
     generation round of dynamic sampling) draws from its own seed, reproducibly."""
     sampling = train_sampling(cfg)
@@ -93,7 +98,7 @@ def generate_scored(cfg: RunConfig, c, records, step: int, round_: int = 0) -> S
     return score_groups(c, records, groups)
 
 
-def score_groups(c, records, groups: list[list[Response]]) -> ScoredGroups:
+def score_groups(c: Components, records, groups: list[list[Response]]) -> ScoredGroups:
     """Score the responses of ``records`` (``groups``: n per prompt, sampled here or by the engines of the
     asynchronous loop); collective, every rank gets every score."""
     flat = [(rec, resp) for rec, group in zip(records, groups) for resp in group]
@@ -109,12 +114,12 @@ def score_groups(c, records, groups: list[list[Response]]) -> ScoredGroups:
     return ScoredGroups(list(records), groups, scores, reward_metrics)
 
 
-def collect_batch(cfg: RunConfig, c, records, step: int) -> tuple[TrainBatch, dict, list]:
+def collect_batch(cfg: RunConfig, c: Components, records, step: int) -> tuple[TrainBatch, dict, list]:
     """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
     return assemble_batch(cfg, c, generate_scored(cfg, c, records, step), step)
 
 
-def assemble_batch(cfg: RunConfig, c, scored: ScoredGroups, step: int) -> tuple[TrainBatch, dict, list]:
+def assemble_batch(cfg: RunConfig, c: Components, scored: ScoredGroups, step: int) -> tuple[TrainBatch, dict, list]:
     """Pack scored rollouts into the step's batch, with its metrics and a few samples for rollouts.jsonl."""
     flat, scores, reward_metrics = scored.rows(), scored.scores, scored.reward_metrics
     batch = build_train_batch(
@@ -155,7 +160,7 @@ def forward_rows(cfg: RunConfig, dp_size: int) -> int:
 
 
 def prepare_local_batch(
-    cfg: RunConfig, actor, batch: TrainBatch, dp_rank: int, dp_size: int
+    cfg: RunConfig, actor: MegatronActor, batch: TrainBatch, dp_rank: int, dp_size: int
 ) -> tuple[TrainBatch, dict]:
     """This DP rank's groups, with outcome advantages (baselines) and old log-probs filled.
 
@@ -200,7 +205,7 @@ def finish_old_logp(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict
     return local, metrics | correction
 
 
-def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict:
+def update_actor(cfg: RunConfig, actor: MegatronActor, local: TrainBatch, dp_size: int) -> dict:
     """``ppo_epochs`` passes over mini-batches of whole groups, one optimizer step each. The first
     mini-batch of the first epoch fills its own old log-probs when :func:`forward_rows` says so."""
     per_rank_prompts = cfg.mini_batch_prompts // dp_size
@@ -228,7 +233,7 @@ def update_actor(cfg: RunConfig, actor, local: TrainBatch, dp_size: int) -> dict
     return metrics | extra
 
 
-def format_warmup(cfg: RunConfig, rt, c) -> dict:
+def format_warmup(cfg: RunConfig, rt: Runtime, c: Components) -> dict:
     """Supervised warm-up on (prompt, random digits + eos): teaches the answer *format*, never the
     answer nor its length (targets are drawn uniformly), so the RL run still starts at chance level.
     Prompts are drawn with their own RNG, so the RL prompt stream is untouched."""
@@ -247,13 +252,13 @@ def format_warmup(cfg: RunConfig, rt, c) -> dict:
     return last
 
 
-def validate(cfg: RunConfig, c, step: int) -> dict:
+def validate(cfg: RunConfig, c: Components, step: int) -> dict:
     """pass@k on the validation sets with the (just synced) engine; collective."""
     metrics, _ = evaluate(c.engine, c.val_sets, val_sampling(cfg), cfg.trainer.val_k, c.scorer, sharded=True, step=step)
     return metrics
 
 
-def save_samples(rt, samples: list[dict]) -> None:
+def save_samples(rt: Runtime, samples: list[dict]) -> None:
     """Append a few of the step's rollouts to OUTPUT_DIR/rollouts.jsonl (rank 0)."""
     if rt.is_rank0 and samples:
         with (rt.output_dir / "rollouts.jsonl").open("a") as fh:

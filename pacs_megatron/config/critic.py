@@ -11,10 +11,14 @@ actor's ``loss_agg_mode`` (``critic.loss_agg_mode: ${actor_rollout_ref.actor.los
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pacs_megatron.config.base import ConfigError, _choice, _positive
 from pacs_megatron.config.training import OptimizerConfig
 from pacs_megatron.pacs.config import LOSS_AGG_MODES
+
+if TYPE_CHECKING:
+    from pacs_megatron.config.run import RunConfig
 
 
 @dataclass
@@ -47,13 +51,13 @@ class CriticConfig:
         _choice("critic.loss_agg_mode", self.loss_agg_mode, ("auto", *LOSS_AGG_MODES))
 
 
-def critic_enabled(cfg) -> bool:
+def critic_enabled(cfg: RunConfig) -> bool:
     """Whether ``cfg`` (a RunConfig) trains a learned critic: a baseline loss with ``adv_estimator=gae``."""
     algo = cfg.algorithm
     return algo.loss in ("ppo", "grpo") and algo.loss_config().adv_estimator == "gae"
 
 
-def critic_loss_agg(cfg) -> tuple[str, int]:
+def critic_loss_agg(cfg: RunConfig) -> tuple[str, int]:
     """``(loss_agg_mode, horizon)`` of the value loss of ``cfg`` (a RunConfig): ``critic.loss_agg_mode``,
     "auto" resolved to the actor's mode; the horizon is the actor's ``policy.loss_agg_horizon``."""
     mode = cfg.critic.loss_agg_mode

@@ -175,7 +175,7 @@ def _field_kind(key: str) -> str:
     return "list" if typing.get_origin(hint) is list else "other"
 
 
-def _apply_overrides(merged, overrides: list[str]):
+def _apply_overrides(merged: Any, overrides: list[str]) -> Any:
     """Merge ``a.b.c=value`` overrides in order. A list field takes a bare value as a one-item list
     (``data.train_files=my.jsonl``; ``a,b`` is two items, as is ``[a,b]``); a string field takes the text
     as written (``trainer.resume=yes`` stays "yes", not YAML's True)."""

@@ -10,10 +10,15 @@ and DAPO's flag.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pacs_megatron.config.base import ConfigError, _choice, _positive
 from pacs_megatron.pacs.group_filter import FILTER_MODES
 from pacs_megatron.pacs.regularizers import KL_TYPES
+
+if TYPE_CHECKING:
+    from pacs_megatron.config.run import RunConfig
+    from pacs_megatron.config.training import AlgorithmConfig
 
 SHORT_BATCH = ("train", "fail")
 
@@ -38,7 +43,7 @@ class OverlongConfig:
         _positive("algorithm.overlong.penalty_factor", self.penalty_factor, allow_zero=True)
 
 
-def check_algorithm_switches(algo) -> None:
+def check_algorithm_switches(algo: AlgorithmConfig) -> None:
     """The switches' own checks (called by ``AlgorithmConfig.__post_init__``)."""
     _choice("algorithm.filter_groups", algo.filter_groups, FILTER_MODES)
     if algo.max_gen_batches < 1:
@@ -53,7 +58,7 @@ def check_algorithm_switches(algo) -> None:
     _positive("algorithm.entropy_coeff", algo.entropy_coeff, allow_zero=True)
 
 
-def check_run_switches(cfg) -> None:
+def check_run_switches(cfg: RunConfig) -> None:
     """Cross-area checks of the switches (called by ``RunConfig.__post_init__``)."""
     over, max_len = cfg.algorithm.overlong, cfg.rollout.max_response_length
     if over.buffer_len and cfg.algorithm.loss == "pacs":

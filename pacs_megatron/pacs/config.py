@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,7 +13,7 @@ WEIGHT_MODES = (None, "question", "only_positive", "only_negative")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def _check_choice(owner: str, field: str, value, choices) -> None:
+def _check_choice(owner: str, field: str, value: object, choices: Collection[object]) -> None:
     if value not in choices:
         raise ValueError(f"{owner}.{field}={value!r} is not valid: choose one of {list(choices)}")
 

@@ -107,11 +107,11 @@ def get_loss(name: str) -> LossSpec:
 
 
 @register_loss("pacs")
-def _pacs(x: LossInputs, cfg: Any):
+def _pacs(x: LossInputs, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return pacs_loss(x.logp, x.old_logp, x.response_mask, x.scores, x.group_size, cfg, x.group_ids, x.is_weights)
 
 
-def _clipped(x: LossInputs, cfg: Any):
+def _clipped(x: LossInputs, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     if x.advantages is None:
         raise ValueError("the clipped policy loss needs LossInputs.advantages (outcome advantages)")
     return clipped_policy_loss(x.logp, x.old_logp, x.response_mask, x.advantages, cfg, x.is_weights)
@@ -126,7 +126,7 @@ register_loss("ppo", needs_advantages=True, unit="agg")(_clipped)
 
 
 @register_loss("sft", unit="token")
-def _sft(x: LossInputs, cfg: Any):
+def _sft(x: LossInputs, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Supervised warm-up: token-mean negative log-likelihood of the response tokens (``cfg`` and
     ``old_logp`` unused). The CPU recipe uses it to teach the answer *format* before RL."""
     m = x.response_mask.to(x.logp.dtype)

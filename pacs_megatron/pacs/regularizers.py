@@ -94,7 +94,7 @@ def regularize(spec: LossSpec, kl_coef: float, kl_type: str, entropy_coeff: floa
     if kl_coef:
         kl_estimate(torch.zeros(1), torch.zeros(1), kl_type)  # an unknown estimator fails here, not mid-step
 
-    def fn(x: LossInputs, cfg: Any):
+    def fn(x: LossInputs, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, metrics = spec.fn(x, cfg)
         metrics = dict(metrics)
         if kl_coef:

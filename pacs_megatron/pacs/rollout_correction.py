@@ -48,7 +48,7 @@ def kept_mask(response_mask: torch.Tensor, is_weights: torch.Tensor | None) -> t
     return mask & (is_weights.detach() != 0)
 
 
-def kept_rows(num_rows: int, is_weights: torch.Tensor | None, device=None) -> torch.Tensor:
+def kept_rows(num_rows: int, is_weights: torch.Tensor | None, device: torch.device | str | None = None) -> torch.Tensor:
     """``[B]`` bool: the rows a sequence-level masked IS kept (all rows without weights)."""
     if is_weights is None:
         return torch.ones(num_rows, dtype=torch.bool, device=device)

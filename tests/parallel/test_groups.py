@@ -30,7 +30,7 @@ def test_layout_checks_name_the_field_and_fix():
 
 
 def test_group_splitting_micro_batches_rejected():
-    with pytest.raises(ConfigError, match="would split a prompt group"):
+    with pytest.raises(ConfigError, match="a micro-batch holds whole prompt groups"):
         RunConfig(rollout=RolloutConfig(n=4), algorithm=AlgorithmConfig(micro_batch_size=6))
     from pacs_megatron.data.batching import build_train_batch, split_micro_batches
 

@@ -104,8 +104,9 @@ def test_ray_strict_spread_matches_local_run(ray_cluster, tmp_path):
         assert "reward/mean" in got[step] and "pacs/loss" in got[step] and "actor/grad_norm" in got[step]
         assert _maths(got[step]) == _maths(expected[step]), step
 
-    # A trainer error inside the ranks (corrupt weights, found only when loading them) fails the job
-    # with the rank and its error named, and the trainer's exit code.
+    # Corrupt weights are found before Ray starts anything (issue 29: the launcher's preflight reads every
+    # weight file's header): one line and exit 2. A rank that dies inside the job is
+    # test_killed_rank_actor_fails_fast_then_resumes.
     bad = tmp_path / "bad_model"
     shutil.copytree(local / "model", bad)
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")
@@ -117,9 +118,9 @@ def test_ray_strict_spread_matches_local_run(ray_cluster, tmp_path):
         text=True,
     )
     text = proc.stdout + proc.stderr
-    assert proc.returncode == 1, text[-3000:]
-    failed = [line for line in text.splitlines() if "exited with code 1:" in line and "ray_launcher" in line]
-    assert failed and all("rank " in x and "Safetensor" in x for x in failed), text[-3000:]
+    assert proc.returncode == 2, text[-3000:]
+    errors = [line for line in text.splitlines() if " E " in line]
+    assert len(errors) == 1 and "model.safetensors is damaged" in errors[0], text[-3000:]
 
 
 @pytest.mark.slow

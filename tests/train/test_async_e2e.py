@@ -27,8 +27,9 @@ from _runs import CONFIG, NONDETERMINISTIC, SHORT, metrics_rows, train_cmd
 from _vllm import needs_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-TRANSPORT = ("sync/buckets", "sync/gbytes", "async/")
-"""Metrics of how the weights and samples travel (colocated: one tensor per bucket, no async/ metrics)."""
+TRANSPORT = ("sync/buckets", "sync/gbytes", "async/", "sync/greedy_logprob_diff")
+"""Metrics of how the weights and samples travel (colocated: one tensor per bucket, no async/ metrics), and
+the probe's greedy half, which separate engines do not run yet (docs/weight_sync.md)."""
 
 
 def _run(out: Path, steps: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -64,7 +64,7 @@ def test_resume_changed_damaged_complete_and_export(tmp_path):
     final = json.loads((out / "final.json").read_text())
     assert final["status"] == "complete" and final["last_step"] == 3 and final["launches"] == 1
     assert "val/arith/pass@1" in final["best_val"] and final["last_checkpoint"].endswith("step_00000003")
-    assert "run complete: step 3/3" in a.stderr and "best val      arith pass@1" in a.stderr
+    assert "run complete: step 3/3" in a.stderr and "val           arith pass@1: best" in a.stderr
     assert "progress: step 3/3 (100%)" in a.stderr and "ETA" in a.stderr  # captured output: no terminal
     assert _launches(out) == ["launch_000.yaml"]
 

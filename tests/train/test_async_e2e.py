@@ -27,9 +27,11 @@ from _runs import CONFIG, NONDETERMINISTIC, SHORT, metrics_rows, train_cmd
 from _vllm import needs_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-TRANSPORT = ("sync/buckets", "sync/gbytes", "async/", "sync/greedy_logprob_diff")
+TRANSPORT = ("sync/buckets", "sync/gbytes", "async/", "sync/greedy_logprob_diff", "sync/max_logprob_diff")
+TRANSPORT += ("sync/quant_logprob_diff",)
 """Metrics of how the weights and samples travel (colocated: one tensor per bucket, no async/ metrics), and
-the probe's greedy half, which separate engines do not run yet (docs/weight_sync.md)."""
+the probe's values: separate engines probe the random tokens only, the colocated sync also the greedy
+continuation (docs/weight_sync.md), so their probes differ; each run's probe is bounded on its own."""
 
 
 def _run(out: Path, steps: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -4,7 +4,9 @@ and the metrics it logged. Launch-specific helpers (Slurm, torchrun) live in tes
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,3 +50,15 @@ def metrics_rows(out: Path) -> dict[int, dict]:
     path = out / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
     return {r["step"]: r for r in rows}
+
+
+def wait_for(pred, timeout: float, proc: subprocess.Popen) -> None:
+    """Poll ``pred`` until true; fail if the run ``proc`` exits first or ``timeout`` seconds pass."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited early with {proc.returncode}")
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting for the run")

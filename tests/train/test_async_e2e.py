@@ -18,12 +18,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-from _runs import CONFIG, NONDETERMINISTIC, SHORT, metrics_rows, train_cmd
+from _runs import CONFIG, NONDETERMINISTIC, SHORT, metrics_rows, train_cmd, wait_for
 from _vllm import needs_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -62,17 +61,6 @@ def test_k0_separate_is_the_synchronous_loop_bit_for_bit(tmp_path):
     assert rollouts[0] == rollouts[1]
 
 
-def _wait_for(pred, timeout: float, proc: subprocess.Popen) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"run exited early with {proc.returncode}")
-        time.sleep(0.2)
-    raise AssertionError("timed out waiting for the run")
-
-
 def _prompts_per_step(out: Path) -> dict[int, list[str]]:
     rows = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
     per: dict[int, list[str]] = {}
@@ -100,7 +88,7 @@ def test_resume_with_batches_in_flight_after_sigkill_and_sigterm(tmp_path):
     k2 += ["trainer.log_rollouts=40"]  # every row: the prompts each step trained
     proc = subprocess.Popen(train_cmd(out, 6, *SHORT, *k2), start_new_session=True, stderr=subprocess.DEVNULL)
     try:
-        _wait_for(lambda: (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file(), 600, proc)
+        wait_for(lambda: (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file(), 600, proc)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher; its ranks and engines die with it
         proc.wait()
@@ -122,7 +110,7 @@ def test_resume_with_batches_in_flight_after_sigkill_and_sigterm(tmp_path):
     # SIGTERM to every process of the job (as scancel): engines ignore it, the trainer checkpoints, exits 143.
     term = tmp_path / "term"
     proc = subprocess.Popen(train_cmd(term, 50, *SHORT, *k2), stderr=subprocess.DEVNULL)
-    _wait_for(lambda: 3 in metrics_rows(term), 600, proc)
+    wait_for(lambda: 3 in metrics_rows(term), 600, proc)
     job = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
     for pid in job:
         try:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-from _runs import CONFIG, NONDETERMINISTIC, metrics_rows, train_cmd
+from _runs import CONFIG, NONDETERMINISTIC, metrics_rows, train_cmd, wait_for
 
 SMALL = [
     "trainer.train_batch_size=10",
@@ -48,17 +47,6 @@ _rows = metrics_rows
 
 def _deterministic(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)}
-
-
-def _wait_for(pred, timeout: float, proc: subprocess.Popen) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"run exited early with {proc.returncode}")
-        time.sleep(0.2)
-    raise AssertionError("timed out waiting for the run")
 
 
 @pytest.mark.slow
@@ -105,7 +93,7 @@ def test_train_resume_sigkill_and_sigterm(tmp_path):
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(killed, 4), env=_env(), start_new_session=True)
     try:
-        _wait_for(lambda: (killed / "metrics.jsonl").exists() and 3 in _rows(killed), 300, proc)
+        wait_for(lambda: (killed / "metrics.jsonl").exists() and 3 in _rows(killed), 300, proc)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -121,7 +109,7 @@ def test_train_resume_sigkill_and_sigterm(tmp_path):
     # rank checkpoints the step it finished, exit code 143.
     term = tmp_path / "term"
     proc = subprocess.Popen(_cmd(term, 50), env=_env())
-    _wait_for(lambda: (term / "checkpoints" / "step_00000002" / "COMPLETE").is_file() and 3 in _rows(term), 300, proc)
+    wait_for(lambda: (term / "checkpoints" / "step_00000002" / "COMPLETE").is_file() and 3 in _rows(term), 300, proc)
     job = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
     assert len(job) > 3  # launcher, 2 ranks and their helpers
     for pid in job:

@@ -2,6 +2,7 @@
 SmolLM2 model is imported once per session when its package is installed."""
 
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
@@ -24,6 +25,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # not item.keywords: a checkout dir named gpu matches it
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _package_logger_restored():
+    """Each test starts with the package logger as the previous one found it: ``init_logging`` (any CLI run in
+    process) turns propagation off, and a library's ``dictConfig`` disables existing loggers; either broke
+    the caplog/capsys checks of whichever tests ran later (the CI flake of stop 35)."""
+    root = logging.getLogger("pacs_megatron")
+    saved = (root.level, root.propagate, list(root.handlers))
+    yield
+    root.setLevel(saved[0])
+    root.propagate = saved[1]
+    root.handlers[:] = saved[2]
+    for name, lg in list(logging.Logger.manager.loggerDict.items()):
+        if name.startswith("pacs_megatron") and isinstance(lg, logging.Logger):
+            lg.disabled = False
 
 
 @pytest.fixture(scope="session")

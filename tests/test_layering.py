@@ -9,15 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from importlinter.cli import lint_imports
-
 REPO = Path(__file__).resolve().parents[1]
 CONTRACTS = 4  # megatron, vllm, pacs/ pure torch, the layers
 
 
-def test_the_import_contracts_hold(capsys):
-    code = lint_imports(config_filename=str(REPO / "pyproject.toml"), no_cache=True, no_logo=True)
-    out = " ".join(capsys.readouterr().out.split())
+def _lint(cwd: Path, pythonpath: Path | None = None) -> tuple[int, str]:
+    """import-linter in a fresh process: its CLI calls ``logging.config.dictConfig``, which disables every
+    logger that exists (the package's included), so in-process it broke the log checks of later tests."""
+    lint = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
+    env = {**os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath else {})}
+    run = subprocess.run([sys.executable, "-c", lint], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return run.returncode, " ".join(run.stdout.split())  # rich wraps long lines
+
+
+def test_the_import_contracts_hold():
+    code, out = _lint(REPO)
     assert code == 0, out
     assert f"Contracts: {CONTRACTS} kept, 0 broken" in out, out  # every contract ran
 
@@ -38,18 +44,8 @@ def test_planted_violations_inside_functions_fail_the_lint(tmp_path):
     _plant(pkg / "config" / "data.py", "from pacs_megatron.launch import preflight  # noqa")
     (pkg / "newfolder").mkdir()  # a folder the layers do not place
     (pkg / "newfolder" / "__init__.py").write_text("")
-    # a fresh process: this one has already found the real package
-    lint = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))"
-    run = subprocess.run(
-        [sys.executable, "-c", lint],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out = " ".join(run.stdout.split())  # rich wraps long lines
-    assert run.returncode == 1, out
+    code, out = _lint(tmp_path, pythonpath=tmp_path)  # the copy, not the installed package
+    assert code == 1, out
     assert f"Contracts: 0 kept, {CONTRACTS} broken" in out, out  # each planted import breaks its contract
     for planted in [
         "pacs_megatron.pacs.loss -> vllm",

@@ -72,6 +72,19 @@ class _DropMessage(logging.Filter):
         return self.text not in record.getMessage()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of the record, not the one at set-up: a caller that
+    redirects stderr (pytest's capture, a notebook) still sees the lines."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def init_logging(level: str = "INFO", all_ranks: bool | None = None) -> logging.Logger:
     """Configure the package logger (idempotent) and quiet third-party import noise. Errors are shown on
     every rank."""
@@ -82,7 +95,7 @@ def init_logging(level: str = "INFO", all_ranks: bool | None = None) -> logging.
     root.setLevel(level.upper())
     for h in list(root.handlers):
         root.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("[%(asctime)s r%(rank)s %(levelname).1s %(name)s] %(message)s", "%H:%M:%S"))
     handler.addFilter(_RankFilter(all_ranks))
     root.addHandler(handler)

@@ -101,12 +101,12 @@ def spawn_local(module_argv: list[str], world_size: int, engines=None) -> int:
         failed_at = None
         while True:
             codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            if failed_at is None and any(c not in (None, 0) for c in codes):
+            if failed_at is None and any(c not in (None, 0) for c in codes):  # also when all exited at once
                 failed_at = time.monotonic()
                 if any(c not in (None, 0, EXIT_INTERRUPTED, EXIT_PREEMPTED) for c in codes):
                     logger.error("a rank exited with %s; stopping the others", codes)
+            if all(c is not None for c in codes):
+                break
             if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
                 for p in procs:
                     if p.poll() is None:

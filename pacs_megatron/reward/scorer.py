@@ -192,6 +192,9 @@ class ProcessPool:
         pending = deque(range(len(items)))
         chunk = max(1, min(_MAX_CHUNK, math.ceil(len(items) / (4 * self.size))))
         stop_by = None
+        # The batch starts when every worker is ready (one replaced after the last batch's timeout may still
+        # be importing): then the workers' first responses start, and a hanging reward times out, together.
+        started = False
         while pending or any(w.queue for w in self._workers):
             now = time.monotonic()
             if stop_by is None and stop_requested():
@@ -199,8 +202,9 @@ class ProcessPool:
             if stop_by is not None and now >= stop_by:
                 self._abandon(pending, counts)
                 return scores
+            started = started or all(w.ready for w in self._workers)
             for k, w in enumerate(self._workers):
-                if w.ready and not w.queue and pending:
+                if started and w.ready and not w.queue and pending:
                     part = [pending.popleft() for _ in range(min(chunk, len(pending)))]
                     try:
                         w.conn.send(("score", [(i, *items[i]) for i in part]))

@@ -331,7 +331,7 @@ def main(args: argparse.Namespace) -> int:
     prompt_tokens = statistics.median(per_step[1:] or per_step)  # the counted steps' distinct prompts
     flops_of = lambda tokens: step_flops(p_mm, tokens, prompt_tokens, args.n)  # noqa: E731
     rows = [summarize(results[v], *v, flops_of, floors[v[1]]) for v in variants]
-    report(rows, floors, vocab, Console())
+    report(rows, floors, vocab, Console(width=None if sys.stdout.isatty() else 220))  # a log file: no 80-col wrap
     if args.json:
         meta = {
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -32,7 +32,8 @@ at a time (default: CPU cores // ranks per run). ``OUT/progress.json`` and the l
 
 Before any run starts, the config must validate (``trainer.test_freq`` > 0 and <= the steps): the
 comparison is scored on validations. Runs die with the command: SIGTERM / Ctrl-C stop them
-(each checkpoints, so a rerun resumes), and SIGKILL kills them (PR_SET_PDEATHSIG).
+(each checkpoints after its current step, however long it takes, so a rerun resumes; a second signal
+kills them at once), and SIGKILL kills them (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -243,23 +244,33 @@ class Runner:
         (self.out / "progress.json").write_text(json.dumps(state, indent=1))
 
 
-def _stop_runs(running: dict, grace_s: float = 120.0) -> None:
-    """SIGTERM every run still going (each checkpoints and exits 143), SIGKILL what outlives grace_s."""
+def _stop_runs(running: dict) -> None:
+    """SIGTERM every run still going: each checkpoints after its current step and exits 143, however long
+    that step takes (it was a fixed 120 s: a SmolLM2 step under load took 165 s, the run was killed and
+    lost its steps). A second SIGTERM or Ctrl-C while waiting kills them at once."""
     if not running:
         return
-    logger.warning("stopping %d runs (each checkpoints; rerun the command to resume)", len(running))
+    logger.warning(
+        "stopping %d runs: each checkpoints after its current step (rerun the command to resume; a second "
+        "Ctrl-C or SIGTERM kills them now)",
+        len(running),
+    )
     for proc, _ in running.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    end = time.monotonic() + grace_s
-    for proc, log in running.values():
-        try:
-            proc.wait(timeout=max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    try:
+        for proc, _ in running.values():
             proc.wait()
-        log.close()
-    running.clear()
+    except (KeyboardInterrupt, SystemExit):
+        for proc, _ in running.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        raise
+    finally:
+        for _, log in running.values():
+            log.close()
+        running.clear()
 
 
 def check_validates(args: argparse.Namespace) -> str | None:

@@ -64,7 +64,7 @@ def test_pool_timeout_error_hang_and_crash_never_stop_the_batch():
         # Two hangs at once and nothing else moving for timeout_s after them: the reward hangs, and the
         # rest of the batch is given up at once (one timeout per batch, see accounting.py). Both hangs
         # start the batch (one per worker; a batch starts when every worker is ready, so the worker replaced in
-    # the call above cannot join 75 ms late), so they time out together whatever the load; with a
+        # the call above cannot join 75 ms late), so they time out together whatever the load; with a
         # hang behind answers the outcome depended on how fast those answers came (flaky under load).
         scores, m = _score(s, ["sleep", "sleep", "ok", "ok", "ok", "ok"])
         assert scores == [0.0] * 6 and m["reward/timeouts"] == 6.0

@@ -166,6 +166,66 @@ def test_killing_compare_by_its_pid_stops_its_runs(tmp_path):
         proc.kill()
 
 
+_SLOW_STEP = """
+import signal, sys, time
+def finish_step(signum, frame):  # a run told to stop checkpoints after its current step, here a slow one
+    time.sleep(float(sys.argv[1]))
+    sys.exit(143)
+signal.signal(signal.SIGTERM, finish_step)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _slow_runs(tmp_path, step_s: float, count: int = 2) -> dict:
+    import subprocess
+    import sys
+
+    running = {}
+    for k in range(count):
+        proc = subprocess.Popen([sys.executable, "-c", _SLOW_STEP, str(step_s)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        running[k] = (proc, (tmp_path / f"run{k}.log").open("w"))
+    return running
+
+
+def test_stopping_waits_for_every_run_to_finish_its_step(tmp_path, monkeypatch):
+    """A stopped run checkpoints after its current step, however long it takes: the old fixed 120 s
+    grace killed a SmolLM2 run whose step under load took 165 s (here: a clock that jumps 200 s a
+    reading makes any deadline pass; the old code then killed the runs, exit -9)."""
+    from pacs_megatron.tools import compare as compare_mod
+
+    running = _slow_runs(tmp_path, step_s=1.0)
+    procs = [p for p, _ in running.values()]
+    clock = iter(range(0, 10**6, 200))
+    monkeypatch.setattr(compare_mod.time, "monotonic", lambda: float(next(clock)))
+    compare_mod._stop_runs(running)
+    assert [p.returncode for p in procs] == [143, 143] and not running
+
+
+def test_a_second_signal_kills_the_runs_at_once(tmp_path):
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from pacs_megatron.tools.compare import _stop_runs
+
+    running = _slow_runs(tmp_path, step_s=60.0)
+    procs = [p for p, _ in running.values()]
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # as compare's main
+    try:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit):
+            _stop_runs(running)
+        assert time.monotonic() - t0 < 20
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+
+
 class _Synthetic(Runner):
     """A runner whose runs are metrics rows made from the spec: the tuning rules in isolation."""
 

@@ -95,7 +95,10 @@ def test_resume_with_batches_in_flight_after_sigkill_and_sigterm(tmp_path):
     saved = sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())[-1]
     resumed_at = int(saved.split("_")[1])
     sampler = json.loads((out / "checkpoints" / saved / "extra_state.json").read_text())["dataset"]
-    assert sampler["in_flight"]["batches"] == 3 and sampler["in_flight"]["prompts"] == 30  # steps r+1 .. r+3
+    # steps r+1 .. r+1+k, none past the last: 3 batches at step 2; 2 at step 4, which a loaded machine
+    # reached before the kill landed (the full suite beside a CPU burner, 2026-11-26)
+    batches = min(2 + 1, 6 - resumed_at)
+    assert sampler["in_flight"]["batches"] == batches and sampler["in_flight"]["prompts"] == 10 * batches
     assert "draws these prompts again" in sampler["in_flight"]["on_resume"]
 
     again = _run(out, 6, *k2)

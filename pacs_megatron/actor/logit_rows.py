@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pacs_megatron.actor.thd import ThdBatch
+from pacs_megatron.actor.weights import unwrap
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,7 @@ def response_rows(response_mask: torch.Tensor, thd: ThdBatch | None = None) -> L
 def selects_rows(model) -> bool:
     """Whether ``model`` (a chunk, possibly DDP-wrapped) computes logits whose rows can be selected:
     it holds the output layer and that layer's input is the whole sequence (no sequence parallelism)."""
-    while hasattr(model, "module"):
-        model = model.module
+    model = unwrap(model)
     layer = getattr(model, "output_layer", None)
     return bool(getattr(model, "post_process", False)) and layer is not None and not layer.sequence_parallel
 
@@ -97,9 +97,7 @@ def logit_rows_hook(model, rows: LogitRows | None) -> Iterator[None]:
     if rows is None:
         yield
         return
-    while hasattr(model, "module"):
-        model = model.module
-    handle = model.output_layer.register_forward_pre_hook(lambda _m, args: (rows.select(args[0]), *args[1:]))
+    handle = unwrap(model).output_layer.register_forward_pre_hook(lambda _m, args: (rows.select(args[0]), *args[1:]))
     try:
         yield
     finally:

@@ -39,7 +39,9 @@ def post_update_metrics(cfg: RunConfig, actor: MegatronActor, local: TrainBatch)
         return {}
     mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
     with torch.no_grad():
-        out = actor.compute_logprobs(local, micro_batch_size=mbs, temperature=cfg.rollout.temperature)
+        out = actor.compute_logprobs(
+            local, micro_batch_size=mbs, temperature=cfg.rollout.temperature, response_only=True
+        )
         _, m = pacs_loss(
             out.token_logp.float(),
             local.old_logp.float(),

@@ -177,7 +177,9 @@ def prepare_local_batch(
         local = local.with_(routed_experts=fetch_routed_experts(batch.routed_experts, local.routed_experts))
     if getattr(actor, "reference", None) is not None:  # algorithm.kl_loss_coef > 0 (actor/reference.py)
         ref_mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
-        ref = actor.compute_ref_logprobs(local, ref_mbs, cfg.rollout.temperature, cfg.mini_batch_prompts // dp_size)
+        ref = actor.compute_ref_logprobs(
+            local, ref_mbs, cfg.rollout.temperature, cfg.mini_batch_prompts // dp_size, response_only=True
+        )
         local = local.with_(ref_logp=ref)
     first = forward_rows(cfg, dp_size)
     old = torch.full(local.input_ids.shape, float("nan"))
@@ -190,6 +192,7 @@ def prepare_local_batch(
             cfg.rollout.temperature,
             with_entropy=True,
             mini_batch_groups=cfg.mini_batch_prompts // dp_size,
+            response_only=True,  # the training forward's LM-head rows (actor/logit_rows.py)
         )
         old[first:], entropy[first:] = out.token_logp, out.entropy
     local = local.with_(old_logp=old, old_entropy=entropy)

@@ -18,7 +18,7 @@ class _Actor:
         self.shift = shift
         self.groups = SimpleNamespace(dp_size=1, dp_group=None, device=torch.device("cpu"))
 
-    def compute_logprobs(self, batch, micro_batch_size, temperature, with_entropy=False):
+    def compute_logprobs(self, batch, micro_batch_size, temperature, with_entropy=False, response_only=False):
         return SimpleNamespace(token_logp=batch.old_logp + self.shift[:, None] * batch.response_mask)
 
 

@@ -98,6 +98,10 @@ class MegatronActor:
     reference: ReferencePolicy | None = None
     """The frozen reference policy of the KL term (algorithm.kl_loss_coef > 0), else None: nothing built."""
 
+    response_logits: bool = True
+    """The training forward computes the logits of response tokens only (actor/logit_rows.py): its loss
+    reads nothing else. Pass ``response_only=True`` to :meth:`compute_logprobs` for its old log-probs."""
+
     def __init__(self, cfg: RunConfig, groups: ParallelGroups, model_dir: str) -> None:
         from transformers import AutoConfig
 
@@ -172,19 +176,32 @@ class MegatronActor:
         temperature: float,
         with_entropy: bool = False,
         mini_batch_groups: int = 0,
+        response_only: bool = False,
     ) -> LogprobResult:
         """No-grad log-probs of this DP rank's rows, on every rank of the replica (collective).
 
         With ``algorithm.dynamic_batching`` the rows go in token-budget micro-batches planned per run
         of ``mini_batch_groups`` groups (0: the whole batch), the plan train_step makes for each such
         mini-batch: identical shapes in both passes keep log-probs batch-invariant.
+        ``response_only``: log-probs (and entropy) of response tokens only, 0 at prompt tokens: the
+        training forward's LM-head shapes (:attr:`response_logits`), so old log-probs for training are
+        bit-identical to its own; callers reading prompt tokens (weight-sync probe) keep the default.
         """
         packed = self._packed(batch, mini_batch_groups)
         for c in self.model:
             c.eval()
         try:
             token_logp, entropy = forward_logprobs(
-                self.model, batch, micro_batch_size, self.spec, self.groups, temperature, with_entropy, packed, self.thd
+                self.model,
+                batch,
+                micro_batch_size,
+                self.spec,
+                self.groups,
+                temperature,
+                with_entropy,
+                packed,
+                self.thd,
+                response_only and self.response_logits,
             )
         finally:
             for c in self.model:
@@ -193,14 +210,20 @@ class MegatronActor:
         return LogprobResult(token_logp, seq_logp, entropy)
 
     def compute_ref_logprobs(
-        self, batch: TrainBatch, micro_batch_size: int, temperature: float, mini_batch_groups: int = 0
+        self,
+        batch: TrainBatch,
+        micro_batch_size: int,
+        temperature: float,
+        mini_batch_groups: int = 0,
+        response_only: bool = False,
     ) -> torch.Tensor:
         """No-grad ``[B, T]`` log-probs of the frozen reference policy (needs algorithm.kl_loss_coef > 0),
-        on the micro-batches of :meth:`compute_logprobs` (collective)."""
+        on the micro-batches and LM-head rows of :meth:`compute_logprobs` (collective)."""
         if self.reference is None:
             raise ValueError("compute_ref_logprobs needs a reference policy: set algorithm.kl_loss_coef > 0")
         packed = self._packed(batch, mini_batch_groups)
-        return self.reference.logprobs(self, batch, micro_batch_size, temperature, packed, self.thd)
+        only = response_only and self.response_logits
+        return self.reference.logprobs(self, batch, micro_batch_size, temperature, packed, self.thd, only)
 
     # ------------------------------------------------------------------ training
 
@@ -250,7 +273,7 @@ class MegatronActor:
         if self.moe_aux is not None:  # its scale needs the loss units
             self.moe_aux.begin(micro, loss_units(micro, loss, loss_cfg))
         try:
-            metrics = self._update(micro, make, store)
+            metrics = self._update(micro, make, store, response_only=self.response_logits)
         finally:
             if self.moe_aux is not None:
                 self.moe_aux.end()
@@ -260,10 +283,13 @@ class MegatronActor:
         seq_logp = (token_logp * batch.response_mask.to(token_logp.dtype)).sum(dim=-1)
         return metrics, LogprobResult(token_logp, seq_logp, entropy)
 
-    def _update(self, micro: list[TrainBatch], make, store_out: list | None = None) -> dict[str, float]:
+    def _update(
+        self, micro: list[TrainBatch], make, store_out: list | None = None, response_only: bool = False
+    ) -> dict[str, float]:
         """Forward/backward of ``micro`` with megatron loss functions from ``make``, then one optimizer
         step; the DP-reduced metrics of the loss functions plus the step's (shared with the critic).
-        ``store_out`` receives what the loss functions reported (last pipeline stage)."""
+        ``store_out`` receives what the loss functions reported (last pipeline stage);
+        ``response_only``: response tokens' logits only (run_schedule)."""
         self.offloader.restore()  # optimizer state back from the host (actor.offload_during_rollout)
         for c in self.model:
             c.train()
@@ -271,7 +297,9 @@ class MegatronActor:
         self.optimizer.zero_grad()
         if self.moe_stats is not None:
             self.moe_stats.start()
-        store = run_schedule(self.model, micro, make, self.groups, forward_only=False, thd=self.thd)
+        store = run_schedule(
+            self.model, micro, make, self.groups, forward_only=False, thd=self.thd, response_only=response_only
+        )
         if store_out is not None:
             store_out.extend(store)
         metrics = reduce_metrics(store, self.groups)

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from pacs_megatron.actor.logit_rows import LogitRows, logit_rows_hook, response_rows, selects_rows
 from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
 from pacs_megatron.actor.moe import padding_mask, set_routing_replay
 from pacs_megatron.actor.thd import ThdBatch, pack_thd
@@ -42,13 +43,15 @@ def token_logprobs(
     with_entropy: bool = False,
     inplace_backward: bool = False,
     thd: ThdBatch | None = None,
+    rows: LogitRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``token_logp [b, T]`` float32 (and ``entropy [b, T]``) from this rank's logits ``[b, T, V/tp]``, or
-    from THD-packed logits ``[1, N, V/tp]`` of ``thd`` (actor/thd.py: targets and results follow the packing).
+    from THD-packed logits ``[1, N, V/tp]`` of ``thd`` (actor/thd.py: targets and results follow the packing),
+    or from the logits ``[1, n, V/tp]`` of the selected ``rows`` only (actor/logit_rows.py; 0 elsewhere).
 
-    The op is called with ``mask=None`` in every pass: token_logp must cover prompt tokens too (the
-    weight-sync probe compares them) and the old-log-prob pass and the training forward must run the
-    identical computation (batch invariance). Masked sums are taken by the callers.
+    The op is called with ``mask=None`` in every pass: with full logits token_logp covers prompt tokens
+    too (the weight-sync probe compares them), and the old-log-prob pass and the training forward must
+    run the identical computation (batch invariance). Masked sums are taken by the callers.
 
     The op gets the FULL logits with the targets shifted by one and the last target set to
     :data:`IGNORE_ID` (not ``logits[:, :-1]``): autograd would otherwise build a zeros + copy gradient
@@ -57,7 +60,9 @@ def token_logprobs(
     logits must then have no other reader in backward (here: none, they are the loss' only input).
     """
     logits = mask_padded_vocab(logits, spec, groups, inplace=inplace_backward)
-    if thd is None:
+    if rows is not None:
+        targets = rows.targets(input_ids)
+    elif thd is None:
         targets = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_ID)
     else:
         targets = thd.next_token_targets(IGNORE_ID)
@@ -70,9 +75,10 @@ def token_logprobs(
         return_entropy=with_entropy,
         inplace_backward=inplace_backward,
     )
-    if thd is not None:
-        token_logp = thd.unpack_predictions(rec.token_logp.float())
-        entropy = thd.unpack_predictions(rec.entropy.float()) if with_entropy else None
+    if rows is not None or thd is not None:
+        unpack = rows.scatter if rows is not None else thd.unpack_predictions
+        token_logp = unpack(rec.token_logp.float())
+        entropy = unpack(rec.entropy.float()) if with_entropy else None
         return token_logp, entropy
     token_logp = F.pad(rec.token_logp[:, :-1].float(), (1, 0))
     entropy = F.pad(rec.entropy[:, :-1].float(), (1, 0)) if with_entropy else None
@@ -80,7 +86,8 @@ def token_logprobs(
 
 
 LossFactory = Callable[..., Callable]
-"""``make_loss_func(micro_batch, input_ids_on_device, dummy[, thd=ThdBatch])`` -> megatron's ``loss_func``."""
+"""``make_loss_func(micro_batch, input_ids_on_device, dummy[, thd=ThdBatch][, rows=LogitRows])`` -> megatron's
+``loss_func``."""
 
 
 def interleave_padding(num_micro: int, groups: ParallelGroups) -> int:
@@ -98,6 +105,7 @@ def run_schedule(
     groups: ParallelGroups,
     forward_only: bool,
     thd: bool = False,
+    response_only: bool = False,
 ) -> list:
     """Run megatron's schedule over ``micro``; returns what the loss functions reported, one entry
     per micro-batch on the last pipeline stage (empty elsewhere).
@@ -108,6 +116,8 @@ def run_schedule(
     With vpp > 1, repeats of the last micro-batch pad the pass (:func:`interleave_padding`); their
     loss functions get ``dummy=True`` and must contribute nothing (a zero loss and a zero count),
     and their outputs are dropped. ``thd``: run the layers on THD-packed rows (actor/thd.py).
+    ``response_only``: the LM head computes only the logits of response tokens, where it can
+    (actor/logit_rows.py); the loss function then gets ``rows=`` the :class:`LogitRows` its logits hold.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -124,19 +134,23 @@ def run_schedule(
         routed = None if mb.routed_experts is None else mb.routed_experts.padded(ids.shape[1])
         set_routing_replay(model, routed, ids.shape[1], p, groups.tp_rank, groups.tp_size)
         mask = _moe_padding_mask(model, mb, ids.shape[1], p, k >= n_real, groups)
-        if p is not None:  # CPU: actor/attention.py; GPU (TE): written, never run (actor/thd.py)
-            out = model(
-                input_ids=p.input_ids,
-                position_ids=p.position_ids,
-                attention_mask=None,
-                packed_seq_params=p.packed_seq_params(),
-                padding_mask=mask,
-            )
-            return out, make_loss_func(mb, ids, k >= n_real, thd=p)
-        # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
-        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
-        out = model(input_ids=ids, position_ids=positions, attention_mask=None, padding_mask=mask)
-        return out, make_loss_func(mb, ids, k >= n_real)
+        rows = response_rows(mb.response_mask.to(device), p) if response_only and selects_rows(model) else None
+        extra = {"thd": p} if p is not None else {}
+        if rows is not None:
+            extra["rows"] = rows
+        with logit_rows_hook(model, rows):
+            if p is not None:  # CPU: actor/attention.py; GPU (TE): written, never run (actor/thd.py)
+                out = model(
+                    input_ids=p.input_ids,
+                    position_ids=p.position_ids,
+                    attention_mask=None,
+                    packed_seq_params=p.packed_seq_params(),
+                    padding_mask=mask,
+                )
+            else:  # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
+                positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+                out = model(input_ids=ids, position_ids=positions, attention_mask=None, padding_mask=mask)
+        return out, make_loss_func(mb, ids, k >= n_real, **extra)
 
     iters = [iter(enumerate(micro)) for _ in chunks]
     kwargs = {}
@@ -172,11 +186,12 @@ def logprob_loss_func(
     temperature: float,
     with_entropy: bool,
     thd: ThdBatch | None = None,
+    rows: LogitRows | None = None,
 ):
     """loss_func of the forward-only pass: collect ``token_logp`` (and ``entropy``) on the last stage."""
 
     def loss_func(logits, non_loss_data=False):  # noqa: ARG001 - megatron's signature
-        token_logp, entropy = token_logprobs(logits, ids, spec, groups, temperature, with_entropy, thd=thd)
+        token_logp, entropy = token_logprobs(logits, ids, spec, groups, temperature, with_entropy, thd=thd, rows=rows)
         out = {"token_logp": token_logp}
         if entropy is not None:
             out["entropy"] = entropy
@@ -195,17 +210,19 @@ def forward_logprobs(
     with_entropy: bool,
     packed: tuple[list[TrainBatch], torch.Tensor] | None = None,
     thd: bool = False,
+    response_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """No-grad log-probs of ``batch`` ``[B, T]`` (+ entropy) on every rank of this pipeline (CPU tensors).
 
     ``packed``: token-budget micro-batches and their source rows (data/packing.py pack_micro_batches)
     instead of consecutive ``micro_batch_size`` rows; columns past a micro-batch's length hold 0.
+    ``response_only``: only response tokens' values are computed, 0 elsewhere (actor/logit_rows.py).
     """
     B, T = batch.input_ids.shape
     micro, rows = packed or (split_micro_batches(batch, min(micro_batch_size, B)), torch.arange(B))
     make = partial(logprob_loss_func, spec=spec, groups=groups, temperature=temperature, with_entropy=with_entropy)
     with torch.no_grad():
-        store = run_schedule(chunks, micro, make, groups, forward_only=True, thd=thd)
+        store = run_schedule(chunks, micro, make, groups, forward_only=True, thd=thd, response_only=response_only)
     keys = ("token_logp", "entropy") if with_entropy else ("token_logp",)
     out = gather_rows(micro, rows, store, keys, (B, T), groups)
     return out[0], (out[1] if with_entropy else None)

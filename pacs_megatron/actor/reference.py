@@ -87,15 +87,33 @@ class ReferencePolicy:
             logger.info("reference policy: a frozen copy of the actor's weights at iteration %d", actor.iteration)
             self.copy_from(actor)
 
-    def logprobs(self, actor, batch: TrainBatch, micro_batch_size: int, temperature: float, packed, thd: bool):
+    def logprobs(
+        self,
+        actor,
+        batch: TrainBatch,
+        micro_batch_size: int,
+        temperature: float,
+        packed,
+        thd: bool,
+        response_only: bool = False,
+    ):
         """No-grad ``[B, T]`` float32 reference log-probs of this DP rank's rows (collective), computed on
-        the micro-batches the actor's own log-prob pass uses (``packed``), so that before any update they
-        equal the actor's bit for bit."""
+        the micro-batches (``packed``) and LM-head rows (``response_only``) the actor's own log-prob pass
+        uses, so that before any update they equal the actor's bit for bit."""
         self.ensure_ready(actor)
         self.restore()
         try:
             token_logp, _ = forward_logprobs(
-                self.chunks, batch, micro_batch_size, self.spec, self.groups, temperature, False, packed, thd
+                self.chunks,
+                batch,
+                micro_batch_size,
+                self.spec,
+                self.groups,
+                temperature,
+                False,
+                packed,
+                thd,
+                response_only,
             )
         finally:
             self.offload()

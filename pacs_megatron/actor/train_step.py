@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pacs_megatron.actor.forward import token_logprobs
+from pacs_megatron.actor.logit_rows import LogitRows
 from pacs_megatron.actor.model import ModelSpec
 from pacs_megatron.actor.thd import ThdBatch
 from pacs_megatron.data.batching import TrainBatch
@@ -101,6 +102,7 @@ def train_loss_func(
     temperature: float,
     old_from_forward: bool = False,
     thd: ThdBatch | None = None,
+    rows: LogitRows | None = None,
 ):
     """megatron ``loss_func`` of one micro-batch (runs on the last pipeline stage). A ``dummy``
     (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight.
@@ -119,6 +121,7 @@ def train_loss_func(
             with_entropy=old_from_forward or loss.needs_entropy,
             inplace_backward=True,
             thd=thd,
+            rows=rows,
         )
         inputs = loss_inputs(mb, token_logp, token_logp.detach() if old_from_forward else None, entropy)
         mask, old, dev = inputs.response_mask, inputs.old_logp, token_logp.device

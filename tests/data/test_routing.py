@@ -47,7 +47,9 @@ class RecordingEngine:
 
 
 class FakeActor:
-    def compute_logprobs(self, batch, micro_batch_size, temperature, with_entropy=False, mini_batch_groups=0):
+    def compute_logprobs(
+        self, batch, micro_batch_size, temperature, with_entropy=False, mini_batch_groups=0, response_only=False
+    ):
         zeros = torch.zeros(batch.input_ids.shape)
         return SimpleNamespace(token_logp=zeros, entropy=zeros)
 

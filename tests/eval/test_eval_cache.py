@@ -56,21 +56,18 @@ def test_progress_chunks_generation_and_logs_plain_lines(caplog):
     tok = build_arith_tokenizer()
     recs = arith_records(arith_problems(ArithTaskConfig(max_operand=2, modulo=0)), tok)  # 9 problems
     engine = _Engine(tok)
-    logging.getLogger("pacs_megatron").propagate = True
-    try:
-        with caplog.at_level(logging.INFO, logger="pacs_megatron"):
-            with RewardScorer(RewardConfig(fn="arith", num_workers=0)) as scorer:
-                with EvalProgress(len(recs), chunk=4, tty=False) as progress:
-                    metrics, rows = evaluate(
-                        engine,
-                        {"arith": recs},
-                        SamplingParams(n=2, max_tokens=1, seed=10),
-                        [1],
-                        scorer,
-                        progress=progress,
-                    )
-    finally:
-        logging.getLogger("pacs_megatron").propagate = False
+    logging.getLogger("pacs_megatron").propagate = True  # caplog listens at the root; conftest restores it
+    with caplog.at_level(logging.INFO, logger="pacs_megatron"):
+        with RewardScorer(RewardConfig(fn="arith", num_workers=0)) as scorer:
+            with EvalProgress(len(recs), chunk=4, tty=False) as progress:
+                metrics, rows = evaluate(
+                    engine,
+                    {"arith": recs},
+                    SamplingParams(n=2, max_tokens=1, seed=10),
+                    [1],
+                    scorer,
+                    progress=progress,
+                )
     assert engine.seeds == [10, 11, 12]  # chunks of 4, 4, 1 prompts, each with its own seed
     assert len(rows) == 9 and progress.done == 9
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sampled")]

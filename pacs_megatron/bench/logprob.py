@@ -39,6 +39,27 @@ from pacs_megatron.ops import fused_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# Datasheet HBM peaks (TB/s), matched in order against torch.cuda.get_device_name: the floor is per card (an
+# H200 moves 4.8 TB/s, so H100's 3.35 reported its kernel at "119 %" of the floor on 2026-11-26).
+HBM_PEAK_TBPS = (
+    ("H200", 4.8),
+    ("H100 PCIe", 2.0),
+    ("H100 NVL", 3.9),
+    ("H100", 3.35),  # SXM, "NVIDIA H100 80GB HBM3"
+    ("A100 80GB PCIe", 1.935),
+    ("A100-SXM4-80GB", 2.039),
+    ("A100", 1.555),  # 40 GB
+    ("B200", 8.0),
+)
+
+
+def hbm_peak_tbps(device_name: str) -> float | None:
+    """The card's HBM peak from its name, or None for a card not in ``HBM_PEAK_TBPS`` (give --hbm-tbps)."""
+    for key, tbps in HBM_PEAK_TBPS:
+        if key in device_name:
+            return tbps
+    return None
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -49,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions after one warm-up (median reported)")
     p.add_argument("--candidates", default="fused,fused-ip,naive,megatron")
-    p.add_argument("--hbm-tbps", type=float, default=3.35, help="HBM peak for the %% of floor (H100 SXM: 3.35)")
+    p.add_argument(
+        "--hbm-tbps", type=float, default=None, help="HBM peak (TB/s) for the %% of floor; default: from the GPU's name"
+    )
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -203,12 +226,14 @@ def bench_shape(n: int, v: int, args, device, dtype) -> dict:
             res[f"{mode}_ms"] = 1e3 * statistics.median(r[0] for r in runs)
             res[f"{mode}_peak_extra_mb"] = max(r[1] for r in runs) / 2**20
         if device.type == "cuda" and name.startswith("fused"):
+            peak = args.hbm_tbps or hbm_peak_tbps(torch.cuda.get_device_name(device))
             elt = logits.element_size()
             for mode, reads_writes in (("fwd", 1), ("fwd_bwd", 3)):
                 if f"{mode}_ms" in res:
                     gbps = reads_writes * n * v * elt / (res[f"{mode}_ms"] / 1e3) / 1e9
                     res[f"{mode}_gbps"] = gbps
-                    res[f"{mode}_pct_hbm_floor"] = 100 * gbps / (args.hbm_tbps * 1e3)
+                    if peak:
+                        res[f"{mode}_pct_hbm_floor"] = 100 * gbps / (peak * 1e3)
         row["candidates"][name] = res
     c = row["candidates"]
     if "fused" in c and "naive" in c:
@@ -240,6 +265,7 @@ def _environment(args, device) -> dict:
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
+        env["hbm_peak_tbps"] = args.hbm_tbps or hbm_peak_tbps(env["gpu"])  # None: no % of floor reported
     return env
 
 

@@ -159,7 +159,8 @@ def _bench(ctx: Context, device: str, n: int, v: int, dtype: str, candidates: st
     from pacs_megatron.bench.logprob import DTYPES, bench_shape
 
     args = SimpleNamespace(dtype=dtype, repeat=1 if ctx.quick else 3, candidates=candidates, temperature=1.0)
-    args.hbm_tbps = float(os.environ.get("PACS_HBM_TBPS", "3.35"))  # H100 SXM; H200: 4.8
+    # the card's own HBM peak (bench.logprob.HBM_PEAK_TBPS) unless PACS_HBM_TBPS names one
+    args.hbm_tbps = float(os.environ["PACS_HBM_TBPS"]) if os.environ.get("PACS_HBM_TBPS") else None
     return bench_shape(n, v, args, torch.device(device), DTYPES[dtype])
 
 
@@ -173,6 +174,11 @@ def kernel_cpu(ctx: Context) -> Outcome:
 
 def kernel_cuda(ctx: Context) -> Outcome:
     _need_cuda(ctx)
+    from pacs_megatron.bench.logprob import hbm_peak_tbps
+
+    name = torch.cuda.get_device_name()
+    if not os.environ.get("PACS_HBM_TBPS") and hbm_peak_tbps(name) is None:
+        raise Skip(f"no HBM peak known for {name!r}: set PACS_HBM_TBPS to its datasheet figure in TB/s")
     n, v = KERNEL_SHAPE
     row = _bench(ctx, "cuda", n, v, "bfloat16", "fused,fused-ip,naive")
     f, fip = row["candidates"]["fused"], row["candidates"]["fused-ip"]

@@ -1,6 +1,6 @@
 """The fused log-prob op on CUDA against the fp64 reference (marked gpu: skipped without a CUDA device).
 
-Ran on an H100 on 2026-11-25 (all passed; docs/benchmarks.md). Same checks as the CPU tests:
+Ran on an H100 on 2026-11-25 and an H200 on 2026-11-26 (all passed; docs/benchmarks.md). Same checks as the CPU tests:
 fp32 relative error < 1e-5, bf16 at most 2x torch's own bf16 error, temperature and entropy, unaligned
 rows (odd V, strided views), in-place backward, batch invariance.
 """

@@ -56,6 +56,7 @@ Numerics (vLLM 0.32):
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
@@ -88,6 +89,26 @@ SLEEP_LEVEL = 2
 """``LLM.sleep`` level between phases: 2 drops the weights without a host copy, since every sleep is
 followed by a weight sync that rewrites all of them (level 1 copied them to host and back each phase)."""
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class _NoChatWarmup(logging.Filter):
+    """Drops vLLM 0.32's "Chat template warmup failed" warning: ``LLM()`` always renders a chat template to
+    warm it up, and with ``skip_tokenizer_init`` (this engine takes token ids and decodes with the trainer's
+    tokenizer) that raises and logs a 15-line traceback at every start that reads like a failure. The engine
+    never renders chat, so nothing is lost; every other vLLM warning passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Chat template warmup failed")
+
+
+@contextmanager
+def _quiet_chat_warmup():
+    log, flt = logging.getLogger("vllm.renderers.base"), _NoChatWarmup()
+    log.addFilter(flt)
+    try:
+        yield
+    finally:
+        log.removeFilter(flt)
 
 
 @contextmanager
@@ -218,7 +239,8 @@ class VLLMEngine:
             )
         if device.type == "cpu":
             _job_unique_cpu_shm_names()
-        self.llm = vllm.LLM(**kwargs)
+        with _quiet_chat_warmup():
+            self.llm = vllm.LLM(**kwargs)
         self._state = "awake"  # "awake" | "asleep" | "weights" (weights resident, KV cache asleep)
         self.fp8_weights = fp8_config is not None
         """Weight sync sends FP8 data + scales (weight_sync/quantize.py), loaded by vLLM's FP8 linear method."""

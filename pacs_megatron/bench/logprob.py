@@ -41,7 +41,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # Datasheet HBM peaks (TB/s), matched in order against torch.cuda.get_device_name: the floor is per card (an
 # H200 moves 4.8 TB/s, so H100's 3.35 reported its kernel at "119 %" of the floor on 2026-11-26).
-HBM_PEAK_TBPS = (
+HBM_PEAK_TBPS: tuple[tuple[str, float | None], ...] = (
+    ("GH200", None),  # 4.0 (HBM3) or 4.9 TB/s (HBM3e) by model: give --hbm-tbps
     ("H200", 4.8),
     ("H100 PCIe", 2.0),
     ("H100 NVL", 3.9),

@@ -22,5 +22,6 @@ def test_peak_from_the_device_name(name, tbps):
     assert hbm_peak_tbps(name) == tbps
 
 
-def test_unknown_card_has_no_floor():
+def test_unknown_or_ambiguous_card_has_no_floor():
     assert hbm_peak_tbps("NVIDIA GeForce RTX 4090") is None
+    assert hbm_peak_tbps("NVIDIA GH200 480GB") is None  # not the H200's 4.8: two memory types

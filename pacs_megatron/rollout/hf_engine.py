@@ -413,13 +413,13 @@ class HFEngine:
     def sleep(self) -> None:
         """On CUDA, move the weights to host memory; on CPU a no-op (nothing to free). Every other
         method wakes the engine first, as vLLM's does."""
-        if self.device.type == "cuda" and not self._asleep:  # written for GPU, never run here
+        if self.device.type == "cuda" and not self._asleep:  # GPU: ran on an H100 and an H200 (docs/benchmarks.md)
             self.model.to("cpu")
             torch.cuda.empty_cache()
             self._asleep = True
 
     def wake(self) -> None:
         """Undo :meth:`sleep` (idempotent)."""
-        if self._asleep:  # written for GPU, never run here
+        if self._asleep:  # GPU only (ran there: train.py sleeps the colocated engine every step)
             self.model.to(self.device)
             self._asleep = False

@@ -62,6 +62,11 @@ def hbm_peak_tbps(device_name: str) -> float | None:
     return None
 
 
+def _hbm_floor_tbps(args, device) -> float | None:
+    """--hbm-tbps when given, else the card's own peak; None: no % of floor is reported."""
+    return args.hbm_tbps or hbm_peak_tbps(torch.cuda.get_device_name(device))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shapes", default="4096x32768", help="comma-separated NxV (rows x vocab): 4096x32768,512x152064")
@@ -227,7 +232,7 @@ def bench_shape(n: int, v: int, args, device, dtype) -> dict:
             res[f"{mode}_ms"] = 1e3 * statistics.median(r[0] for r in runs)
             res[f"{mode}_peak_extra_mb"] = max(r[1] for r in runs) / 2**20
         if device.type == "cuda" and name.startswith("fused"):
-            peak = args.hbm_tbps or hbm_peak_tbps(torch.cuda.get_device_name(device))
+            peak = _hbm_floor_tbps(args, device)
             elt = logits.element_size()
             for mode, reads_writes in (("fwd", 1), ("fwd_bwd", 3)):
                 if f"{mode}_ms" in res:
@@ -266,7 +271,7 @@ def _environment(args, device) -> dict:
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-        env["hbm_peak_tbps"] = args.hbm_tbps or hbm_peak_tbps(env["gpu"])  # None: no % of floor reported
+        env["hbm_peak_tbps"] = _hbm_floor_tbps(args, device)
     return env
 
 

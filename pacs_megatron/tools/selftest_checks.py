@@ -155,12 +155,12 @@ def op_reference_cuda(ctx: Context) -> Outcome:
 # ------------------------------------------------------------------------------------------- benchmarks
 
 
-def _bench(ctx: Context, device: str, n: int, v: int, dtype: str, candidates: str) -> dict:
+def _bench(ctx: Context, device: str, n: int, v: int, dtype: str, candidates: str, hbm_tbps=None) -> dict:
     from pacs_megatron.bench.logprob import DTYPES, bench_shape
 
-    args = SimpleNamespace(dtype=dtype, repeat=1 if ctx.quick else 3, candidates=candidates, temperature=1.0)
-    # the card's own HBM peak (bench.logprob.HBM_PEAK_TBPS) unless PACS_HBM_TBPS names one
-    args.hbm_tbps = float(os.environ["PACS_HBM_TBPS"]) if os.environ.get("PACS_HBM_TBPS") else None
+    args = SimpleNamespace(
+        dtype=dtype, repeat=1 if ctx.quick else 3, candidates=candidates, temperature=1.0, hbm_tbps=hbm_tbps
+    )
     return bench_shape(n, v, args, torch.device(device), DTYPES[dtype])
 
 
@@ -176,11 +176,13 @@ def kernel_cuda(ctx: Context) -> Outcome:
     _need_cuda(ctx)
     from pacs_megatron.bench.logprob import hbm_peak_tbps
 
-    name = torch.cuda.get_device_name()
-    if not os.environ.get("PACS_HBM_TBPS") and hbm_peak_tbps(name) is None:
+    # the card's own HBM peak (bench.logprob.HBM_PEAK_TBPS) unless PACS_HBM_TBPS names one
+    name, given = torch.cuda.get_device_name(), os.environ.get("PACS_HBM_TBPS")
+    peak = float(given) if given else hbm_peak_tbps(name)
+    if peak is None:
         raise Skip(f"no HBM peak known for {name!r}: set PACS_HBM_TBPS to its datasheet figure in TB/s")
     n, v = KERNEL_SHAPE
-    row = _bench(ctx, "cuda", n, v, "bfloat16", "fused,fused-ip,naive")
+    row = _bench(ctx, "cuda", n, v, "bfloat16", "fused,fused-ip,naive", hbm_tbps=peak)
     f, fip = row["candidates"]["fused"], row["candidates"]["fused-ip"]
     fp32_nv_mb = n * v * 4 / 2**20
     no_fp32_nv = fip["fwd_bwd_peak_extra_mb"] < 0.5 * fp32_nv_mb  # in-place: only O(N) extra, never an fp32 N x V

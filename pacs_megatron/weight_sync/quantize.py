@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -43,8 +44,18 @@ def modelopt_available() -> bool:
 
 
 def _recipes():
-    import modelopt.torch.quantization.config as mtq_config  # lazy: only quantized runs import modelopt
-
+    # Lazy: only quantized runs import modelopt. modelopt.torch imports its distill package, which imports TRL
+    # where it is installed, and TRL's import sets VLLM_LOGGING_LEVEL=ERROR when unset (trl/_compat.py): every
+    # vLLM engine this process or its children start then dropped vLLM's warnings. vLLM's own default (INFO)
+    # stands in during the import, and the variable is left as it was found.
+    unset = "VLLM_LOGGING_LEVEL" not in os.environ
+    if unset:
+        os.environ["VLLM_LOGGING_LEVEL"] = "INFO"
+    try:
+        import modelopt.torch.quantization.config as mtq_config
+    finally:
+        if unset:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
     return mtq_config
 
 

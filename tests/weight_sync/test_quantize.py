@@ -4,7 +4,11 @@ receives, and the config-time errors."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -150,6 +154,27 @@ def test_fp8_without_modelopt_names_the_option_and_the_fix(monkeypatch):
     with pytest.raises(ConfigError, match="rollout.quantization=fp8 needs nvidia-modelopt.*pip install"):
         check_device(load_config(None, ["rollout.quantization=fp8"]))
     check_device(load_config(None, ["rollout.quantization=none"]))  # the default never asks for modelopt
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL not installed: nothing sets it")
+def test_importing_modelopt_leaves_vllm_logging_as_it_was():
+    """modelopt.torch imports TRL where installed, and TRL's import set VLLM_LOGGING_LEVEL=ERROR: a quantized
+    run's vLLM engines (this process's and its children's) went silent. A fresh process, as the first import."""
+    script = (
+        "import os, sys\n"
+        "from pacs_megatron.weight_sync.quantize import weight_quantizer_cfg\n"
+        "weight_quantizer_cfg('FP8_DEFAULT_CFG')\n"
+        "assert 'trl' in sys.modules, 'modelopt no longer imports TRL: nothing to check'\n"
+        "print(os.environ.get('VLLM_LOGGING_LEVEL'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "None"
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={**env, "VLLM_LOGGING_LEVEL": "DEBUG"}
+    )
+    assert run.stdout.split()[-1] == "DEBUG"  # a level the user set is theirs
 
 
 def _quantized_sync_body(rank, world, model_dir):

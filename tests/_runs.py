@@ -4,8 +4,10 @@ and the metrics it logged. Launch-specific helpers (Slurm, torchrun) live in tes
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,3 +64,42 @@ def wait_for(pred, timeout: float, proc: subprocess.Popen) -> None:
             raise AssertionError(f"run exited early with {proc.returncode}")
         time.sleep(0.2)
     raise AssertionError("timed out waiting for the run")
+
+
+def _files(out: Path) -> list[tuple[str, int]]:
+    found = []
+    for path in out.rglob("*") if out.is_dir() else ():
+        try:
+            found.append((str(path), path.stat().st_size))
+        except FileNotFoundError:  # a checkpoint's temporary directory, renamed as we looked
+            pass
+    return sorted(found)
+
+
+def run_watched(cmd: list[str], out: Path, stall: float = 300, cap: float = 1200, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, **kw)`` whose limit is ``stall`` seconds with no
+    progress (its output, the files under ``out``) rather than a fixed total, up to ``cap`` seconds in all.
+
+    A hang still fails ``stall`` seconds after the run's last sign of life; a start that keeps moving on a
+    loaded machine is waited for: on this 2-core box beside CPU burners, a Ray run took 3 min to its first
+    file and ran past the 300 s its test had allowed for the whole run (2026-11-26)."""
+    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
+        proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True, **kw)
+        progress = lambda: (os.fstat(so.fileno()).st_size, os.fstat(se.fileno()).st_size, _files(out))  # noqa: E731
+        start = last = time.monotonic()
+        seen = progress()
+        while proc.poll() is None:
+            now = time.monotonic()
+            if (value := progress()) != seen:
+                seen, last = value, now
+            if now - last > stall or now - start > cap:
+                proc.kill()
+                proc.wait()
+                so.seek(0), se.seek(0)
+                raise AssertionError(
+                    f"{' '.join(cmd[:4])}...: no progress for {now - last:.0f}s ({now - start:.0f}s in all):\n"
+                    + (so.read() + se.read())[-3000:]
+                )
+            time.sleep(0.5)
+        so.seek(0), se.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, so.read(), se.read())

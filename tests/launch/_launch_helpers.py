@@ -28,16 +28,26 @@ def steps_of(path: Path) -> list[int]:
     return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
 
 
-def wait_until(pred, timeout: float, what: str, alive=lambda: True) -> float:
-    """Poll ``pred`` until true; return the seconds waited. ``alive()`` False fails early."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
+def wait_until(pred, timeout: float, what: str, alive=lambda: True, progress=None, cap: float = 900) -> float:
+    """Poll ``pred`` until true; return the seconds waited. ``alive()`` False fails early.
+
+    With ``progress`` (a callable whose value changes as the run advances: its log, its files), ``timeout``
+    is the longest stretch with no change, not the whole wait: a start that keeps moving on a loaded
+    machine is waited for (up to ``cap`` seconds), a stuck one still fails ``timeout`` seconds after its
+    last sign of life. On this 2-core box beside two CPU burners, a Ray rank took 4 min from submission to
+    its first step (2026-11-26), past the 240 s a test had allowed for the whole start."""
+    start = last_change = time.monotonic()
+    seen = progress() if progress else None
+    while (now := time.monotonic()) - last_change < timeout and now - start < cap:
         if pred():
             return time.monotonic() - start
         if not alive():
             raise AssertionError(f"gave up waiting for {what}: the run ended")
+        if progress and (value := progress()) != seen:
+            seen, last_change = value, time.monotonic()
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    quiet = f", {time.monotonic() - last_change:.0f}s without progress" if progress else ""
+    raise AssertionError(f"timed out after {time.monotonic() - start:.0f}s waiting for {what}{quiet}")
 
 
 def gone_within(pid: int, seconds: float) -> bool:

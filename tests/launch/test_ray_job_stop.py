@@ -59,6 +59,20 @@ def job_server():
         cluster.shutdown()
 
 
+@pytest.fixture
+def client(job_server):
+    """A job client. A job the test leaves running is stopped at its end: the cluster has one CPU, and a
+    failed test's job held it, so the next test's job waited for a placement it could not get (2026-11-26)."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(job_server)
+    yield client
+    for job in client.list_jobs():
+        if not job.status.is_terminal():
+            client.stop_job(job.submission_id)
+            wait_until(lambda j=job.submission_id: client.get_job_status(j).is_terminal(), 60, "a left-over job's stop")
+
+
 def _entrypoint(out: Path, steps: int) -> str:
     # launcher.ray_address=auto: the driver joins the job's cluster ($RAY_ADDRESS, set by the supervisor)
     argv = train_cmd(out, steps, *SMALL, "launcher.kind=ray", "launcher.ray_address=auto")
@@ -72,14 +86,22 @@ def _ray_cli(address: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _wait_status(client, job: str, timeout: float) -> str:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        status = client.get_job_status(job)
-        if status.is_terminal():
-            return str(status.value)
-        time.sleep(0.5)
-    raise AssertionError(f"job {job} still {client.get_job_status(job)} after {timeout}s:\n{client.get_job_logs(job)}")
+def _progress(client, job: str, out: Path):
+    """What moves while a job starts and runs: its log (the driver's lines, then its rank's) and the run's files."""
+    files = sorted((p.name, p.stat().st_size) for p in out.glob("*") if p.is_file()) if out.is_dir() else []
+    return len(client.get_job_logs(job)), files
+
+
+def _wait_status(client, job: str, timeout: float, out: Path | None = None) -> str:
+    """The job's terminal status. With ``out`` (a job that starts a run), ``timeout`` is the longest stretch
+    without progress (``wait_until``); without, the whole wait (a stop)."""
+    progress = (lambda: _progress(client, job, out)) if out else None
+    done = lambda: client.get_job_status(job).is_terminal()  # noqa: E731
+    try:
+        wait_until(done, timeout, f"job {job} to end", progress=progress)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: still {client.get_job_status(job)}:\n{client.get_job_logs(job)[-4000:]}") from None
+    return str(client.get_job_status(job).value)
 
 
 def _checkpoints(out: Path) -> list[int]:
@@ -90,17 +112,15 @@ def _start(client, out: Path, env: dict[str, str], steps: int) -> str:
     """Submit a 1000-step run and return its job id once ``steps`` steps are logged."""
     job = client.submit_job(entrypoint=_entrypoint(out, 1000), runtime_env={"env_vars": env | {"OMP_NUM_THREADS": "1"}})
     alive = lambda: not client.get_job_status(job).is_terminal()  # noqa: E731
+    progress = lambda: _progress(client, job, out)  # noqa: E731
     try:
-        wait_until(lambda: len(metrics_rows(out)) >= steps, 240, f"{steps} logged steps", alive)
+        wait_until(lambda: len(metrics_rows(out)) >= steps, 240, f"{steps} logged steps", alive, progress)
     except AssertionError as e:
         raise AssertionError(f"{e}:\n{client.get_job_logs(job)[-4000:]}") from None
     return job
 
 
-def test_ray_job_stop_checkpoints_and_resubmission_resumes(job_server, tmp_path):
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(job_server)
+def test_ray_job_stop_checkpoints_and_resubmission_resumes(job_server, client, tmp_path):
     out = tmp_path / "run"
     started = time.monotonic()
     job = _start(client, out, {"RAY_JOB_STOP_WAIT_TIME_S": "120"}, steps=2)
@@ -124,7 +144,7 @@ def test_ray_job_stop_checkpoints_and_resubmission_resumes(job_server, tmp_path)
 
     # Resubmitted with Ray's default wait: warned at start, resumes from the stop's checkpoint.
     job2 = client.submit_job(entrypoint=_entrypoint(out, last + 1), runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    status = _wait_status(client, job2, 240)
+    status = _wait_status(client, job2, 240, out)
     logs2 = client.get_job_logs(job2)
     (tmp_path / "job2.log").write_text(logs2)
     assert status == "SUCCEEDED", logs2[-4000:]
@@ -137,13 +157,10 @@ def test_ray_job_stop_checkpoints_and_resubmission_resumes(job_server, tmp_path)
     )
 
 
-def test_ray_job_stop_past_the_wait_kills_driver_and_ranks(job_server, tmp_path):
+def test_ray_job_stop_past_the_wait_kills_driver_and_ranks(client, tmp_path):
     """``RAY_JOB_STOP_WAIT_TIME_S=0``: Ray SIGKILLs the driver right after its SIGTERM. Ray then ends
     the job's actors, and each trainer rank dies with its actor: nothing is left waiting in a
     collective (whether a checkpoint got written is a race at 0 s, so it is not asserted)."""
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(job_server)
     out = tmp_path / "run"
     job = _start(client, out, {"RAY_JOB_STOP_WAIT_TIME_S": "0"}, steps=1)
     rank_pid = json.loads((out / "launch.json").read_text())["ranks"][0]["pid"]

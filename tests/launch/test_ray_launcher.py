@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 from _launch_helpers import gone_within
-from _runs import CONFIG, NONDETERMINISTIC, metrics_rows, train_cmd
+from _runs import CONFIG, NONDETERMINISTIC, metrics_rows, run_watched, train_cmd
 
 from pacs_megatron.utils.dist import free_port
 
@@ -80,14 +80,8 @@ def _checkpoints(out: Path) -> list[int]:
 @pytest.mark.distributed
 def test_ray_strict_spread_matches_local_run(ray_cluster, tmp_path):
     local, ray_out = tmp_path / "local", tmp_path / "ray"
-    subprocess.run(_cmd(local, 3), env=_env(), check=True, timeout=300)
-    proc = subprocess.run(
-        _cmd(ray_out, 3, *_ray(ray_cluster, "launcher.placement=strict_spread")),
-        env=_env(),
-        timeout=300,
-        capture_output=True,
-        text=True,
-    )
+    assert (run := run_watched(_cmd(local, 3), local, env=_env())).returncode == 0, run.stderr[-3000:]
+    proc = run_watched(_cmd(ray_out, 3, *_ray(ray_cluster, "launcher.placement=strict_spread")), ray_out, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 3 |" in proc.stderr + proc.stdout  # rank 0's log reached the driver
 
@@ -131,14 +125,9 @@ def test_ray_separate_engine_on_the_other_node_matches_a_local_run(ray_cluster, 
     launcher's bit for bit (timings excepted)."""
     sep = ["parallel.tp=1", "rollout.placement=separate", "rollout.max_staleness=1"]
     local, ray_out = tmp_path / "local", tmp_path / "ray"
-    subprocess.run(_cmd(local, 3, *sep), env=_env(), check=True, timeout=600)
-    proc = subprocess.run(
-        _cmd(ray_out, 3, *sep, *_ray(ray_cluster, "launcher.placement=strict_spread")),
-        env=_env(),
-        timeout=600,
-        capture_output=True,
-        text=True,
-    )
+    assert (run := run_watched(_cmd(local, 3, *sep), local, env=_env())).returncode == 0, run.stderr[-3000:]
+    ray_cmd = _cmd(ray_out, 3, *sep, *_ray(ray_cluster, "launcher.placement=strict_spread"))
+    proc = run_watched(ray_cmd, ray_out, env=_env())
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-3000:]
     engine_nodes = re.search(r"ray: 1 rollout engine\(s\) on nodes \['(\w+)'\]", text)

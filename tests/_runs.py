@@ -66,7 +66,8 @@ def wait_for(pred, timeout: float, proc: subprocess.Popen) -> None:
     raise AssertionError("timed out waiting for the run")
 
 
-def _files(out: Path) -> list[tuple[str, int]]:
+def files_under(out: Path) -> list[tuple[str, int]]:
+    """(path, size) of every file under ``out``: what a run's progress looks like from outside."""
     found = []
     for path in out.rglob("*") if out.is_dir() else ():
         try:
@@ -85,7 +86,7 @@ def run_watched(cmd: list[str], out: Path, stall: float = 300, cap: float = 1200
     file and ran past the 300 s its test had allowed for the whole run (2026-11-26)."""
     with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
         proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True, **kw)
-        progress = lambda: (os.fstat(so.fileno()).st_size, os.fstat(se.fileno()).st_size, _files(out))  # noqa: E731
+        progress = lambda: (os.fstat(so.fileno()).st_size, os.fstat(se.fileno()).st_size, files_under(out))  # noqa: E731
         start = last = time.monotonic()
         seen = progress()
         while proc.poll() is None:

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from _runs import CONFIG, REPO, SHORT  # noqa: F401 - re-exported for the launch tests
+from _runs import CONFIG, REPO, SHORT, files_under  # noqa: F401 - re-exported for the launch tests
 
 
 def short_run(out: Path, steps: int, *extra: str) -> list[str]:

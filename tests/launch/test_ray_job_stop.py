@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from _launch_helpers import gone_within, wait_until
-from _runs import metrics_rows, train_cmd
+from _runs import files_under, metrics_rows, train_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -88,8 +88,7 @@ def _ray_cli(address: str, *args: str) -> subprocess.CompletedProcess:
 
 def _progress(client, job: str, out: Path):
     """What moves while a job starts and runs: its log (the driver's lines, then its rank's) and the run's files."""
-    files = sorted((p.name, p.stat().st_size) for p in out.glob("*") if p.is_file()) if out.is_dir() else []
-    return len(client.get_job_logs(job)), files
+    return len(client.get_job_logs(job)), files_under(out)
 
 
 def _wait_status(client, job: str, timeout: float, out: Path | None = None) -> str:

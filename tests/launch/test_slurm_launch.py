@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _launch_helpers import CONFIG, REPO, short_run, steps_of, wait_until
+from _launch_helpers import CONFIG, REPO, files_under, short_run, steps_of, wait_until
 
 from pacs_megatron.utils.dist import free_port
 
@@ -166,7 +166,7 @@ def test_sbatch_scancel_cancels_without_requeue(slurm, tmp_path):
     out = tmp_path / "run"
     job = _submit(slurm, tmp_path, "--config", str(CONFIG), *short_run(out, 500))
     running = lambda: slurm.job_field(job, "JobState") in ("PENDING", "RUNNING")  # noqa: E731
-    wait_until(lambda: 1 in steps_of(out / "metrics.jsonl"), 240, "step 1", running)
+    wait_until(lambda: 1 in steps_of(out / "metrics.jsonl"), 240, "step 1", running, lambda: files_under(tmp_path))
     slurm.run("scancel", job)  # SIGTERM to every step and the batch shell, as a user does
     assert _finished(slurm, tmp_path, job, 60) == "CANCELLED"
     time.sleep(3)  # a requeue would show here (the old TERM trap requeued the completing job)
@@ -231,7 +231,7 @@ def test_sbatch_dead_rank_fails_fast(slurm, tmp_path):
     out = tmp_path / "run"
     job = _submit(slurm, tmp_path, "--config", str(CONFIG), *short_run(out, 500))
     running = lambda: slurm.job_field(job, "JobState") in ("PENDING", "RUNNING")  # noqa: E731
-    wait_until(lambda: 1 in steps_of(out / "metrics.jsonl"), 240, "step 1", running)
+    wait_until(lambda: 1 in steps_of(out / "metrics.jsonl"), 240, "step 1", running, lambda: files_under(tmp_path))
     pid = _rank_pid(job, 1)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)

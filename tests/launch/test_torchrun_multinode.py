@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch_helpers import CONFIG, REPO, short_run, steps_of, wait_until
+from _launch_helpers import CONFIG, REPO, files_under, short_run, steps_of, wait_until
 
 from pacs_megatron.utils.dist import free_port
 
@@ -43,7 +43,7 @@ def test_torchrun_two_agents_stop_and_resume(tmp_path):
     agents = _agents(out, steps, log)
     try:
         alive = lambda: all(a.poll() is None for a in agents)  # noqa: E731
-        wait_until(lambda: 2 in steps_of(out / "metrics.jsonl"), 240, "step 2", alive)
+        wait_until(lambda: 2 in steps_of(out / "metrics.jsonl"), 240, "step 2", alive, lambda: files_under(tmp_path))
         for a in agents:
             a.send_signal(signal.SIGUSR1)
         codes = [a.wait(timeout=240) for a in agents]

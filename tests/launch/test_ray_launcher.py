@@ -156,6 +156,7 @@ def test_killed_rank_actor_fails_fast_then_resumes(ray_cluster, tmp_path):
         rank0, rank1 = json.loads((out / "launch.json").read_text())["ranks"]
         assert rank0["node_id"] != rank1["node_id"]  # rank 1 runs on the second raylet
         environ = psutil.Process(rank1["pid"]).environ()
+        assert psutil.Process(rank1["pid"]).nice() == 0  # not Ray's worker niceness (15): the rank is the job
         assert environ.get("NCCL_DEBUG") == "WARN" and environ.get("PROBE_FROM_CONFIG") == "from-config", environ
         actor = psutil.Process(rank1["pid"]).parent()  # the Ray worker process that hosts rank 1
         assert "RankActor" in " ".join(actor.cmdline()), actor.cmdline()

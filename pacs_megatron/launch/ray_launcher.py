@@ -41,6 +41,7 @@ from pacs_megatron.launch.local import FORWARDED, GRACE_S
 from pacs_megatron.launch.ray_rank import TRAINER, RankActor, RankProgram, RankResult
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.preemption import EXIT_PREEMPTED
+from pacs_megatron.utils.proc import ray_job_runtime_env
 
 logger = get_logger(__name__)
 
@@ -54,13 +55,6 @@ _FORWARDED_ENV_PREFIXES = (
     "CUDA_DEVICE_MAX_CONNECTIONS",
 )  # fmt: skip
 _NOT_FORWARDED = {"TORCH_HOME"}  # a path on the driver's machine
-_NICENESS = "RAY_worker_niceness"
-"""Ray starts its worker processes at niceness 15 (its ``worker_niceness``) to keep the raylet responsive,
-and a rank or engine process inherits it from its actor. They are the job's own work: beside nice-0
-processes on the node they starved (2026-11-26, 2 cores, two CPU burners: 0.7 s of CPU work took 8-15 s of
-wall time in a nice-15 actor, 1.1-1.7 s at 0; a Ray run's ranks took 3-4 min to their first step where the
-local launcher's took 17 s for the whole run). The actors ask for 0 through this variable of their runtime
-env, as Ray's job supervisor does for its own actor; set it in the driver's environment to choose another."""
 RAY_STOP_WAIT_MIN_S = 120
 """Below this ``RAY_JOB_STOP_WAIT_TIME_S`` (Ray's default: 3 s) ``ray job stop`` SIGKILLs the driver,
 and with it the ranks, before they can finish a step and checkpoint: warned at start."""
@@ -237,7 +231,7 @@ def launch_ray(cfg: RunConfig, program: RankProgram = TRAINER) -> int:
                 num_gpus=b.get("GPU", 0),
                 max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                runtime_env={"env_vars": {_NICENESS: os.environ.get(_NICENESS, "0")}},
+                runtime_env=ray_job_runtime_env(),  # niceness 0, not Ray's 15: the ranks are the job
             ).remote(i)
             for i, b in enumerate(bundles)
         ]

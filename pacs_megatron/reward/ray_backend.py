@@ -34,6 +34,7 @@ from pacs_megatron.reward.accounting import STARTUP_TIMEOUT_S as _STARTUP_TIMEOU
 from pacs_megatron.reward.accounting import BatchCounts
 from pacs_megatron.reward.registry import RewardFunctionError
 from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.utils.proc import ray_job_runtime_env
 
 if TYPE_CHECKING:
     from pacs_megatron.config import RewardConfig
@@ -85,7 +86,9 @@ class RayRewardPool:
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
-        self._cls = ray.remote(num_cpus=1, max_restarts=0, scheduling_strategy="SPREAD")(RewardActor)
+        self._cls = ray.remote(
+            num_cpus=1, max_restarts=0, scheduling_strategy="SPREAD", runtime_env=ray_job_runtime_env()
+        )(RewardActor)
         self._slots: list[_Slot] = []
 
     def _start(self) -> _Slot:

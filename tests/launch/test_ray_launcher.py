@@ -309,3 +309,12 @@ def test_rank_order_and_env_pack_tp_groups_on_nodes(monkeypatch):
         "3",
     )
     assert "TORCH_HOME" not in env
+
+
+def test_job_actors_ask_for_niceness_0_unless_the_driver_sets_one(monkeypatch):
+    from pacs_megatron.utils.proc import ray_job_runtime_env
+
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    assert ray_job_runtime_env() == {"env_vars": {"RAY_worker_niceness": "0"}}
+    monkeypatch.setenv("RAY_worker_niceness", "5")
+    assert ray_job_runtime_env() == {"env_vars": {"RAY_worker_niceness": "5"}}

@@ -86,3 +86,8 @@ def arith_hangs_on_seven(prompt, response, ground_truth, extra):
 def always_raises(prompt, response, ground_truth, extra):
     """A reward broken on every input (a renamed dataset field, say)."""
     raise KeyError("answer_field")
+
+
+def niceness(prompt, response, ground_truth, extra):
+    """The scheduling niceness of the process that scores (0 is the job's own priority)."""
+    return float(os.nice(0))

@@ -29,6 +29,11 @@ def test_ray_backend_matches_local_pool_with_raising_and_hanging_rewards(ray_clu
     assert results["ray"] == results["local"], seen
     assert len(nodes) == 2, f"the reward actors should spread over both nodes, got {nodes}"
 
+    # The actors score at the job's priority, not at Ray's worker niceness (15): beside other work on the
+    # node a nice-15 worker starved, and a healthy answer became a timeout.
+    with RewardScorer(RewardConfig(fn="reward_user_fns:niceness", num_workers=1, backend="ray")) as scorer:
+        assert scorer.score(["p"], ["r"], ["a"])[0] == [0.0]
+
 
 def test_ray_backend_needs_workers():
     with pytest.raises(ConfigError, match="reward.num_workers"):

@@ -12,7 +12,7 @@ Two rules keep a stop clean:
   needs its helpers; a helper that died of the same signal would turn that checkpoint into a
   BrokenPipeError. Helpers ignore them and are ended by their parent instead.
 
-A third keeps them fast: **the job's Ray actors run at the job's priority** (:func:`ray_job_runtime_env`).
+And one keeps the job's work fast: **its Ray actors run at the job's priority** (:func:`ray_job_runtime_env`).
 """
 
 from __future__ import annotations

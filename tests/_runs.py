@@ -77,9 +77,32 @@ def files_under(out: Path) -> list[tuple[str, int]]:
     return sorted(found)
 
 
+def wait_until(pred, timeout: float, what: str, alive=lambda: True, progress=None, cap: float = 900) -> float:
+    """Poll ``pred`` until true; return the seconds waited. ``alive()`` False fails early.
+
+    With ``progress`` (a callable whose value changes as the run advances: its log, its files), ``timeout``
+    is the longest stretch with no change, not the whole wait: a start that keeps moving on a loaded
+    machine is waited for (up to ``cap`` seconds), a stuck one still fails ``timeout`` seconds after its
+    last sign of life. On this 2-core box beside two CPU burners, a Ray rank took 4 min from submission to
+    its first step (2026-11-26), past the 240 s a test had allowed for the whole start."""
+    start = last_change = time.monotonic()
+    seen = progress() if progress else None
+    while (now := time.monotonic()) - last_change < timeout and now - start < cap:
+        if pred():
+            return time.monotonic() - start
+        if not alive():
+            raise AssertionError(f"gave up waiting for {what}: the run ended")
+        if progress and (value := progress()) != seen:
+            seen, last_change = value, time.monotonic()
+        time.sleep(0.2)
+    quiet = f", {time.monotonic() - last_change:.0f}s without progress" if progress else ""
+    raise AssertionError(f"timed out after {time.monotonic() - start:.0f}s waiting for {what}{quiet}")
+
+
 def run_watched(cmd: list[str], out: Path, stall: float = 300, cap: float = 1200, **kw) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, **kw)`` whose limit is ``stall`` seconds with no
-    progress (its output, the files under ``out``) rather than a fixed total, up to ``cap`` seconds in all.
+    progress (its output, the files under ``out``) rather than a fixed total, up to ``cap`` seconds in all
+    (``wait_until`` with ``progress``); the run is killed on a timeout.
 
     A hang still fails ``stall`` seconds after the run's last sign of life; a start that keeps moving on a
     loaded machine is waited for: on this 2-core box beside CPU burners, a Ray run took 3 min to its first
@@ -87,20 +110,12 @@ def run_watched(cmd: list[str], out: Path, stall: float = 300, cap: float = 1200
     with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
         proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True, **kw)
         progress = lambda: (os.fstat(so.fileno()).st_size, os.fstat(se.fileno()).st_size, files_under(out))  # noqa: E731
-        start = last = time.monotonic()
-        seen = progress()
-        while proc.poll() is None:
-            now = time.monotonic()
-            if (value := progress()) != seen:
-                seen, last = value, now
-            if now - last > stall or now - start > cap:
-                proc.kill()
-                proc.wait()
-                so.seek(0), se.seek(0)
-                raise AssertionError(
-                    f"{' '.join(cmd[:4])}...: no progress for {now - last:.0f}s ({now - start:.0f}s in all):\n"
-                    + (so.read() + se.read())[-3000:]
-                )
-            time.sleep(0.5)
+        try:
+            wait_until(lambda: proc.poll() is not None, stall, f"{' '.join(cmd[:4])}...", progress=progress, cap=cap)
+        except AssertionError as e:
+            proc.kill()
+            proc.wait()
+            so.seek(0), se.seek(0)
+            raise AssertionError(f"{e}:\n" + (so.read() + se.read())[-3000:]) from None
         so.seek(0), se.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, so.read(), se.read())

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from _runs import CONFIG, REPO, SHORT, files_under  # noqa: F401 - re-exported for the launch tests
+from _runs import CONFIG, REPO, SHORT, files_under, wait_until  # noqa: F401 - re-exported for the launch tests
 
 
 def short_run(out: Path, steps: int, *extra: str) -> list[str]:
@@ -26,28 +26,6 @@ def steps_of(path: Path) -> list[int]:
     if not path.exists():
         return []
     return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
-
-
-def wait_until(pred, timeout: float, what: str, alive=lambda: True, progress=None, cap: float = 900) -> float:
-    """Poll ``pred`` until true; return the seconds waited. ``alive()`` False fails early.
-
-    With ``progress`` (a callable whose value changes as the run advances: its log, its files), ``timeout``
-    is the longest stretch with no change, not the whole wait: a start that keeps moving on a loaded
-    machine is waited for (up to ``cap`` seconds), a stuck one still fails ``timeout`` seconds after its
-    last sign of life. On this 2-core box beside two CPU burners, a Ray rank took 4 min from submission to
-    its first step (2026-11-26), past the 240 s a test had allowed for the whole start."""
-    start = last_change = time.monotonic()
-    seen = progress() if progress else None
-    while (now := time.monotonic()) - last_change < timeout and now - start < cap:
-        if pred():
-            return time.monotonic() - start
-        if not alive():
-            raise AssertionError(f"gave up waiting for {what}: the run ended")
-        if progress and (value := progress()) != seen:
-            seen, last_change = value, time.monotonic()
-        time.sleep(0.2)
-    quiet = f", {time.monotonic() - last_change:.0f}s without progress" if progress else ""
-    raise AssertionError(f"timed out after {time.monotonic() - start:.0f}s waiting for {what}{quiet}")
 
 
 def gone_within(pid: int, seconds: float) -> bool:

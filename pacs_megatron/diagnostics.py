@@ -7,10 +7,13 @@ of a step (the default recipe: one mini-batch, one epoch), ``logp == logp_old``,
 classifier the right way: so after the step's updates this stage runs one no-grad log-prob pass of
 the actor over the same local batch and evaluates the same loss against the rollout log-probs:
 
-    pacs/post_loss, pacs/post_psi_mean, pacs/post_psi_abs_mean, pacs/post_implicit_reward_abs_mean,
-    pacs/post_prob_correct_mean, pacs/post_classifier_acc
+    pacs/post_loss, pacs/post_psi_mean, pacs/post_psi_abs_mean, pacs/post_psi_std,
+    pacs/post_implicit_reward_abs_mean, pacs/post_prob_correct_mean, pacs/post_classifier_acc,
+    pacs/post_brier, pacs/post_psi_p10, pacs/post_psi_p50, pacs/post_psi_p90
 
-(means over data-parallel ranks). With several mini-batches or epochs the in-update ``pacs/*`` mean
+(means over data-parallel ranks; the quantiles are each rank's over its rows, then averaged). With
+``algorithm.pacs.anchor=reference`` (PACS v2) r is measured against the reference, as the loss does, so the
+in-update values are non-zero from the second step on and ``post_*`` show the classifier after the update. With several mini-batches or epochs the in-update ``pacs/*`` mean
 something too; ``post_*`` is then the state after all of them. Switch: ``logging.post_update_metrics``;
 cost: one forward of the batch without grad (the old-log-prob pass's price).
 """
@@ -22,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from pacs_megatron.pacs.advantage import group_advantage
+from pacs_megatron.pacs.implicit_reward import implicit_reward
 from pacs_megatron.pacs.loss import pacs_loss
 
 if TYPE_CHECKING:
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
 
 POST_PREFIX = "pacs/post_"
 _SKIP = ("pacs/mixed_group_frac",)  # a property of the rewards, not of the classifier
+QUANTILES = (0.1, 0.5, 0.9)
 
 
 def post_update_metrics(cfg: RunConfig, actor: MegatronActor, local: TrainBatch) -> dict[str, float]:
@@ -42,14 +48,14 @@ def post_update_metrics(cfg: RunConfig, actor: MegatronActor, local: TrainBatch)
         out = actor.compute_logprobs(
             local, micro_batch_size=mbs, temperature=cfg.rollout.temperature, response_only=True
         )
-        _, m = pacs_loss(
-            out.token_logp.float(),
-            local.old_logp.float(),
-            local.response_mask,
-            local.scores,
-            local.group_size,
-            cfg.algorithm.pacs,
-        )
+        pacs = cfg.algorithm.pacs
+        anchor = (local.ref_logp if pacs.anchor == "reference" else local.old_logp).float()
+        logp = out.token_logp.float()
+        _, m = pacs_loss(logp, anchor, local.response_mask, local.scores, local.group_size, pacs)
+        r = implicit_reward(logp, anchor, local.response_mask, pacs.beta, pacs.reward_method)
+        psi = group_advantage(r, local.group_size, pacs.adv_estimator, pacs.norm_adv_by_std)
+        for q, v in zip(QUANTILES, torch.quantile(psi.double(), torch.tensor(QUANTILES, dtype=torch.float64))):
+            m[f"pacs/psi_p{round(q * 100)}"] = v
     keys = [k for k in m if k not in _SKIP]
     groups = actor.groups
     values = torch.stack([m[k].detach().float() for k in keys]).to(groups.device)  # nccl reduces device tensors

@@ -191,6 +191,8 @@ class Components:
             "config": self.rt.config_dict,
             "model": model_shape(self.actor.hf_config.to_dict()),
         }
+        if self.actor.reference is not None:  # the reset schedule (stages.reset_reference) resumes exactly
+            extra["reference_reset_step"] = self.actor.reference.reset_step
         self.actor.save_checkpoint(str(directory), extra)
         if self.critic is not None:
             self.critic.save_checkpoint(str(directory / "critic"), {"step": step})
@@ -209,6 +211,9 @@ class Components:
         if self.critic is not None:
             self.critic.load_checkpoint(str(plan.path / "critic"))
         self.dataset.load_state_dict(extra["dataset"])
+        ref = self.actor.reference
+        if ref is not None:  # a reference not in the checkpoint is the resumed policy: its age starts now
+            ref.reset_step = int(extra.get("reference_reset_step", 0)) if ref.ready else int(extra["step"])
         logger.info("resumed from %s (step %d)", plan.path, extra["step"])
         return int(extra["step"])
 

@@ -32,6 +32,9 @@ from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.reward.verifiers import has_boxed
 from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.types import Response, SamplingParams
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 if TYPE_CHECKING:
     from pacs_megatron.actor.actor import MegatronActor
@@ -175,7 +178,7 @@ def prepare_local_batch(
         local = dp_shard(batch, dp_rank, dp_size)
     if batch.routed_experts is not None:  # the routing records of this rank's rows, from their holders
         local = local.with_(routed_experts=fetch_routed_experts(batch.routed_experts, local.routed_experts))
-    if getattr(actor, "reference", None) is not None:  # algorithm.kl_loss_coef > 0 (actor/reference.py)
+    if getattr(actor, "reference", None) is not None:  # algorithm.needs_reference (actor/reference.py)
         ref_mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
         ref = actor.compute_ref_logprobs(
             local, ref_mbs, cfg.rollout.temperature, cfg.mini_batch_prompts // dp_size, response_only=True
@@ -234,6 +237,23 @@ def update_actor(cfg: RunConfig, actor: MegatronActor, local: TrainBatch, dp_siz
     metrics["actor/updates"] = float(len(history) - (actor.skipped_steps - skipped_before))  # applied, not skipped
     metrics |= post_update_metrics(cfg, actor, local)  # pacs/post_*: the classifier after the update
     return metrics | extra
+
+
+def reset_reference(cfg: RunConfig, actor: MegatronActor, step: int) -> dict:
+    """``algorithm.reference_reset_every`` = K: after the update of step s, once K steps have passed since the
+    last reset (or the start of RL), the live policy becomes the reference and the optimizer starts afresh
+    (:meth:`MegatronActor.reset_reference`). Logged as ``reference/reset`` (1 at a reset) and
+    ``reference/age`` (steps the next step's reference has been fixed for: 0 right after a reset). The last
+    reset's step is checkpointed (Components.save), so a resume continues the same schedule."""
+    every, ref = cfg.algorithm.reference_reset_every, actor.reference
+    if not every or ref is None:
+        return {}
+    reset = step - ref.reset_step >= every
+    if reset:
+        actor.reset_reference()
+        ref.reset_step = step
+        logger.info("step %d: reference policy reset to the live policy, optimizer state re-initialised", step)
+    return {"reference/reset": float(reset), "reference/age": float(step - ref.reset_step)}
 
 
 def format_warmup(cfg: RunConfig, rt: Runtime, c: Components) -> dict:

@@ -108,7 +108,7 @@ def _sync_steps(run: _Run, start: int) -> tuple[int, int | None]:
         with timer("rollout"):
             batch, metrics, samples = sampling_stages.collect_step(cfg, c, step)  # prompts, rollouts, rewards
             c.engine.sleep()  # colocated: free the engine's memory while the actor trains
-        metrics |= _update(run, batch, timer)
+        metrics |= _update(run, batch, timer, step)
         with timer("sync"):
             metrics |= _synced(run, step, lambda: c.sync.sync().metrics())
         if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
@@ -130,7 +130,7 @@ def _async_steps(run: _Run, start: int) -> tuple[int, int | None]:
         run.memory.start()
         with timer("rollout"):  # waiting for the engines: async/trainer_wait_s of it
             batch, metrics, samples = async_stages.take_batch(cfg, c, pipe, step)
-        metrics |= _update(run, batch, timer)
+        metrics |= _update(run, batch, timer, step)
         with timer("sync"):
             metrics |= _synced(run, step, async_stages.push_weights, cfg, c, step)
         if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
@@ -143,8 +143,8 @@ def _async_steps(run: _Run, start: int) -> tuple[int, int | None]:
     return step, None
 
 
-def _update(run: _Run, batch, timer: PhaseTimer) -> dict:
-    """Old (proximal) log-probs, then the critic and actor updates."""
+def _update(run: _Run, batch, timer: PhaseTimer, step: int) -> dict:
+    """Old (proximal) log-probs, then the critic and actor updates (and the reference's reset when due)."""
     cfg, rt, c = run.cfg, run.rt, run.c
     with timer("old_logprob"):
         local, metrics = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size)
@@ -153,6 +153,7 @@ def _update(run: _Run, batch, timer: PhaseTimer) -> dict:
     with timer("update"):
         metrics |= critic_stages.update_critic(cfg, c, local)
         metrics |= stages.update_actor(cfg, c.actor, local, rt.groups.dp_size)
+        metrics |= stages.reset_reference(cfg, c.actor, step)  # algorithm.reference_reset_every
         metrics |= c.actor.offload()  # actor.offload_during_rollout: optimizer state to host until next use
     return metrics
 

@@ -31,6 +31,7 @@ from pacs_megatron.actor.optimizer import (
     build_optimizer,
     build_scheduler,
     clip_and_step,
+    reset_optimizer_state,
     use_distributed_optimizer,
     wrap_ddp,
 )
@@ -96,7 +97,8 @@ class MegatronActor:
     """The trainable policy (see module docstring)."""
 
     reference: ReferencePolicy | None = None
-    """The frozen reference policy of the KL term (algorithm.kl_loss_coef > 0), else None: nothing built."""
+    """The frozen reference policy of the KL term (algorithm.kl_loss_coef > 0) and of PACS v2's anchor
+    (algorithm.pacs.anchor=reference), else None: nothing built."""
 
     response_logits: bool = True
     """The training forward computes the logits of response tokens only (actor/logit_rows.py): its loss
@@ -152,7 +154,7 @@ class MegatronActor:
         self.nan_skipped_steps = 0
         """Steps skipped because the loss or a metric (log-probs, old log-probs) was NaN/inf."""
         self.offloader = ActorOffload(self.model, self.optimizer, groups.device)
-        if cfg.algorithm.kl_loss_coef > 0:
+        if cfg.algorithm.needs_reference:
             self.reference = ReferencePolicy(self)
         if cfg.actor.offload_during_rollout:  # free the (empty) grad buffer before the engine sizes its memory
             self.offload()
@@ -217,10 +219,12 @@ class MegatronActor:
         mini_batch_groups: int = 0,
         response_only: bool = False,
     ) -> torch.Tensor:
-        """No-grad ``[B, T]`` log-probs of the frozen reference policy (needs algorithm.kl_loss_coef > 0),
-        on the micro-batches and LM-head rows of :meth:`compute_logprobs` (collective)."""
+        """No-grad ``[B, T]`` log-probs of the frozen reference policy (algorithm.needs_reference), on the
+        micro-batches and LM-head rows of :meth:`compute_logprobs` (collective)."""
         if self.reference is None:
-            raise ValueError("compute_ref_logprobs needs a reference policy: set algorithm.kl_loss_coef > 0")
+            raise ValueError(
+                "compute_ref_logprobs needs a reference policy: set algorithm.kl_loss_coef > 0 or algorithm.pacs.anchor=reference"
+            )
         packed = self._packed(batch, mini_batch_groups)
         only = response_only and self.response_logits
         return self.reference.logprobs(self, batch, micro_batch_size, temperature, packed, self.thd, only)
@@ -341,6 +345,16 @@ class MegatronActor:
             "actor/skipped_steps": float(self.skipped_steps),
             "actor/nan_skipped_steps": float(self.nan_skipped_steps),
         }
+
+    def reset_reference(self) -> None:
+        """PACS v2 / ProRL's hard reset (collective-free, every rank on its own shard): the live policy becomes
+        the reference and the optimizer starts afresh (Adam's moments and step count re-initialised,
+        :func:`reset_optimizer_state`); the lr schedule keeps its position."""
+        if self.reference is None:
+            raise ValueError("reset_reference needs a reference policy (algorithm.needs_reference)")
+        self.reference.copy_from(self)
+        self.offloader.restore()  # the state may sit in host memory (actor.offload_during_rollout)
+        reset_optimizer_state(self.optimizer)
 
     def offload(self) -> dict[str, float]:
         """Optimizer state to host, grad buffer freed until the next train step or checkpoint

@@ -170,6 +170,25 @@ def clip_and_step(optimizer) -> tuple[bool, float]:
     return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
+@torch.no_grad()
+def reset_optimizer_state(optimizer) -> None:
+    """Re-initialise the inner torch optimizers' state in place (PACS v2's and ProRL's hard reset): every
+    state tensor (Adam's ``exp_avg``, ``exp_avg_sq`` and ``step``) to 0, which is exactly the state a fresh
+    Adam creates at its first step (it then increments ``step`` to 1 and bias-corrects from there). In place,
+    not ``state.clear()``: megatron's optimizers and checkpoints keep references to these tensors (the
+    distributed optimizer's sharded state, the CPU patches' shared step), and a later checkpoint must hold the
+    same structure. The fp32 main weights are parameters, not state: they are kept. The lr schedule is not
+    touched (its position is the scheduler's, not the optimizer's)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for state in inner.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.zero_()
+
+
 def apply_lr_config(optimizer, scheduler, cfg: RunConfig) -> None:
     """After a checkpoint load: this config's peak and floor lr replace the checkpoint's. Megatron
     keeps them per param group (``max_lr`` / ``min_lr``, restored with the optimizer state), where

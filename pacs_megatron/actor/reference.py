@@ -62,6 +62,9 @@ class ReferencePolicy:
             c.requires_grad_(False)
         self.ready = False
         """Whether the weights are the reference's (copied from the actor or loaded); else the init's."""
+        self.reset_step = 0
+        """The RL step after whose update the reference was last reset to the live policy
+        (algorithm.reference_reset_every; 0: the policy RL started from). Checkpointed by the trainer."""
         self.offload_enabled = bool(cfg.actor.offload_reference)
         self._storages: list[tuple[torch.UntypedStorage, int, torch.Tensor]] = []
         self._offloaded = False

@@ -36,7 +36,8 @@ class OverlongConfig:
     """The penalty at the maximum length (verl ``reward_model.overlong_buffer.penalty_factor``)."""
     mask_truncated: bool = False
     """Drop responses cut at rollout.max_response_length from the loss (DAPO's overlong filtering): the
-    row keeps its place in its group's baseline but has weight 0 in the loss and its denominator."""
+    row has weight 0 in the loss and its denominator; GRPO / PPO keep its reward in the group's outcome
+    baseline (as verl), PACS takes it out of its group's psi baseline and class weights (pacs/loss.py)."""
 
     def __post_init__(self) -> None:
         _positive("algorithm.overlong.buffer_len", self.buffer_len, allow_zero=True)

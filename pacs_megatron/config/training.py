@@ -83,6 +83,12 @@ class AlgorithmConfig:
     entropy_coeff: float = 0.0
     """Weight of the token-entropy bonus subtracted from the loss (verl's actor.entropy_coeff); the entropy
     comes from the fused log-prob kernel (no full-vocabulary log-probs). 0: not computed."""
+    reference_reset_every: int = 0
+    """Hard-reset the reference policy (PACS v2's anchor, algorithm.pacs.anchor=reference, and the KL term's)
+    every this many RL steps, as ProRL (Liu et al. 2025) and PACS v2 do: after the update of step s with
+    s - (last reset) = K, the live policy is copied into the reference and the optimizer's state (Adam's
+    moments and step count) is re-initialised; the lr schedule keeps its position (actor/reference.py).
+    0: never (the reference stays the policy RL started from). Needs a reference (the anchor or kl_loss_coef > 0)."""
 
     def __post_init__(self) -> None:
         _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo"))
@@ -100,7 +106,19 @@ class AlgorithmConfig:
                 "sequence); use algorithm.is_level=sequence (or auto)"
             )
         _positive("algorithm.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True)
+        _positive("algorithm.reference_reset_every", self.reference_reset_every, allow_zero=True)
+        if self.reference_reset_every and not self.needs_reference:
+            raise ConfigError(
+                f"algorithm.reference_reset_every={self.reference_reset_every} resets a reference policy this run does "
+                "not have: set algorithm.pacs.anchor=reference (PACS v2) or algorithm.kl_loss_coef > 0, or "
+                "algorithm.reference_reset_every=0"
+            )
         check_algorithm_switches(self)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a frozen reference policy is built (actor/reference.py): for the KL term or PACS v2's anchor."""
+        return self.kl_loss_coef > 0 or (self.loss == "pacs" and self.pacs.anchor == "reference")
 
     def loss_config(self) -> PACSConfig | PolicyLossConfig:
         """The sub-config the selected loss reads, with ``policy.adv_estimator=auto`` resolved."""

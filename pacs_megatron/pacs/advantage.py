@@ -7,6 +7,12 @@ rows contiguous) to scores / advantages ``[B]``.
 
 PACS applies these to the implicit reward (psi, the "critic"); GRPO and PPO-clip baselines apply
 them to the 0/1 verifiable reward (the advantage).
+
+Rows that leave their group (``keep``, PACS: a row with loss weight 0, i.e. a truncated row under
+``algorithm.overlong.mask_truncated`` or one that masked IS rejected) are out of every mean and std above:
+the baseline is over the group's k kept rows, so no gradient reaches a dropped row through the others'
+scores. A group left with one kept row gives it ``a_i = r_i`` (verl's rule for a group of one: baseline 0,
+std 1); a dropped row gets 0 (it carries weight 0 wherever it is used).
 """
 
 from __future__ import annotations
@@ -39,18 +45,39 @@ def check_groups(num_rows: int, group_size: int, group_ids: torch.Tensor | None 
             raise ValueError("a prompt's responses appear in two separate blocks: groups must be contiguous")
 
 
-def group_advantage(values: torch.Tensor, group_size: int, estimator: str, norm_by_std: bool = True) -> torch.Tensor:
-    """Apply a group baseline to ``values [B]`` and return ``[B]`` in the same dtype.
+def group_advantage(
+    values: torch.Tensor,
+    group_size: int,
+    estimator: str,
+    norm_by_std: bool = True,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Apply a group baseline to ``values [B]`` and return ``[B]`` in the same dtype; ``keep`` (``[B]``
+    bool, None: all) names the rows that stay in their group (module docstring).
 
     Example:
         >>> group_advantage(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, "rloo").tolist()
         [1.0, -1.0, -1.0, 1.0]
+        >>> group_advantage(torch.tensor([1.0, 0.0, 0.5, 3.0]), 4, "rloo", keep=torch.tensor([1, 1, 1, 0]).bool()).tolist()
+        [0.75, -0.75, 0.0, 0.0]
     """
     check_groups(values.numel(), group_size)
     if estimator == "naive":
-        return values
+        return values if keep is None else torch.where(keep, values, torch.zeros_like(values))
     if group_size < 2:
         raise ValueError(f"adv_estimator={estimator!r} needs rollout.n >= 2 (got {group_size}); use 'naive'")
+    if keep is None or bool(keep.all()):
+        return _full_group_advantage(values, group_size, estimator, norm_by_std)
+    # Groups with a dropped row take the kept-rows baseline; the others keep the full one, bit for bit (a
+    # dropped row's value, which may be anything, is zeroed first so no NaN reaches a gradient).
+    values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    out = _full_group_advantage(values, group_size, estimator, norm_by_std)
+    dropped = (~keep.reshape(-1, group_size)).any(dim=1, keepdim=True)
+    kept = _kept_group_advantage(values, group_size, estimator, norm_by_std, keep).reshape(-1, group_size)
+    return torch.where(dropped, kept, out.reshape(-1, group_size)).reshape(-1)
+
+
+def _full_group_advantage(values: torch.Tensor, group_size: int, estimator: str, norm_by_std: bool) -> torch.Tensor:
     r = values.reshape(-1, group_size)
     if estimator == "rloo":
         others_mean = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
@@ -61,3 +88,33 @@ def group_advantage(values: torch.Tensor, group_size: int, estimator: str, norm_
             centred = centred / (r.std(dim=1, keepdim=True) + GRPO_EPS)
         return centred.reshape(-1)
     raise ValueError(f"adv_estimator={estimator!r}: choose 'rloo', 'grpo' or 'naive'")
+
+
+def _kept_group_advantage(
+    values: torch.Tensor, group_size: int, estimator: str, norm_by_std: bool, keep: torch.Tensor
+) -> torch.Tensor:
+    """:func:`group_advantage` over the kept rows of each group only (a separate path, so that batches with
+    every row kept take the one above, bit for bit)."""
+    if estimator not in ("rloo", "grpo"):
+        raise ValueError(f"adv_estimator={estimator!r}: choose 'rloo', 'grpo' or 'naive'")
+    k = keep.reshape(-1, group_size)
+    # where, not a product: a dropped row's value may be anything (NaN included) and must not reach a sum
+    r = torch.where(k, values.reshape(-1, group_size), torch.zeros((), dtype=values.dtype, device=values.device))
+    count = k.sum(dim=1, keepdim=True).to(values.dtype)
+    total = r.sum(dim=1, keepdim=True)
+    alone = count < 2  # a group of one: baseline 0, std 1 (verl), so a = r
+    if estimator == "rloo":
+        out = torch.where(alone, r, r - (total - r) / (count - 1).clamp(min=1))
+    else:
+        mean = torch.where(alone, torch.zeros_like(total), total / count.clamp(min=1))
+        centred = r - mean
+        if norm_by_std:
+            var = torch.where(k, centred, torch.zeros_like(centred)).square().sum(1, keepdim=True) / (count - 1).clamp(min=1)
+            # sqrt has an infinite slope at 0 (all kept values equal, e.g. psi = 0 at a step's start): take it
+            # where var > 0 only, so the gradient there is 0 as torch.std's is, not 0 * inf = NaN
+            positive = var > 0
+            std = torch.where(positive, torch.where(positive, var, torch.ones_like(var)).sqrt(), torch.zeros_like(var))
+            std = torch.where(alone, torch.ones_like(std), std)
+            centred = centred / (std + GRPO_EPS)
+        out = centred
+    return torch.where(k, out, torch.zeros_like(out)).reshape(-1)

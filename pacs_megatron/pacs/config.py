@@ -10,6 +10,7 @@ REWARD_METHODS = ("sum_ratio", "mean_logp")
 ADV_ESTIMATORS = ("rloo", "grpo", "naive")
 POLICY_ADV_ESTIMATORS = ("auto", "grpo", "rloo", "gae")
 WEIGHT_MODES = (None, "question", "only_positive", "only_negative")
+ANCHORS = ("old", "reference")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -40,6 +41,11 @@ class PACSConfig:
     weight_mode: Optional[str] = "question"
     """Per-row BCE weights: None (all 1), "question" (sklearn "balanced" class weights within each
     group that has both outcomes), "only_positive" / "only_negative" (zero the other class)."""
+    anchor: str = "old"
+    """What r_i is measured against: "old" (the paper's v1: pi_old, the policy that sampled the step; psi = 0
+    in each step's first mini-batch) or "reference" (v2: a frozen reference policy, the policy RL starts
+    from, hard-reset to the live policy every ``algorithm.reference_reset_every`` steps; one copy serves the
+    KL term too). "reference" needs reward_method=sum_ratio."""
 
     def __post_init__(self) -> None:
         if not self.beta > 0:
@@ -49,6 +55,12 @@ class PACSConfig:
         if self.weight_mode in ("none", "None", ""):
             self.weight_mode = None
         _check_choice("PACSConfig", "weight_mode", self.weight_mode, WEIGHT_MODES)
+        _check_choice("PACSConfig", "anchor", self.anchor, ANCHORS)
+        if self.anchor == "reference" and self.reward_method != "sum_ratio":
+            raise ValueError(
+                f"PACSConfig.anchor=reference with reward_method={self.reward_method!r}: only sum_ratio measures r "
+                "against an anchor; use reward_method=sum_ratio or anchor=old"
+            )
 
 
 @dataclass

@@ -13,6 +13,16 @@ in one loss computation.
 
 Weights ``weight_mode``: "question" gives, within each group that has both outcomes, sklearn's
 "balanced" class weights n / (2 * count(class)); groups with one outcome keep weight 1.
+
+The anchor of r (``PACSConfig.anchor``): "old" is the paper's v1 (pi_old, the policy that sampled the step,
+so r = psi = 0 in a step's first mini-batch); "reference" is v2's (arXiv 2509.02522v2): a frozen reference
+policy, reset to the live policy every ``algorithm.reference_reset_every`` steps (actor/reference.py), so psi
+is non-zero from the second step on whatever the number of updates per batch.
+
+A row with loss weight 0 (``is_weights`` 0: a truncated row under ``algorithm.overlong.mask_truncated``,
+or one masked IS rejected) leaves its group: psi's baseline and the class weights are over the group's kept
+rows only (advantage.py), so d loss / d logp of the dropped row is exactly 0. Batches where every row is
+kept take the same code as before, bit for bit.
 """
 
 from __future__ import annotations
@@ -31,12 +41,17 @@ def _require_binary(scores: torch.Tensor, what: str) -> None:
         raise ValueError(f"weight_mode={what!r} needs 0/1 verifiable rewards; got values {scores.unique().tolist()}")
 
 
-def class_weights(scores: torch.Tensor, group_size: int, mode: str | None) -> torch.Tensor:
-    """Per-row BCE weights ``[B]`` (float32) for ``scores [B]``.
+def class_weights(
+    scores: torch.Tensor, group_size: int, mode: str | None, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row BCE weights ``[B]`` (float32) for ``scores [B]``; with ``keep`` (``[B]`` bool) "question"
+    counts a group's kept rows only (a dropped row's own weight is left to its caller's 0).
 
     Example:
         >>> class_weights(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "question").tolist()
         [2.0, 0.6666666865348206, 0.6666666865348206, 0.6666666865348206]
+        >>> class_weights(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "question", torch.tensor([1, 1, 0, 0]).bool()).tolist()
+        [1.0, 1.0, 1.0, 1.0]
     """
     check_groups(scores.numel(), group_size)
     ones = torch.ones(scores.shape, dtype=torch.float32, device=scores.device)
@@ -57,13 +72,22 @@ def class_weights(scores: torch.Tensor, group_size: int, mode: str | None) -> to
     # n_samples / (n_classes * count(class)); clamp only guards the unused branch of torch.where.
     w_pos = group_size / (2.0 * n_pos.clamp(min=1.0))
     w_neg = group_size / (2.0 * n_neg.clamp(min=1.0))
-    w = torch.where(grouped > 0.5, w_pos, w_neg)
-    return torch.where(mixed, w, torch.ones_like(w)).reshape(-1)
+    w = torch.where(mixed, torch.where(grouped > 0.5, w_pos, w_neg), torch.ones_like(grouped))
+    if keep is None or bool(keep.all()):
+        return w.reshape(-1)
+    # Groups with a dropped row: the same rule over their kept rows; the others unchanged, bit for bit.
+    k = keep.reshape(-1, group_size).to(pos.dtype)
+    n_pos_k = (grouped * k).sum(dim=1, keepdim=True)
+    n_kept = k.sum(dim=1, keepdim=True)
+    n_neg_k = n_kept - n_pos_k
+    w_kept = torch.where(grouped > 0.5, n_kept / (2.0 * n_pos_k.clamp(min=1.0)), n_kept / (2.0 * n_neg_k.clamp(min=1.0)))
+    w_kept = torch.where((n_pos_k > 0) & (n_neg_k > 0), w_kept, torch.ones_like(w_kept))
+    return torch.where(n_kept < group_size, w_kept, w).reshape(-1)
 
 
 def pacs_loss(
     logp: torch.Tensor,
-    old_logp: torch.Tensor,
+    anchor_logp: torch.Tensor,
     response_mask: torch.Tensor,
     scores: torch.Tensor,
     group_size: int,
@@ -74,7 +98,7 @@ def pacs_loss(
     """PACS loss over whole groups.
 
     Rollout correction (``is_weights``). The loss is an empirical mean over responses y_i that should be
-    drawn from pi_old, the policy whose log-probs define r_i; its gradient
+    drawn from pi_old, the policy the update starts from; its gradient
 
         d loss / d theta = 1/B sum_i w_i (sigmoid(psi_i) - R_i) d psi_i / d theta
 
@@ -83,13 +107,14 @@ def pacs_loss(
     rho(y) = pi_old(y|x) / pi_rollout(y|x) = exp(sum_t (old_logp_t - rollout_logp_t)). A row's BCE term
     is a function of the whole response (not a sum over its tokens), so the ratio is the sequence's:
     the row's BCE weight becomes rho_i * w_i, with rho_i truncated at C (tis) or the row dropped outside
-    [1/C, C] (mis) to bound the variance (biased, by at most the mass beyond C). The group baseline
-    inside psi_i uses the other rows as drawn; only y_i's own distribution is reweighted. A row that
-    mis drops (weight 0) also leaves the mean's denominator: the loss is the mean over kept rows.
+    [1/C, C] (mis) to bound the variance (biased, by at most the mass beyond C). A dropped row (weight 0)
+    leaves its group (module docstring) and the mean's denominator: the loss is the mean over kept rows.
+    The weights correct the sampling distribution only; the anchor of r is ``anchor_logp`` either way.
 
     Args:
         logp: ``[B, T]`` log-probs of the current policy (differentiable).
-        old_logp: ``[B, T]`` log-probs of the policy that generated the rollouts (no grad).
+        anchor_logp: ``[B, T]`` log-probs r is measured against (no grad): pi_old's (``config.anchor="old"``)
+            or the reference policy's (``"reference"``).
         response_mask: ``[B, T]`` 1 on response tokens.
         scores: ``[B]`` verifiable rewards R_i (0/1).
         group_size: n; rows ``[k*n, (k+1)*n)`` share a prompt.
@@ -98,32 +123,50 @@ def pacs_loss(
         is_weights: optional ``[B]`` or ``[B, 1]`` sequence-level importance weights (no gradient).
 
     Returns:
-        ``(loss, metrics)``: the scalar loss (mean over B rows) and detached metrics under ``pacs/``.
+        ``(loss, metrics)``: the scalar loss (mean over the kept rows) and detached metrics under ``pacs/``
+        (:func:`classifier_metrics`).
     """
     check_groups(logp.shape[0], group_size, group_ids)
     if scores.shape != (logp.shape[0],):
         raise ValueError(f"scores must be [B]={logp.shape[0]}, got {tuple(scores.shape)}")
-    r = implicit_reward(logp, old_logp, response_mask, config.beta, config.reward_method)
-    psi = group_advantage(r, group_size, config.adv_estimator, config.norm_adv_by_std)
-    target = scores.to(psi.dtype)
-    weights = class_weights(scores, group_size, config.weight_mode).to(psi.dtype)
+    keep = None
     if is_weights is not None:
-        if is_weights.numel() != weights.numel():
-            raise ValueError(f"PACS takes sequence-level is_weights [B]={len(weights)}, got {tuple(is_weights.shape)}")
+        if is_weights.numel() != logp.shape[0]:
+            raise ValueError(f"PACS takes sequence-level is_weights [B]={logp.shape[0]}, got {tuple(is_weights.shape)}")
+        keep = kept_rows(logp.shape[0], is_weights, logp.device)
+    r = implicit_reward(logp, anchor_logp, response_mask, config.beta, config.reward_method)
+    psi = group_advantage(r, group_size, config.adv_estimator, config.norm_adv_by_std, keep)
+    target = scores.to(psi.dtype)
+    weights = class_weights(scores, group_size, config.weight_mode, keep).to(psi.dtype)
+    if is_weights is not None:
         weights = weights * is_weights.reshape(-1).to(psi.dtype).detach()
     kept = kept_rows(len(psi), is_weights, psi.device).sum().clamp(min=1).to(psi.dtype)
     loss = F.binary_cross_entropy_with_logits(psi, target, weight=weights, reduction="sum") / kept
-
-    with torch.no_grad():
-        grouped = scores.reshape(-1, group_size).float()
-        mixed = ((grouped.max(dim=1).values > 0.5) & (grouped.min(dim=1).values < 0.5)).float()
-        metrics = {
-            "pacs/loss": loss.detach(),
-            "pacs/psi_mean": psi.mean().detach(),
-            "pacs/psi_abs_mean": psi.abs().mean().detach(),
-            "pacs/implicit_reward_abs_mean": r.abs().mean().detach(),
-            "pacs/prob_correct_mean": torch.sigmoid(psi).mean().detach(),
-            "pacs/classifier_acc": ((psi > 0).to(target.dtype) == target).float().mean(),
-            "pacs/mixed_group_frac": mixed.mean(),
-        }
+    metrics = {"pacs/loss": loss.detach()} | classifier_metrics(psi, r, scores, group_size, keep)
     return loss, metrics
+
+
+@torch.no_grad()
+def classifier_metrics(
+    psi: torch.Tensor, r: torch.Tensor, scores: torch.Tensor, group_size: int, keep: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The classifier at work, over the kept rows: psi's mean, |mean| and std, the implicit reward's size,
+    the mean predicted probability sigmoid(psi), the accuracy of psi > 0 against R, the Brier score
+    mean (sigmoid(psi) - R)^2 (0.25 when psi = 0, lower when the classifier knows), and the share of
+    mixed groups (a property of the rewards)."""
+    rows = torch.ones_like(scores, dtype=torch.bool) if keep is None else keep
+    p, y = psi.detach()[rows], scores.to(psi.dtype)[rows]
+    prob = torch.sigmoid(p)
+    grouped = scores.reshape(-1, group_size).float()
+    mixed = ((grouped.max(dim=1).values > 0.5) & (grouped.min(dim=1).values < 0.5)).float()
+    nan = psi.new_full((), float("nan"))
+    return {
+        "pacs/psi_mean": p.mean(),
+        "pacs/psi_abs_mean": p.abs().mean(),
+        "pacs/psi_std": p.std(unbiased=False) if p.numel() else nan,
+        "pacs/implicit_reward_abs_mean": r.detach()[rows].abs().mean(),
+        "pacs/prob_correct_mean": prob.mean(),
+        "pacs/classifier_acc": ((p > 0).to(y.dtype) == y).float().mean(),
+        "pacs/brier": (prob - y).square().mean(),
+        "pacs/mixed_group_frac": mixed.mean(),
+    }

@@ -13,9 +13,10 @@ and the shaped reward is R + penalty (generation stops at L_max, so |y| never ex
 paper's third case, -1 beyond L_max, is the factor-1 value at |y| = L_max).
 
 Overlong filtering (DAPO's "mask the loss of truncated samples"): a response cut at L_max gets weight
-0 in the loss. It stays in its group's baselines (the group is whole for PACS's psi and GRPO's mean),
-and leaves the loss's mean and its denominator as a masked-IS rejection does (rollout_correction.py's
-"0 = rejected" convention).
+0 in the loss and leaves the loss's mean and its denominator as a masked-IS rejection does
+(rollout_correction.py's "0 = rejected" convention). For GRPO / PPO its 0/1 reward stays in its group's
+outcome baseline (as verl and DAPO: no gradient reaches it, its own surrogate is 0); for PACS it leaves
+its group (pacs/loss.py): a baseline over it would push gradient into the masked row through the others' psi.
 
 Example:
     >>> overlong_penalty(torch.tensor([10, 16, 18, 20]), max_len=20, buffer_len=4, factor=1.0).tolist()

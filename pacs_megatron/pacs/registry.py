@@ -108,7 +108,16 @@ def get_loss(name: str) -> LossSpec:
 
 @register_loss("pacs")
 def _pacs(x: LossInputs, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    return pacs_loss(x.logp, x.old_logp, x.response_mask, x.scores, x.group_size, cfg, x.group_ids, x.is_weights)
+    return pacs_loss(x.logp, pacs_anchor(x, cfg), x.response_mask, x.scores, x.group_size, cfg, x.group_ids, x.is_weights)
+
+
+def pacs_anchor(x: LossInputs, cfg: Any) -> torch.Tensor:
+    """The log-probs PACS's implicit reward is measured against (``PACSConfig.anchor``)."""
+    if getattr(cfg, "anchor", "old") == "old":
+        return x.old_logp
+    if x.ref_logp is None:
+        raise ValueError("algorithm.pacs.anchor=reference needs LossInputs.ref_logp (the reference policy's log-probs)")
+    return x.ref_logp.to(x.logp.dtype)
 
 
 def _clipped(x: LossInputs, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

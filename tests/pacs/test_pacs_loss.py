@@ -176,3 +176,105 @@ def test_config_validation_names_field():
         PACSConfig(adv_estimator="gae")
     with pytest.raises(ValueError, match="weight_mode"):
         PACSConfig(weight_mode="balanced")
+
+
+# ----------------------------------------------------------------- rows with loss weight 0 leave their group
+
+
+def _row_grads(scores, keep, n=4, weight_mode="question", est="rloo", seed=0):
+    """d loss / d sum_t logp per row, at the start of a step (logp = anchor, psi = 0), with ``keep`` as the
+    sequence-level is_weights (0 = dropped: a truncated row under mask_truncated, or an MIS rejection)."""
+    torch.manual_seed(seed)
+    b = len(scores)
+    old = -torch.rand(b, 5, dtype=torch.float64)
+    logp = old.clone().requires_grad_(True)
+    mask = torch.ones(b, 5, dtype=torch.bool)
+    w = torch.tensor(keep, dtype=torch.float64).reshape(-1, 1)
+    cfg = PACSConfig(weight_mode=weight_mode, adv_estimator=est)
+    loss, _ = pacs_loss(logp, old, mask, torch.tensor(scores), n, cfg, is_weights=w)
+    loss.backward()
+    return logp.grad[:, 1]  # every token of a row has the row's d loss / d r (beta = 1)
+
+
+def test_masked_row_of_an_all_wrong_group_gets_no_gradient():
+    # The review's case: all wrong, row 3 truncated. The old code gave [0.056, 0.056, 0.056, -0.167] (x 4/3 in the
+    # review's units: [0.22, 0.22, 0.22, -0.67]): descent raised the truncated answer's likelihood. Over the kept
+    # rows the group is all wrong with one class: RLOO's gradient sums to 0 per row.
+    g = _row_grads([0.0, 0.0, 0.0, 0.0], [1, 1, 1, 0])
+    assert g[3].item() == 0.0
+    assert torch.allclose(g, torch.zeros(4, dtype=torch.float64), atol=1e-15)
+
+
+def test_masked_row_of_a_mixed_group_leaves_baseline_and_class_weights():
+    # [1, 1, 0, 0] with row 3 masked: over the kept rows R = [1, 1, 0], class weights 3/(2*2), 3/(2*1); RLOO over 3;
+    # dL/dr_j = 1/3 sum_i w_i (1/2 - R_i) dpsi_i/dr_j = [-0.1875, -0.1875, 0.375, 0] (old code: [.., 0.278, 0.056]).
+    g = _row_grads([1.0, 1.0, 0.0, 0.0], [1, 1, 1, 0])
+    assert g[3].item() == 0.0
+    assert torch.allclose(g, torch.tensor([-0.1875, -0.1875, 0.375, 0.0], dtype=torch.float64), atol=1e-12)
+
+
+@pytest.mark.parametrize("est", ["rloo", "grpo"])
+def test_masked_row_gradient_is_zero_even_when_its_logprobs_are_nan(est):
+    b = 4
+    old = -torch.rand(b, 3, dtype=torch.float64)
+    logp = old.clone()
+    logp[2, 1] = float("nan")  # a dropped row may hold anything
+    logp.requires_grad_(True)
+    w = torch.tensor([[1.0], [1.0], [0.0], [1.0]], dtype=torch.float64)
+    loss, m = pacs_loss(logp, old, torch.ones(b, 3, dtype=torch.bool), torch.tensor([1.0, 0.0, 1.0, 0.0]), 4,
+                        PACSConfig(adv_estimator=est), is_weights=w)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and bool((logp.grad[2] == 0).all())
+    assert torch.isfinite(m["pacs/psi_mean"])
+
+
+def test_groups_without_a_masked_row_are_bit_identical_to_the_unmasked_loss():
+    # Two groups: the first has a dropped row, the second none. The second group's psi, weights and gradient are
+    # those of the loss without any weights, bit for bit; all-ones weights give the unweighted loss bit for bit.
+    logp, old, mask, _ = _toy()
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    for est in ("rloo", "grpo"):
+        cfg = PACSConfig(adv_estimator=est)
+        plain = logp.clone().requires_grad_(True)
+        ref, _ = pacs_loss(plain, old, mask, scores, 3, cfg)
+        ref.backward()
+        ones = logp.clone().requires_grad_(True)
+        same, _ = pacs_loss(ones, old, mask, scores, 3, cfg, is_weights=torch.ones(6, 1, dtype=torch.float64))
+        same.backward()
+        assert torch.equal(same, ref) and torch.equal(ones.grad, plain.grad)
+        # group 2 alone, with and without a dropped row in group 1: its rows' psi are the same numbers
+        r = implicit_reward(logp, old, mask, 1.0)
+        full = group_advantage(r, 3, est)
+        kept = group_advantage(r, 3, est, keep=torch.tensor([1, 0, 1, 1, 1, 1]).bool())
+        assert torch.equal(kept[3:], full[3:])
+        w_full = class_weights(scores, 3, "question")
+        w_kept = class_weights(scores, 3, "question", torch.tensor([1, 0, 1, 1, 1, 1]).bool())
+        assert torch.equal(w_kept[3:], w_full[3:]) and w_kept[:3].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_reference_anchor_measures_r_against_ref_logp():
+    from pacs_megatron.pacs import LossInputs, get_loss
+
+    logp, old, mask, scores = _toy()
+    ref = old - 0.25
+    x = LossInputs(logp, old, mask, scores, 3, ref_logp=ref)
+    v1, _ = get_loss("pacs").fn(x, PACSConfig())
+    v2, _ = get_loss("pacs").fn(x, PACSConfig(anchor="reference"))
+    assert torch.equal(v1, pacs_loss(logp, old, mask, scores, 3, PACSConfig())[0])
+    assert torch.equal(v2, pacs_loss(logp, ref, mask, scores, 3, PACSConfig(anchor="reference"))[0])
+    with pytest.raises(ValueError, match="ref_logp"):
+        get_loss("pacs").fn(LossInputs(logp, old, mask, scores, 3), PACSConfig(anchor="reference"))
+    with pytest.raises(ValueError, match="anchor"):
+        PACSConfig(anchor="ref")
+    with pytest.raises(ValueError, match="sum_ratio"):
+        PACSConfig(anchor="reference", reward_method="mean_logp")
+
+
+def test_brier_and_psi_spread():
+    psi = torch.tensor([2.0, -2.0, 0.0, 0.0])
+    from pacs_megatron.pacs.loss import classifier_metrics
+
+    m = classifier_metrics(psi, psi, torch.tensor([1.0, 0.0, 1.0, 0.0]), 2)
+    s = torch.sigmoid(torch.tensor(2.0)).item()
+    assert m["pacs/brier"].item() == pytest.approx(((1 - s) ** 2 * 2 + 0.25 * 2) / 4)
+    assert m["pacs/psi_std"].item() == pytest.approx(math.sqrt(2.0))

@@ -149,6 +149,7 @@ def load_actor_checkpoint(actor, path: str | os.PathLike) -> dict:
     loaded = dist_checkpointing.load(sd, str(target))
     for key, model in zip(_model_keys(len(actor.model)), (unwrap(c) for c in actor.model)):
         model.load_state_dict(loaded[key])
+    _restore_zero_steps(loaded["optimizer"])
     actor.optimizer.load_state_dict(loaded["optimizer"])
     actor.scheduler.load_state_dict(common["scheduler"])
     actor.iteration = int(common["counters"]["iteration"])
@@ -163,6 +164,23 @@ def load_actor_checkpoint(actor, path: str | os.PathLike) -> dict:
     dist.barrier()
     logger.info("actor checkpoint loaded from %s (iteration %d)", target, actor.iteration)
     return extra
+
+
+def _restore_zero_steps(state: object) -> None:
+    """Put back the Adam step megatron-core 0.16.1 drops when it is 0: its optimizers save the per-parameter
+    step once, as ``common_step``, under ``if step:``, so a step tensor of 0 (the state right after a
+    reference reset re-initialised the optimizer, actor/optimizer.py) is not saved, and torch's Adam then
+    refuses the loaded state (KeyError 'step'). A per-parameter Adam state with moments and no step can only
+    come from that: it gets step 0 back."""
+    if isinstance(state, dict):
+        for value in state.values():
+            if isinstance(value, dict) and "exp_avg" in value and "step" not in value and torch.is_tensor(value["exp_avg"]):
+                value["step"] = torch.zeros((), dtype=torch.float32, device=value["exp_avg"].device)
+            else:
+                _restore_zero_steps(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            _restore_zero_steps(value)
 
 
 def load_model_weights(chunks: list, path: str | os.PathLike) -> None:

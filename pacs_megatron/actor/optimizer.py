@@ -170,23 +170,33 @@ def clip_and_step(optimizer) -> tuple[bool, float]:
     return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+"""The state a fresh Adam creates; anything else an optimizer keeps per parameter (TE's FusedAdam keeps fp32
+master weights there with a precision-aware optimizer) is weights, not state to forget."""
+
+
 @torch.no_grad()
 def reset_optimizer_state(optimizer) -> None:
-    """Re-initialise the inner torch optimizers' state in place (PACS v2's and ProRL's hard reset): every
-    state tensor (Adam's ``exp_avg``, ``exp_avg_sq`` and ``step``) to 0, which is exactly the state a fresh
-    Adam creates at its first step (it then increments ``step`` to 1 and bias-corrects from there). In place,
-    not ``state.clear()``: megatron's optimizers and checkpoints keep references to these tensors (the
-    distributed optimizer's sharded state, the CPU patches' shared step), and a later checkpoint must hold the
-    same structure. The fp32 main weights are parameters, not state: they are kept. The lr schedule is not
-    touched (its position is the scheduler's, not the optimizer's)."""
+    """Re-initialise the inner optimizers' Adam state in place (PACS v2's and ProRL's hard reset): the moments
+    and the step count (per parameter, as torch's Adam keeps it, or per group, as Apex / TE's FusedAdam do) to
+    0, exactly the state a fresh Adam creates at its first step (it then counts step 1 and bias-corrects
+    from there). In place, not ``state.clear()``: megatron's optimizers and checkpoints keep references to
+    these tensors, and a checkpoint written before the next update must hold the same structure (see
+    actor/checkpoint.py for the step 0 megatron drops). Main (fp32) weights are kept; the lr schedule is the
+    scheduler's and keeps its position."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
         for state in inner.state.values():
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.zero_()
+            for key in ADAM_STATE:
+                if torch.is_tensor(state.get(key)):
+                    state[key].zero_()
+                elif key in state:
+                    state[key] = 0
+        for group in inner.param_groups:
+            if "step" in group:
+                group["step"] = group["step"].zero_() if torch.is_tensor(group["step"]) else 0
 
 
 def apply_lr_config(optimizer, scheduler, cfg: RunConfig) -> None:

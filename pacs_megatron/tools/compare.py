@@ -73,6 +73,11 @@ METHODS: dict[str, list[str]] = {
     "ppo": ["algorithm.loss=ppo", "algorithm.policy.adv_estimator=gae"],
     # PPO-clip with the critic-free leave-one-out baseline (this project's earlier "ppo").
     "ppo_rloo": ["algorithm.loss=ppo", "algorithm.policy.adv_estimator=rloo"],
+    # PACS v2: r anchored on a reference policy, hard-reset every 10 steps (the config's mini-batching).
+    "pacs_v2": ["algorithm.loss=pacs", "algorithm.pacs.anchor=reference", "algorithm.reference_reset_every=10"],
+    # The control: PACS with one update per rollout batch, where psi = 0 and the loss is class-weighted
+    # REINFORCE with a leave-one-out baseline (README, "What PACS is").
+    "reinforce": ["algorithm.loss=pacs", "algorithm.mini_batch_size=0"],
 }
 TUNE_SEED0 = 1000
 TRAIN = (sys.executable, "-m", "pacs_megatron", "train")

@@ -12,7 +12,7 @@ From the Hugging Face ``config.json`` and the run config, for the worst pipeline
   working set; without it ~34 bytes per token per hidden unit and layer (Korthikanti et al. 2022,
   flash attention so no seq^2 term; /TP with sequence parallelism, (10 + 24/TP) without), plus the
   fp32 logits and their gradient (8 bytes x seq x micro-batch x vocab / TP).
-- reference policy (``algorithm.kl_loss_coef`` > 0, actor/reference.py): the parameters once more in
+- reference policy (``algorithm.kl_loss_coef`` > 0 or PACS v2's anchor, actor/reference.py): the parameters once more in
   the actor's dtype (2 or 4 bytes per parameter of the rank's shard), no gradients or optimizer state;
   resident in both phases, or in neither with ``actor.offload_reference`` (host memory, brought in
   only for its log-prob pass, between rollout and training). 0 when the coefficient is 0. The entropy
@@ -218,6 +218,6 @@ def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | N
         offload_during_rollout=offload_during_rollout,
         ep=getattr(par, "ep", 1),
         replay_rows=replay_rows,
-        reference=cfg.algorithm.kl_loss_coef > 0,
+        reference=cfg.algorithm.needs_reference,
         offload_reference=bool(getattr(getattr(cfg, "actor", None), "offload_reference", False)),
     )

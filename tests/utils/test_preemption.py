@@ -21,7 +21,7 @@ import pytest
 
 from pacs_megatron.config import ConfigError
 from pacs_megatron.launch.slurm import EXIT_REQUEUE, apply_srun_env, plan, srun_exit_code
-from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, PreemptionFlag
+from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, NOT_SAVED, PreemptionFlag
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
@@ -74,6 +74,59 @@ def test_ctrl_c_twice_stops_at_once_but_a_duplicate_does_not():
     assert time.monotonic() - t0 < 5
     err = proc.stderr.read()
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+_NATIVE = textwrap.dedent(
+    """
+    import subprocess, sys, torch
+    from pacs_megatron.utils.preemption import PreemptionFlag
+    torch.set_num_threads(1)
+    flag = PreemptionFlag()
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # a reward worker, say
+    print("ready", helper.pid, flush=True)
+    torch.linalg.matrix_power(torch.eye(2000), 2**62)  # a GEMM of minutes: Python handlers wait for it
+    print("returned", flush=True)
+    """
+)
+
+
+def _gone(pid: int, timeout: float = 5.0) -> bool:
+    import psutil
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_second_sigterm_stops_a_long_native_call_at_once():
+    """The second SIGTERM acts from a helper thread while the main thread is in one long native call (a
+    Python signal handler would wait for it to return): exit 143 at once, one line, the helper killed."""
+    proc = subprocess.Popen([sys.executable, "-c", _NATIVE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        word, helper = proc.stdout.readline().split()
+        assert word == "ready"
+        time.sleep(0.5)  # inside the GEMM by now
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.3)  # more than DUPLICATE_S: a second request, not the first one seen twice
+        assert proc.poll() is None  # the first only asks for a checkpoint after the step
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == EXIT_PREEMPTED
+        assert time.monotonic() - t0 < 5
+    finally:
+        proc.kill()
+    out, err = proc.communicate()
+    assert "returned" not in out
+    assert "received SIGTERM: will checkpoint after the current step" in err, err
+    lines = [x for x in err.splitlines() if x.startswith("second SIGTERM")]
+    assert lines == [f"second SIGTERM: exiting now with code 143; {NOT_SAVED}"], err
+    assert _gone(int(helper)), "the helper process survived"
 
 
 def test_srun_env_and_plan(monkeypatch):

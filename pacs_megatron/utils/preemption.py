@@ -162,6 +162,27 @@ def stop_requested() -> bool:
     return _STOP_REQUESTED.is_set()
 
 
+def _terminate(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    raise SystemExit(EXIT_PREEMPTED)
+
+
+def _stopping(signum: int) -> None:
+    name = signal.Signals(signum).name
+    logger.warning("received %s: stopping (a second SIGTERM or Ctrl-C ends it at once)", name)
+
+
+def unwind_on_signals(what: str) -> bool:
+    """For a command with no step to checkpoint (``eval``, ``compare``; main thread): SIGTERM unwinds it as
+    Ctrl-C does (SystemExit(143) / KeyboardInterrupt, so its ``finally`` blocks stop what it started), and a
+    second SIGTERM or Ctrl-C ends it at once, its descendants killed, ``what`` said
+    (:func:`watch_second_signal`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return watch_second_signal(StopCounter(), what, on_first=_stopping)
+
+
 class PreemptionFlag:
     """Records stop requests; ``should_stop()`` is collective over the default group.
 

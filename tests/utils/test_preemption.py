@@ -79,12 +79,15 @@ def test_ctrl_c_twice_stops_at_once_but_a_duplicate_does_not():
 _NATIVE = textwrap.dedent(
     """
     import subprocess, sys, torch
-    from pacs_megatron.utils.preemption import PreemptionFlag
+    from pacs_megatron.utils.preemption import PreemptionFlag, unwind_on_signals
     torch.set_num_threads(1)
-    flag = PreemptionFlag()
+    if sys.argv[1] == "train":
+        flag = PreemptionFlag()
+    elif sys.argv[1] == "command":  # eval, compare
+        unwind_on_signals("the evaluation stopped before its results were written")
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # a reward worker, say
     print("ready", helper.pid, flush=True)
-    torch.linalg.matrix_power(torch.eye(2000), 2**62)  # a GEMM of minutes: Python handlers wait for it
+    torch.linalg.matrix_power(torch.eye(3000), 2**62)  # 62 GEMMs of 54 GFLOP on one thread: Python handlers wait
     print("returned", flush=True)
     """
 )
@@ -104,28 +107,40 @@ def _gone(pid: int, timeout: float = 5.0) -> bool:
     return False
 
 
-def test_a_second_sigterm_stops_a_long_native_call_at_once():
-    """The second SIGTERM acts from a helper thread while the main thread is in one long native call (a
-    Python signal handler would wait for it to return): exit 143 at once, one line, the helper killed."""
-    proc = subprocess.Popen([sys.executable, "-c", _NATIVE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+# (child mode, signal, exit code, the first signal's line, the second's), the second signal to end it
+NATIVE_CASES = {
+    "train_sigterm": ("train", signal.SIGTERM, EXIT_PREEMPTED, "will checkpoint after the current step", NOT_SAVED),
+    "eval_ctrl_c": ("command", signal.SIGINT, EXIT_INTERRUPTED, "stopping", "the evaluation stopped before"),
+}
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES)
+def test_a_second_signal_stops_a_long_native_call_at_once(case):
+    """The second signal acts from a helper thread while the main thread is in one long native call (a
+    Python signal handler, or eval's KeyboardInterrupt, would wait for it to return): the code at once, one
+    line, the helper killed. Trainer ranks (PreemptionFlag) and eval / compare (unwind_on_signals) alike."""
+    mode, sig, code, first, second = NATIVE_CASES[case]
+    cmd = [sys.executable, "-c", _NATIVE, mode]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         word, helper = proc.stdout.readline().split()
         assert word == "ready"
         time.sleep(0.5)  # inside the GEMM by now
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         time.sleep(1.3)  # more than DUPLICATE_S: a second request, not the first one seen twice
-        assert proc.poll() is None  # the first only asks for a checkpoint after the step
+        assert proc.poll() is None  # the first waits for the step (or the call) to end
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == EXIT_PREEMPTED
+        proc.send_signal(sig)
+        assert proc.wait(timeout=10) == code
         assert time.monotonic() - t0 < 5
     finally:
         proc.kill()
     out, err = proc.communicate()
+    name = signal.Signals(sig).name
     assert "returned" not in out
-    assert "received SIGTERM: will checkpoint after the current step" in err, err
-    lines = [x for x in err.splitlines() if x.startswith("second SIGTERM")]
-    assert lines == [f"second SIGTERM: exiting now with code 143; {NOT_SAVED}"], err
+    assert f"received {name}: {first}" in err, err
+    lines = [x for x in err.splitlines() if x.startswith(f"second {name}")]
+    assert len(lines) == 1 and lines[0].startswith(f"second {name}: exiting now with code {code}; {second}"), err
     assert _gone(int(helper)), "the helper process survived"
 
 

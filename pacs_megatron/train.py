@@ -14,7 +14,9 @@ rollouts come from (async_stages.take_batch) and when the weights leave (push_we
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import psutil
 
@@ -31,6 +33,7 @@ from pacs_megatron.utils.run_record import RunRecord
 from pacs_megatron.weight_sync import WeightSyncError
 
 logger = get_logger(__name__)
+T = TypeVar("T")
 
 
 def train(cfg: RunConfig) -> int:
@@ -128,8 +131,10 @@ def _async_steps(run: _Run, start: int) -> tuple[int, int | None]:
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         timer, t0 = PhaseTimer(), time.perf_counter()
         run.memory.start()
-        with timer("rollout"):  # waiting for the engines: async/trainer_wait_s of it
-            batch, metrics, samples = async_stages.take_batch(cfg, c, pipe, step)
+        with timer("rollout"):  # waiting for the engines: async/trainer_wait_s of it; its verify of the
+            # weights pushed after step - 1 may fail: keep that step's update, as the synchronous loop does
+            trained = step - 1 if step - 1 > start else None
+            batch, metrics, samples = _synced(run, trained, async_stages.take_batch, cfg, c, pipe, step)
         metrics |= _update(run, batch, timer, step)
         with timer("sync"):
             metrics |= _synced(run, step, async_stages.push_weights, cfg, c, step)
@@ -158,11 +163,14 @@ def _update(run: _Run, batch, timer: PhaseTimer, step: int) -> dict:
     return metrics
 
 
-def _synced(run: _Run, step: int, sync, *args) -> dict:
+def _synced(run: _Run, step: int | None, sync: Callable[..., T], *args: Any) -> T:
+    """``sync(*args)``; on a WeightSyncError, checkpoint ``step`` (the last trained one; None: nothing
+    trained since the start) and re-raise."""
     try:
         return sync(*args)
     except WeightSyncError:  # the engine is wrong, the actor is not: keep its update, then stop
-        run.ckpt.save(step, lambda d, s=step: run.c.save(d, s))
+        if step is not None:
+            run.ckpt.save(step, lambda d, s=step: run.c.save(d, s))
         raise
 
 

@@ -263,7 +263,7 @@ class MegatronActor:
         mbs = self.cfg.algorithm.micro_batch_size
         packed = self._packed(batch, 0)
         micro, rows = packed or (split_micro_batches(batch, min(mbs, len(batch))), torch.arange(len(batch)))
-        loss_cfg = step_loss_config(self._loss_config(name), batch.input_ids.shape[1])
+        loss_cfg = step_loss_config(self._loss_config(name), self.cfg.rollout.max_response_length)
         make = partial(
             train_loss_func,
             spec=self.spec,

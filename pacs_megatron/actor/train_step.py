@@ -50,13 +50,14 @@ def check_train_batch(batch: TrainBatch, loss: LossSpec, loss_name: str, old_fro
         raise ValueError(f"loss {loss_name!r} needs batch.advantages (pacs.outcome_advantages over whole groups)")
 
 
-def step_loss_config(loss_cfg: Any, width: int) -> Any:
-    """``loss_cfg`` with ``seq-mean-token-sum-norm``'s horizon fixed to ``width``, the step's padded row
-    length, when the config leaves it at 0. ``aggregate`` would otherwise divide each micro-batch by
-    its own width, and token-budget micro-batches (data/packing.py) are cut to their longest row: the
-    update would depend on the batching."""
+def step_loss_config(loss_cfg: Any, max_response_length: int) -> Any:
+    """``loss_cfg`` with ``seq-mean-token-sum-norm``'s horizon fixed to ``rollout.max_response_length``
+    when the config leaves it at 0, as verl's fixed response length. ``aggregate`` would otherwise
+    divide each micro-batch by its own width (token-budget micro-batches, data/packing.py, are cut to
+    their longest row), and even the step's padded prompt + response width changes from step to step:
+    the loss scale would follow the batch's longest row."""
     if getattr(loss_cfg, "loss_agg_mode", None) == "seq-mean-token-sum-norm" and not loss_cfg.loss_agg_horizon:
-        return replace(loss_cfg, loss_agg_horizon=width)
+        return replace(loss_cfg, loss_agg_horizon=max_response_length)
     return loss_cfg
 
 

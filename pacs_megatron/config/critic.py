@@ -59,6 +59,8 @@ def critic_enabled(cfg: RunConfig) -> bool:
 
 def critic_loss_agg(cfg: RunConfig) -> tuple[str, int]:
     """``(loss_agg_mode, horizon)`` of the value loss of ``cfg`` (a RunConfig): ``critic.loss_agg_mode``,
-    "auto" resolved to the actor's mode; the horizon is the actor's ``policy.loss_agg_horizon``."""
+    "auto" resolved to the actor's mode; the horizon is the actor's ``policy.loss_agg_horizon``, 0 resolved
+    to ``rollout.max_response_length`` as the actor's (actor/train_step.py step_loss_config)."""
     mode = cfg.critic.loss_agg_mode
-    return (cfg.algorithm.policy.loss_agg_mode if mode == "auto" else mode), cfg.algorithm.policy.loss_agg_horizon
+    horizon = cfg.algorithm.policy.loss_agg_horizon or cfg.rollout.max_response_length
+    return (cfg.algorithm.policy.loss_agg_mode if mode == "auto" else mode), horizon

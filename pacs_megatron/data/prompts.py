@@ -115,8 +115,11 @@ def render(problem: Problem, tokenizer, template: str, shots: Sequence[Sequence[
     ``chat_template`` is the one :func:`load_tokenizer` selected).
 
     Rows that already hold chat messages (PACS parquet) are rendered as they are; plain rows get the
-    PACS instruction in one user turn. ``shots`` (``data.shots``: [problem, response] pairs) come first as
-    earlier user/assistant turns (with ``template="none"``, as text above the problem).
+    PACS instruction in one user turn. ``shots`` (``data.shots``: [problem, response] pairs) come as
+    earlier user/assistant turns after the row's system turn(s), if any: a system message opens a
+    conversation, so a shot placed before it would be outside it. With ``template="none"`` the text is the
+    shots (question, then response) above the last turn; the row's system text is left out, as it is
+    without shots.
     """
     messages = [{"role": r, "content": c} for r, c in problem.messages or ()] or [
         {"role": "user", "content": with_instruction(problem.problem)}
@@ -126,9 +129,10 @@ def render(problem: Problem, tokenizer, template: str, shots: Sequence[Sequence[
         for question, response in shots
         for role, text in (("user", with_instruction(question)), ("assistant", response))
     ]
-    messages = examples + messages
     if template == "none":
-        return "\n\n".join(m["content"] for m in messages[-1 - len(examples) :])
+        return "\n\n".join(m["content"] for m in [*examples, messages[-1]])
+    n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    messages = messages[:n_system] + examples + messages[n_system:]
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template: load it with load_tokenizer(path, template)")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

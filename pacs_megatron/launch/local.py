@@ -3,8 +3,11 @@ without a launcher. Under torchrun / srun (RANK and WORLD_SIZE set) nothing is s
 makes that choice for every command (train, export, parity, the benchmarks).
 
 The parent forwards SIGTERM / SIGUSR1 / SIGINT to every child (they checkpoint and exit 143, or 130
-after Ctrl-C; a second Ctrl-C stops them at once), and when one child fails it gives the others a
-grace period, then kills them, like torchrun. As torchrun does, each child runs in its own session:
+after Ctrl-C). A second SIGTERM or Ctrl-C (utils/preemption.py's StopCounter) is not forwarded: the
+parent SIGKILLs every rank, engine and their helpers itself, says in one line that the current step was
+not saved and exits 143 / 130 (a rank busy in a native call could not act on it as quickly; SIGKILL
+needs no handler). When one child fails the parent gives the others a grace period, then kills them,
+like torchrun. As torchrun does, each child runs in its own session:
 a terminal's Ctrl-C reaches only the parent, which forwards it once to the ranks and not to their
 helper processes (reward workers), so nothing dies with a KeyboardInterrupt traceback. The children
 die with the parent (PR_SET_PDEATHSIG on Linux), so killing the parent never leaves ranks behind.
@@ -28,7 +31,7 @@ from collections.abc import Callable
 from pacs_megatron.launch.engine_rank import STARTED_ENV, spawn_engines
 from pacs_megatron.utils.dist import free_port, under_launcher
 from pacs_megatron.utils.logging import get_logger
-from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, NOT_SAVED, StopCounter, exit_now
 from pacs_megatron.utils.proc import die_with_parent
 
 logger = get_logger(__name__)
@@ -91,7 +94,11 @@ def spawn_local(module_argv: list[str], world_size: int, engines=None) -> int:
         threads = max(1, (os.cpu_count() or 1) // (world_size + count))
         helpers = spawn_engines(engines, f"127.0.0.1:{port}", _first_engine_gpu(world_size), threads)
 
+    stops = StopCounter()
+
     def forward(signum, frame):  # noqa: ARG001
+        if stops.second(signum):  # now: ranks, engines and their helpers are all descendants of this process
+            exit_now(signum, NOT_SAVED)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)

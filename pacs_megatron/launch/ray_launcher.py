@@ -6,6 +6,7 @@
          MASTER_PORT = the rendezvous store rank 0's actor binds (a port the kernel gives it)
       -> every actor runs ``python -m pacs_megatron.launch`` with RANK, WORLD_SIZE, LOCAL_RANK, ... set
       -> supervise: stream logs, forward SIGINT/SIGTERM/SIGUSR1, first failure names its rank
+         (a second SIGTERM / Ctrl-C is not forwarded: the driver stops supervising at once, 143 / 130)
       -> kill the actors, remove the placement group, return the trainer's exit code
 
 Bundles are ``{"CPU": cpus_per_rank}`` plus ``{"GPU": 1}`` on a GPU cluster. ``pack`` keeps
@@ -40,7 +41,7 @@ from pacs_megatron.launch.engine_rank import STARTED_ENV
 from pacs_megatron.launch.local import FORWARDED, GRACE_S
 from pacs_megatron.launch.ray_rank import TRAINER, RankActor, RankProgram, RankResult
 from pacs_megatron.utils.logging import get_logger
-from pacs_megatron.utils.preemption import EXIT_PREEMPTED
+from pacs_megatron.utils.preemption import EXIT_PREEMPTED, NOT_SAVED, StopCounter, exit_now_code
 from pacs_megatron.utils.proc import ray_job_runtime_env
 
 logger = get_logger(__name__)
@@ -285,10 +286,13 @@ def _start_engines(cfg: RunConfig, actors: list, places: list[dict], master: dic
 
 def _supervise(actors: list, refs: list, where: list[dict], engines: dict | None = None) -> tuple[int, str]:
     """Wait for every rank; forward signals; on the first failure stop the rest and name that rank (or
-    engine: one ending while the ranks run fails the job). Returns the exit code and rank 0's captured stdout."""
+    engine: one ending while the ranks run fails the job). Returns the exit code and rank 0's captured stdout.
+    A second SIGTERM / Ctrl-C returns at once with 143 / 130: the caller's ``ray.kill`` ends every actor, and a
+    rank dies with its actor (PR_SET_PDEATHSIG), its helpers with it."""
     import ray
 
     received: list[int] = []
+    stops = StopCounter()
     previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in FORWARDED}
     pending = {ref: r for r, ref in enumerate(refs)}
     codes: dict[int, int] = {}
@@ -331,6 +335,11 @@ def _supervise(actors: list, refs: list, where: list[dict], engines: dict | None
                     stop_at = time.monotonic() + GRACE_S
             while received:
                 signum = received.pop(0)
+                if stops.second(signum):
+                    code = exit_now_code(signum)
+                    name = signal.Signals(signum).name
+                    logger.warning("second %s: killing the ranks and engines, exit code %d; %s", name, code, NOT_SAVED)
+                    return code, report
                 logger.warning("forwarding %s to %d ranks", signal.Signals(signum).name, len(pending))
                 for a in actors:
                     a.signal.remote(signum)

@@ -4,7 +4,8 @@ Why srun and not torchrun under srun: on pre-emption every rank must finish its 
 checkpoint shard. torchrun's agent handles SIGTERM/SIGINT/SIGHUP/SIGQUIT by forwarding the signal and
 SIGKILLing the workers after its shutdown timeout (30 s by default), and dies on the SIGUSR1 Slurm
 sends. With srun starting one task per rank there is no agent in between: a signal reaches the ranks
-themselves (:mod:`pacs_megatron.utils.preemption`), which stop collectively after the step.
+themselves (:mod:`pacs_megatron.utils.preemption`), which stop collectively after the step; a second
+SIGTERM (``scancel`` twice) ends each rank at once with 143 and no requeue marker (docs/launch.md).
 
 Two pieces:
 

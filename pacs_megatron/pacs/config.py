@@ -94,8 +94,10 @@ class PolicyLossConfig:
     lam: float = 1.0
     """gae only: GAE lambda (the reference: 1.0)."""
     loss_agg_horizon: int = 0
-    """seq-mean-token-sum-norm only: the constant divisor H (e.g. rollout.max_response_length);
-    0 uses the step's padded row length (the same for fixed and token-budget micro-batches)."""
+    """seq-mean-token-sum-norm only: the constant divisor H of the token sums (the recipes: 4096);
+    0 (default) is ``rollout.max_response_length``, as verl's fixed response length, resolved by the
+    trainer (actor/train_step.py step_loss_config, config/critic.py critic_loss_agg). This config alone
+    (``aggregate`` called directly) falls back to the row width T."""
 
     def __post_init__(self) -> None:
         for name in ("clip_ratio_low", "clip_ratio_high"):

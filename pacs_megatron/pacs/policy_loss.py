@@ -11,8 +11,8 @@ aggregated by ``loss_agg_mode`` (B = rows with at least one token in the mask):
     seq-mean-token-sum  1/B sum_i sum_t m l
     seq-mean-token-mean 1/B sum_i (sum_t m l / sum_t m)
     seq-mean-token-sum-norm  1/B sum_i sum_t m l / H   (Dr.GRPO; H a constant horizon: the
-                        config's loss_agg_horizon, else the row length T; the trainer passes the
-                        step's padded T, actor/train_step.py step_loss_config). verl divides the *sum*
+                        config's loss_agg_horizon, else the row length T; the trainer resolves 0
+                        to rollout.max_response_length, actor/train_step.py step_loss_config). verl divides the *sum*
                         over a micro-batch by H and each micro-batch by the accumulation count:
                         the same gradient up to the constant per-GPU micro-batch size)
 

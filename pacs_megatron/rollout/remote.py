@@ -187,8 +187,14 @@ class RemoteEngines:
 
     def collect(self, tag) -> tuple[list[list[Response]], list[int], float, tuple[list[float], list[float]]]:
         """Collective: ``(groups in prompt order, policy version of each group, seconds rank 0 waited, each
-        engine's (busy, idle) seconds reported since the last collect)``."""
-        payload = None
+        engine's (busy, idle) seconds reported since the last collect)``.
+
+        MoE routing records (``Response.routed_experts``) stay on rank 0, which received them: the other
+        ranks get the responses without them, as a colocated replica's ranks get other replicas'
+        (rollout/collect.py). ``prepare_local_batch`` then moves each record from rank 0 to the one rank
+        that trains its row (data/routing.py); broadcasting them would put the whole step's records
+        (~10 GB at the Qwen3-30B-A3B recipe) on every rank."""
+        payload = own = None
         if self.rank == 0:
             t0 = time.perf_counter()
             try:
@@ -198,13 +204,17 @@ class RemoteEngines:
                 results = [got[e] for e in range(self.count)]
                 groups = [g for r in results for g in r.groups]
                 versions = [r.version for r in results for _ in r.groups]
+                own = groups
+                if any(r.routed_experts is not None for g in groups for r in g):
+                    groups = [[replace(r, routed_experts=None) for r in g] for g in groups]
                 payload = (groups, versions, time.perf_counter() - t0, self.take_times())
             except EngineFailure as e:
                 payload = str(e)
         payload = broadcast_from_rank0(payload)
         if isinstance(payload, str):
             raise EngineFailure(payload)
-        return payload
+        groups, versions, waited, times = payload
+        return (groups if own is None else own), versions, waited, times
 
     def generate_step(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, step: int) -> list:
         """Collective: ``sampling.n`` responses per prompt, sampled now (queued behind earlier commands)."""

@@ -62,6 +62,7 @@ from pacs_megatron.tools.compare_report import (
 )
 from pacs_megatron.tools.plot import read_metrics
 from pacs_megatron.utils.logging import get_logger, init_logging
+from pacs_megatron.utils.preemption import unwind_on_signals
 from pacs_megatron.utils.proc import die_with_parent
 
 logger = get_logger(__name__)
@@ -450,7 +451,8 @@ def main(args: argparse.Namespace) -> int:
     ranks = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     args.jobs = args.jobs or max(1, (os.cpu_count() or 1) // ranks)
     args.threads_per_rank = max(1, (os.cpu_count() or 1) // (args.jobs * ranks))
-    # SIGTERM (kill PID) unwinds like Ctrl-C, so Runner stops its runs: none is left going.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # SIGTERM (kill PID) unwinds like Ctrl-C, so Runner stops its runs: none is left going. A second one
+    # kills them all at once, even while this process waits in a native call (utils/preemption.py).
+    unwind_on_signals("the runs' current steps were not saved (rerun the command to resume them)")
     compare(args)
     return 0

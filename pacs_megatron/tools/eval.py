@@ -43,6 +43,7 @@ from pacs_megatron.eval.runner import (
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.model_dir import check_model_dir
 from pacs_megatron.utils.paths import check_writable_dir
+from pacs_megatron.utils.preemption import unwind_on_signals
 
 logger = get_logger(__name__)
 
@@ -149,6 +150,8 @@ def _check_device(device: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     init_logging(args.log_level)
+    # SIGTERM stops eval as Ctrl-C does; a second one ends it at once, even inside a long generate
+    unwind_on_signals("the evaluation stopped before its results were written")
     ks = validate(args)
     model_dir = Path(args.model)
     out_dir = Path(args.out) if args.out else model_dir

@@ -4,11 +4,20 @@ Signals: SIGTERM / SIGUSR1 (Slurm pre-emption and time limits, ``scancel``, a co
 with :data:`EXIT_PREEMPTED` (143, what requeue scripts test); SIGINT (Ctrl-C) exits with 130. The
 handler only records the signal: the trainer asks :meth:`PreemptionFlag.should_stop` between steps,
 every rank agrees (an all-reduce: one rank may see the signal first, or alone), checkpoints and
-returns :attr:`PreemptionFlag.exit_code`. A second Ctrl-C stops at once (``os._exit(130)``, no
-checkpoint, no traceback). A SIGINT within :data:`DUPLICATE_S` of the first is the same Ctrl-C seen
-twice, not a second one: torchrun and the local spawner run the ranks in their own sessions and
-forward one Ctrl-C once, but a launcher that leaves the ranks in the terminal's process group and
-also forwards would deliver it twice.
+returns :attr:`PreemptionFlag.exit_code`.
+
+A second SIGTERM or Ctrl-C means "now" (:func:`watch_second_signal`): the process logs one line saying
+the current step was not saved, SIGKILLs its descendants (reward workers, engines it started) and
+``os._exit``s with 143 (SIGTERM) or 130 (Ctrl-C). That cannot be left to a Python signal handler: those
+run in the main thread between bytecodes, and a long native call there (a generate, a GEMM) keeps them
+waiting for as long as it runs (a second SIGTERM did nothing for 30 s, issue #40). CPython's C-level
+handler writes each signal's number to the wakeup fd at once, so a helper thread reading it acts while
+the main thread is still in the call. Not covered: a native call that holds the GIL all along (torch
+ops, sleeps and I/O release it); the launchers' parents (launch/local.py, the Ray driver) kill the ranks
+on a second signal themselves, and SIGKILL needs no handler. SIGUSR1 is a warning, never "now". A signal
+within :data:`DUPLICATE_S` of the first is the same request seen twice, not a second one: ``scancel``
+signals the launcher and each rank, which the launcher also forwards to, and a terminal's Ctrl-C reaches
+every process in its group.
 
 Time budget (no signal needed): ``trainer.stop_after_s`` (seconds since the launch: the trainer
 turns it into a deadline with ``config.training.stop_deadline``) and ``trainer.deadline_unix`` (an
@@ -35,11 +44,15 @@ the rank; the loop's flag picks it up and stops after its first step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import threading
 import time
+from collections.abc import Callable
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -52,14 +65,122 @@ EXIT_PREEMPTED = 143  # 128 + SIGTERM: "terminated", what schedulers and requeue
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's code for Ctrl-C
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 DUPLICATE_S = 1.0
+NOT_SAVED = "the current step was not saved: --resume auto continues from the last checkpoint"
+"""What a stop at once says about the run (utils/preemption.py and the launchers' parents)."""
 REQUEUE_MARKER_ENV = "PACS_REQUEUE_MARKER"
 """The file the batch script asks rank 0 to write when the job should be requeued (step, reason)."""
 _STOP_REQUESTED = threading.Event()
+STOP_NOW = (signal.SIGTERM, signal.SIGINT)
+"""The signals whose second arrival means "stop now" (SIGUSR1, a pre-emption warning, never does)."""
+_WATCH: list[socket.socket] = []  # the current watcher's write end (closing it ends its thread)
+
+
+class StopCounter:
+    """Tells a second stop signal from the first, for a rank and for a launcher's parent alike.
+
+    Example:
+        >>> c = StopCounter()
+        >>> c.second(signal.SIGTERM, now=10.0), c.second(signal.SIGTERM, now=10.5), c.second(signal.SIGINT, now=12.0)
+        (False, False, True)
+    """
+
+    def __init__(self, first_at: float | None = None) -> None:
+        self.first_at = first_at
+        """monotonic time of the first SIGTERM / SIGINT (None: none yet)."""
+
+    def second(self, signum: int, now: float | None = None) -> bool:
+        """Record ``signum``; True when it is a second SIGTERM / SIGINT, more than DUPLICATE_S after the first."""
+        if signum not in STOP_NOW:
+            return False
+        now = time.monotonic() if now is None else now
+        if self.first_at is None:
+            self.first_at = now
+            return False
+        return now - self.first_at > DUPLICATE_S
+
+
+def exit_now_code(signum: int) -> int:
+    """The exit code of a stop at once: the shell's 128 + signal, 130 for Ctrl-C, 143 for SIGTERM."""
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+
+
+def kill_descendants() -> int:
+    """SIGKILL every descendant of this process (deepest first: none is left to re-parent); how many."""
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return 0
+    for child in reversed(children):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    return len(children)
+
+
+def exit_now(signum: int, what: str) -> None:
+    """Log ``what`` (one line, with the signal and the code), kill every descendant, ``os._exit``."""
+    code = exit_now_code(signum)
+    logger.warning("second %s: exiting now with code %d; %s", signal.Signals(signum).name, code, what)
+    for handler in logging.getLogger("pacs_megatron").handlers + logging.getLogger().handlers:
+        handler.flush()
+    kill_descendants()
+    os._exit(code)
+
+
+def watch_second_signal(counter: StopCounter, what: str, on_first: Callable[[int], None] | None = None) -> bool:
+    """Main thread: from now on a second SIGTERM / Ctrl-C (``counter``) ends this process at once with
+    :func:`exit_now`, from a helper thread that reads the signal numbers CPython writes to its wakeup fd
+    (``signal.set_wakeup_fd``); ``on_first(signum)`` runs there on the first, so it is said at once too.
+    The process must have Python handlers for SIGTERM and SIGINT (the wakeup fd sees only those). False
+    (nothing installed) off the main thread. A later call replaces the watcher."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    read, write = socket.socketpair()
+    write.setblocking(False)  # the C handler must never block on a full buffer
+    signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+    for old in _WATCH:
+        old.close()  # the previous watcher's recv sees EOF and its thread ends
+    _WATCH[:] = [write]
+
+    def watch() -> None:
+        with read:
+            while data := read.recv(64):
+                for signum in data:
+                    fresh = counter.first_at is None
+                    if counter.second(signum):
+                        exit_now(signum, what)
+                    if fresh and counter.first_at is not None and on_first is not None:
+                        on_first(signum)
+
+    threading.Thread(target=watch, daemon=True, name="second-signal").start()
+    return True
 
 
 def stop_requested() -> bool:
     """Whether this process got a stop signal (for loops that must not wait out a hung step, e.g. rewards)."""
     return _STOP_REQUESTED.is_set()
+
+
+def _terminate(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    raise SystemExit(EXIT_PREEMPTED)
+
+
+def _stopping(signum: int) -> None:
+    name = signal.Signals(signum).name
+    logger.warning("received %s: stopping (a second SIGTERM or Ctrl-C ends it at once)", name)
+
+
+def unwind_on_signals(what: str) -> bool:
+    """For a command with no step to checkpoint (``eval``, ``compare``; main thread): SIGTERM unwinds it as
+    Ctrl-C does (SystemExit(143) / KeyboardInterrupt, so its ``finally`` blocks stop what it started), and a
+    second SIGTERM or Ctrl-C ends it at once, its descendants killed, ``what`` said
+    (:func:`watch_second_signal`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return watch_second_signal(StopCounter(), what, on_first=_stopping)
 
 
 class PreemptionFlag:
@@ -80,7 +201,6 @@ class PreemptionFlag:
         self.reason = ""
         self._budget_hit = False
         self._got_term = self.signum == signal.SIGTERM  # a later SIGTERM (scancel) overrides a warning
-        self._sigint_at: float | None = None
         self._started = self._last_check = time.monotonic()
         self._longest = 0.0
         end = float(getattr(trainer, "deadline_unix", 0.0) or 0.0)
@@ -92,21 +212,26 @@ class PreemptionFlag:
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 signal.signal(s, self._handle)
+            # a SIGTERM during start-up was the first: the next one is the second
+            self.stops = StopCounter(self._started if self._got_term else None)
+            watch_second_signal(self.stops, NOT_SAVED, on_first=self._announce)
+
+    def _announce(self, signum: int) -> None:
+        """The first SIGTERM / Ctrl-C, said by the watcher thread when it lands (the main thread may be in a
+        long native call)."""
+        logger.warning(
+            "received %s: will checkpoint after the current step and exit (a second SIGTERM or Ctrl-C "
+            "stops at once, without saving it)",
+            signal.Signals(signum).name,
+        )
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
-        now = time.monotonic()
-        if signum == signal.SIGINT:
-            if self._sigint_at is not None and now - self._sigint_at > DUPLICATE_S:
-                logger.warning("second Ctrl-C: stopping now, without a checkpoint")
-                os._exit(EXIT_INTERRUPTED)
-            self._sigint_at = self._sigint_at or now
         self._got_term = self._got_term or signum == signal.SIGTERM
         if self.signum is None:
-            logger.warning(
-                "received %s: will checkpoint after the current step and exit%s",
-                signal.Signals(signum).name,
-                " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "",
-            )
+            if signum not in STOP_NOW:  # SIGTERM and SIGINT are announced by the watcher (_announce)
+                logger.warning(
+                    "received %s: will checkpoint after the current step and exit", signal.Signals(signum).name
+                )
             self.signum = signum
         _STOP_REQUESTED.set()
 

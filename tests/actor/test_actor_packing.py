@@ -4,7 +4,7 @@ One launch per layout builds two actors from the same weights, one per batching 
 the same DP-balanced local rows: old log-probs for two mini-batches at once (planned per mini-batch),
 then a PACS step on mini-batch 0, a GRPO step on mini-batch 1 (rows and tokens as loss units) and a
 GRPO step with Dr.GRPO's ``seq-mean-token-sum-norm`` and no ``loss_agg_horizon`` on mini-batch 0 (H is
-then the step's padded length, which the token-budget micro-batches must not change).
+then rollout.max_response_length, which the token-budget micro-batches must not change).
 Checked: the dynamic micro-batches really differ in shape, log-probs equal fixed batching's, the
 first training forward reproduces the old log-probs bit for bit (batch invariance), and metrics and
 weight updates match fixed batching within float tolerance.

@@ -148,7 +148,7 @@ def test_template_choice_checked_before_any_rank(plain_toks, tmp_path, capfd):
     assert len(lines) == 1 and "chat_template" in lines[0] and "auto" in lines[0], lines
 
 
-def test_shots_come_first_as_earlier_turns(qwen_tok):
+def test_shots_are_earlier_turns_after_the_system_turn(qwen_tok):
     from pacs_megatron.config import ConfigError, DataConfig
 
     shot = ["What is 23 + 45?", "23 + 45 = 68. The answer is \\boxed{68}."]
@@ -167,6 +167,17 @@ def test_shots_come_first_as_earlier_turns(qwen_tok):
     assert render(p, qwen_tok, "qwen2.5", []) == render(p, qwen_tok, "qwen2.5")  # the default: no shots
     records = build_records([p], qwen_tok, "qwen2.5", 512, shots=[shot])
     assert records[0].prompt_text == text
+    # A row with its own system turn (PACS parquet): the shots follow the system turn, and with
+    # template=none the shot's question survives (issue #40 R5).
+    row = Problem("y", "Q", "5", "t", messages=(("system", "SYS"), ("user", "USER Q")))
+    assert render(row, qwen_tok, "qwen2.5", [shot]) == (
+        "<|im_start|>system\nSYS<|im_end|>\n"
+        f"<|im_start|>user\nWhat is 23 + 45? {INSTRUCTION}<|im_end|>\n"
+        f"<|im_start|>assistant\n{shot[1]}<|im_end|>\n"
+        "<|im_start|>user\nUSER Q<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert render(row, qwen_tok, "none", [shot]) == f"What is 23 + 45? {INSTRUCTION}\n\n{shot[1]}\n\nUSER Q"
+    assert render(row, qwen_tok, "none") == "USER Q"  # without shots, as before
     with pytest.raises(ConfigError, match=r"data.shots\[0\].*\[problem, response\]"):
         DataConfig(task="math", shots=[["only a problem"]])
     with pytest.raises(ConfigError, match=r"data.shots\[0\]: the response shows no \\boxed"):

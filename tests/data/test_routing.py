@@ -4,11 +4,15 @@ The distributed test runs the trainer's own stages (``collect_batch`` with a rec
 ``prepare_local_batch``) on 2 gloo ranks with Qwen3-30B-A3B-sized records (48 layers, top-8 of 128
 experts) and bounds the routing bytes each rank holds: its engine replica's rows (until the step's batch
 is dropped) plus the rows it trains on, at one byte per expert id. It also checks that every rank got
-the right records for its rows.
+the right records for its rows. The same launch runs the stages again with the engines on their own
+processes (``rollout.placement=separate``: the real ``RemoteEngines.collect``, its two engines answering
+in-process on rank 0): rank 0 receives every record, and each must then go only to the rank that trains
+its row, never be broadcast to every rank (issue #40 R4).
 """
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +21,10 @@ from _dist import run_distributed
 
 from pacs_megatron.data.batching import build_train_batch
 from pacs_megatron.data.records import PromptRecord
+from pacs_megatron.rollout.protocol import Result
+from pacs_megatron.rollout.remote import Inbox, RemoteEngines
 from pacs_megatron.rollout.types import Response
+from pacs_megatron.utils.dist import shard_bounds
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 N, PROMPTS = 2, 16
@@ -46,6 +53,24 @@ class RecordingEngine:
         return out
 
 
+class RecordingRemote(RemoteEngines):
+    """``rollout.placement=separate`` as the trainer ranks see it, without engine processes: on rank 0
+    each of two "engines" answers its share of a Generate with :class:`RecordingEngine`'s responses, filed
+    in the inbox as the reader threads file Results; :meth:`collect` is the real one."""
+
+    def __init__(self, rank: int) -> None:  # no connections: nothing of the real __init__ applies
+        self.rank, self.count, self.inbox = rank, 2, Inbox(2)
+        self._tags = itertools.count()
+
+    def submit(self, tag, prompt_ids, sampling, step) -> None:
+        if self.rank != 0:
+            return
+        for e in range(self.count):
+            lo, hi = shard_bounds(len(prompt_ids), e, self.count)
+            groups = RecordingEngine().generate(prompt_ids[lo:hi], sampling)
+            self.inbox.put(Result(engine=e, tag=tag, groups=groups, version=0))
+
+
 class FakeActor:
     def compute_logprobs(
         self, batch, micro_batch_size, temperature, with_entropy=False, mini_batch_groups=0, response_only=False
@@ -72,6 +97,14 @@ def _routing_bytes(x) -> int:
 
 
 def _body(rank, world):
+    """Both placements in one launch: ``{"colocated": bytes..., "separate": bytes...}`` of this rank."""
+    return {
+        "colocated": _stages(rank, world, RecordingEngine()),
+        "separate": _stages(rank, world, RecordingRemote(rank)),
+    }
+
+
+def _stages(rank, world, engine):
     from pacs_megatron import stages
     from pacs_megatron.config import load_config
     from pacs_megatron.rollout.collect import generate_sharded
@@ -91,7 +124,6 @@ def _body(rank, world):
     )
     prompts = [tuple(range(1 + i % 5, 6 + i % 3 + i % 5)) for i in range(PROMPTS)]
     records = [PromptRecord(f"p{i}", "q", "q", p, "1", "t") for i, p in enumerate(prompts)]
-    engine = RecordingEngine()
     gathered = generate_sharded(engine, [r.prompt_ids for r in records], stages.train_sampling(cfg), 1)
     c = SimpleNamespace(engine=engine, scorer=FakeScorer(), pad_id=0)
     batch, _, _ = stages.collect_batch(cfg, c, records, 1)
@@ -116,9 +148,15 @@ def _body(rank, world):
 @pytest.mark.distributed
 def test_routing_bytes_per_rank_are_bounded():
     world = 2
-    results = run_distributed(_body, world)
+    both = run_distributed(_body, world)
     per_token = LAYERS * TOPK  # one byte per expert id
+    results = [b["colocated"] for b in both]
     total = results[0]["all_tokens"] * per_token  # the step's records, compact
+    for rank, b in enumerate(both):  # separate engines: rank 0 received every record, and keeps them
+        r = b["separate"]
+        assert r["local"] == r["local_tokens"] * per_token, "separate: the rows a rank trains on"
+        if rank > 0:
+            assert r["gathered"] == r["batch"] == 0, "separate: records broadcast to a rank that does not train them"
     for r in results:
         own = r["local_tokens"] * per_token
         assert r["local"] == own, "the rows a rank trains on, one byte per expert id"

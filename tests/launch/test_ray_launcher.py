@@ -318,3 +318,33 @@ def test_job_actors_ask_for_niceness_0_unless_the_driver_sets_one(monkeypatch):
     assert ray_job_runtime_env() == {"env_vars": {"RAY_worker_niceness": "0"}}
     monkeypatch.setenv("RAY_worker_niceness", "5")
     assert ray_job_runtime_env() == {"env_vars": {"RAY_worker_niceness": "5"}}
+
+
+def test_a_second_signal_stops_the_driver_at_once(monkeypatch):
+    """The driver forwards the first SIGTERM to the ranks and returns 143 on a second one (more than
+    DUPLICATE_S later) without forwarding it, so launch_ray's ``ray.kill`` ends every actor at once. No
+    cluster: a stand-in ``ray`` whose ``wait`` never finishes a rank, and the driver's own handler called
+    as a signal would call it."""
+    import types
+
+    from pacs_megatron.launch.ray_launcher import _supervise
+    from pacs_megatron.utils.preemption import DUPLICATE_S, EXIT_PREEMPTED
+
+    forwarded: list[int] = []
+    calls = {"n": 0}
+
+    def wait(refs, num_returns=1, timeout=None):
+        calls["n"] += 1
+        if calls["n"] in (2, 3):  # a SIGTERM, then another one
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+            time.sleep(DUPLICATE_S + 0.1)
+        assert calls["n"] < 8, "the driver kept supervising after the second SIGTERM"
+        return [], list(refs)
+
+    fake = types.SimpleNamespace(wait=wait, exceptions=types.SimpleNamespace(RayActorError=RuntimeError))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    actor = types.SimpleNamespace(signal=types.SimpleNamespace(remote=forwarded.append))
+    before = signal.getsignal(signal.SIGTERM)
+    assert _supervise([actor], ["ref0"], [{"node_id": "n0", "host": "h", "ip": "1"}]) == (EXIT_PREEMPTED, "")
+    assert forwarded == [signal.SIGTERM]  # the first only
+    assert signal.getsignal(signal.SIGTERM) is before  # the driver's handlers are restored

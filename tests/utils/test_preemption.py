@@ -21,7 +21,7 @@ import pytest
 
 from pacs_megatron.config import ConfigError
 from pacs_megatron.launch.slurm import EXIT_REQUEUE, apply_srun_env, plan, srun_exit_code
-from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, PreemptionFlag
+from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, NOT_SAVED, PreemptionFlag
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
@@ -74,6 +74,74 @@ def test_ctrl_c_twice_stops_at_once_but_a_duplicate_does_not():
     assert time.monotonic() - t0 < 5
     err = proc.stderr.read()
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+_NATIVE = textwrap.dedent(
+    """
+    import subprocess, sys, torch
+    from pacs_megatron.utils.preemption import PreemptionFlag, unwind_on_signals
+    torch.set_num_threads(1)
+    if sys.argv[1] == "train":
+        flag = PreemptionFlag()
+    elif sys.argv[1] == "command":  # eval, compare
+        unwind_on_signals("the evaluation stopped before its results were written")
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # a reward worker, say
+    print("ready", helper.pid, flush=True)
+    torch.linalg.matrix_power(torch.eye(3000), 2**62)  # 62 GEMMs of 54 GFLOP on one thread: Python handlers wait
+    print("returned", flush=True)
+    """
+)
+
+
+def _gone(pid: int, timeout: float = 5.0) -> bool:
+    import psutil
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# (child mode, signal, exit code, the first signal's line, the second's), the second signal to end it
+NATIVE_CASES = {
+    "train_sigterm": ("train", signal.SIGTERM, EXIT_PREEMPTED, "will checkpoint after the current step", NOT_SAVED),
+    "eval_ctrl_c": ("command", signal.SIGINT, EXIT_INTERRUPTED, "stopping", "the evaluation stopped before"),
+}
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES)
+def test_a_second_signal_stops_a_long_native_call_at_once(case):
+    """The second signal acts from a helper thread while the main thread is in one long native call (a
+    Python signal handler, or eval's KeyboardInterrupt, would wait for it to return): the code at once, one
+    line, the helper killed. Trainer ranks (PreemptionFlag) and eval / compare (unwind_on_signals) alike."""
+    mode, sig, code, first, second = NATIVE_CASES[case]
+    cmd = [sys.executable, "-c", _NATIVE, mode]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        word, helper = proc.stdout.readline().split()
+        assert word == "ready"
+        time.sleep(0.5)  # inside the GEMM by now
+        proc.send_signal(sig)
+        time.sleep(1.3)  # more than DUPLICATE_S: a second request, not the first one seen twice
+        assert proc.poll() is None  # the first waits for the step (or the call) to end
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=10) == code
+        assert time.monotonic() - t0 < 5
+    finally:
+        proc.kill()
+    out, err = proc.communicate()
+    name = signal.Signals(sig).name
+    assert "returned" not in out
+    assert f"received {name}: {first}" in err, err
+    lines = [x for x in err.splitlines() if x.startswith(f"second {name}")]
+    assert len(lines) == 1 and lines[0].startswith(f"second {name}: exiting now with code {code}; {second}"), err
+    assert _gone(int(helper)), "the helper process survived"
 
 
 def test_srun_env_and_plan(monkeypatch):

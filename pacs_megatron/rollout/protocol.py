@@ -130,6 +130,8 @@ class Loaded(Reply):
     probe_logprobs: list = field(default_factory=list)
     """The engine's per-token log-probs of ``Init.probe`` after loading (float32 tensors)."""
     load_s: float = 0.0
+    bitwise: Any = None
+    """The engine's bitwise check of the load (rollout/weight_checksum.py ``Report``; None: not checked)."""
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from pacs_megatron.rollout.remote import RemoteEngines, broadcast_from_rank0
+from pacs_megatron.rollout.weight_checksum import Recorder
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.weight_sync.buckets import iter_buckets
-from pacs_megatron.weight_sync.sync import SyncResult, WeightSync, random_probe_batch
+from pacs_megatron.weight_sync.sync import SyncResult, WeightSync, raise_bitwise, random_probe_batch
 
 logger = get_logger(__name__)
 
@@ -194,7 +195,12 @@ class RemoteWeightSync(WeightSync):
         self.engines = engines
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """version -> (actor, reference) probe log-probs, until every engine's Loaded was compared."""
+        self.sent: dict[int, dict] = {}
+        """Trainer rank 0, sync.verify_bitwise: version -> fingerprints of the tensors sent (as sent)."""
         self._answers: dict[int, int] = {}
+        self._bitwise_s = math.nan  # rank 0's fingerprinting of the last version pushed
+        self.bitwise_tensors = 0
+        """Tensors every engine verified bit for bit, of the version the last :meth:`sync` waited for."""
         self.sender = None
         self.device = torch.device(device)
         if engines.rank == 0:
@@ -206,7 +212,10 @@ class RemoteWeightSync(WeightSync):
         start = time.perf_counter()
         layout, buffers, total, count = [], [], 0, 0
         pin = self.device.type == "cuda"
-        for bucket in iter_buckets(self._stream(), self.bucket_bytes, self.send_dtype):
+        # the engines fingerprint what they receive and hold; rank 0 what it sends, in the same dtype
+        recorder = Recorder() if self.cfg.verify_bitwise and self.sender is not None else None
+        buckets = iter_buckets(self._stream(), self.bucket_bytes, self.send_dtype)
+        for bucket in recorder.buckets(buckets) if recorder else buckets:
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             count += 1
             if self.sender is not None:
@@ -219,7 +228,20 @@ class RemoteWeightSync(WeightSync):
             self.sender.send(version, buffers)
         if self.probe is not None:
             self.pending[version] = self.reference_logprobs()
+        if recorder is not None:
+            self.sent[version] = recorder.sums
+        self._bitwise_s = recorder.seconds if recorder else math.nan
         return SyncResult(time.perf_counter() - start, total / 1e9, float("nan"), count)
+
+    def _bitwise(self, m) -> tuple[int, str, int]:
+        """Rank 0: ``(tensors verified, first tensor that differs, how many)`` for one engine's Loaded reply ``m``:
+        what it received against what was sent (the transport), then what it holds against what arrived (its load).
+        """
+        report, sent = m.bitwise, self.sent.get(m.version)
+        if report is None or sent is None:
+            return 0, "", 0
+        bad = [n for n, c in sent.items() if report.received.get(n) != c] + list(report.differs)
+        return len(sent) - len(report.unverified), (bad[0] if bad else ""), len(bad)
 
     def verify(self, upto: int) -> tuple[float, float]:
         """Collective: compare the probes the engines returned for every version <= ``upto`` (waiting for all of
@@ -227,13 +249,15 @@ class RemoteWeightSync(WeightSync):
         ``(max diff, max quantization gap)``, nan when nothing was compared."""
         payload = None
         if self.sender is not None:
-            needed = self.engines.count - self._answers.get(upto, 0) if upto in self.pending else 0
+            waiting = upto in self.pending or upto in self.sent
+            needed = self.engines.count - self._answers.get(upto, 0) if waiting else 0
             nan4 = (math.nan, math.nan, math.nan, math.nan)
             payload = [
                 (
                     m.version,
                     m.engine,
                     *(self.compare(m.probe_logprobs, *self.pending[m.version]) if m.version in self.pending else nan4),
+                    *self._bitwise(m),
                 )
                 for m in self.engines.take_loaded(upto, needed)
             ]
@@ -242,7 +266,12 @@ class RemoteWeightSync(WeightSync):
             self._answers[version] = self._answers.get(version, 0) + 1
             if self._answers[version] == self.engines.count:
                 self.pending.pop(version, None)
+                self.sent.pop(version, None)
                 del self._answers[version]
+        for version, engine, *_, verified, first, count in rows:
+            if count:
+                raise_bitwise(first, count, f"engine {engine}, version {version}")
+            self.bitwise_tensors = min(self.bitwise_tensors, verified) if version == upto else self.bitwise_tensors
         compared = [r for r in rows if not math.isnan(r[3])]
         if not compared:
             return math.nan, math.nan
@@ -255,5 +284,7 @@ class RemoteWeightSync(WeightSync):
         tolerance), as the colocated sync does; without, ``max_logprob_diff`` is nan (verified later, when the
         first samples of ``version`` are taken)."""
         pushed = self.push_version(version)
+        self.bitwise_tensors = 1 << 62  # the least any engine verified of this version (verify sets it)
         diff, gap = self.verify(version) if wait else (math.nan, math.nan)
-        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap)
+        verified = self.bitwise_tensors if self.bitwise_tensors < 1 << 62 else 0
+        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap, math.nan, self._bitwise_s, verified)

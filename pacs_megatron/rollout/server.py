@@ -4,7 +4,8 @@
     LoadWeights(version, layout)     -> WeightsWanted -> receive the buckets (weight group) -> engine.update_weights
                                         -> bitwise check (sync.verify_bitwise: what arrived, cast to the
                                            engine's dtype, against what the engine holds; Report)
-                                        -> probe log-probs -> Loaded(version, probe log-probs, report)
+                                        -> probe log-probs and the greedy continuation of the probe's prompts
+                                        -> Loaded(version, probe log-probs, continuation, report)
     Close / the trainer gone         -> return
 
 Commands are served strictly in arrival order, one at a time: a Generate queued after a LoadWeights is
@@ -23,7 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 
-from pacs_megatron.rollout.base import NamedTensors, RolloutEngine
+from pacs_megatron.rollout.base import PROBE_LEN, NamedTensors, RolloutEngine
 from pacs_megatron.rollout.protocol import (
     DELAY_ENV,
     Close,
@@ -36,6 +37,7 @@ from pacs_megatron.rollout.protocol import (
     recv,
     send,
 )
+from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.rollout.weight_checksum import Recorder, Report, compare
 from pacs_megatron.utils.logging import get_logger
 
@@ -123,10 +125,24 @@ class EngineServer:
         self.version = msg.version
         report = self._bitwise(recorder) if recorder else None
         probe = self.engine.logprobs(msg.probe) if msg.probe else []
+        continuation = self._continue(msg.probe) if msg.probe else []
         self._busy += time.perf_counter() - t0
         logger.debug("engine %d: version %d loaded (%s tensors) in %.2fs", self.index, msg.version, loaded, load_s)
-        reply = Loaded(**self._times(), version=msg.version, probe_logprobs=probe, load_s=load_s, bitwise=report)
+        reply = Loaded(
+            **self._times(),
+            version=msg.version,
+            probe_logprobs=probe,
+            load_s=load_s,
+            probe_continuation=continuation,
+            bitwise=report,
+        )
         send(self.conn, reply)
+
+    def _continue(self, probe: list[list[int]]) -> list[list[int]]:
+        """The greedy continuation of each probe row's prompt (its first PROBE_LEN // 2 tokens), for the next probe."""
+        half = PROBE_LEN // 2
+        greedy = SamplingParams(n=1, temperature=1.0, top_k=1, max_tokens=PROBE_LEN - half, seed=0)
+        return [list(g[0].token_ids) for g in self.engine.generate([row[:half] for row in probe], greedy)]
 
     def _bitwise(self, recorder: Recorder) -> Report | None:
         """The load checked here (held vs received, in the engine's dtype); the trainer checks the transport

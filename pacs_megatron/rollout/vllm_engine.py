@@ -312,11 +312,11 @@ class VLLMEngine:
 
     def weight_checksums(self) -> list | None:
         """The weights as this rank's worker holds them, fingerprinted for the bitwise sync check
-        (rollout/vllm_checksum.py); None where they are not read back: tensor parallelism > 1 (each rank
-        holds a shard) and FP8 weights (GPU, never run)."""
+        (rollout/vllm_reload.py ``held_checksums``); None where they are not read back: tensor parallelism > 1
+        (each rank holds a shard) and FP8 weights (GPU, never run)."""
         from functools import partial
 
-        from pacs_megatron.rollout.vllm_checksum import held_checksums
+        from pacs_megatron.rollout.vllm_reload import held_checksums
 
         if self._tp > 1 or self.fp8_weights:
             return None

@@ -22,7 +22,7 @@ Why rows: a fused engine parameter is the concatenation of HF tensors along dim 
 fused parameter follows from its parts' (:func:`combine`): the sender never builds the fused tensor.
 
 Signed zeros: -0.0 and +0.0 are counted equal (their words are mapped to 0). A GEMM kernel read back
-through an identity matrix (vLLM on CPU keeps only a packed copy of its linears: rollout/vllm_checksum.py)
+through an identity matrix (vLLM on CPU keeps only a packed copy of its linears: vllm_reload.held_checksums)
 returns x * 1 + 0 = +0.0 for a -0.0 weight, and the two are the same number to every kernel.
 
 Floating tensors are fingerprinted in the dtype the engine computes with (``dtype``): an engine that casts

@@ -2,12 +2,21 @@
 
     actor.export_hf_weights()  -> (hf_name, full tensor), one at a time, on every rank
     iter_buckets(...)          -> buckets of sync.bucket_mb (engines that load in place: one tensor each)
+      Recorder                 -> an exact integer fingerprint of each tensor as sent, in the engine's dtype
     engine.update_weights(...) -> the engine loads them (HF: copy by name; vLLM: its layerwise reload)
+    bitwise check              -> the engine's fingerprints of what it holds == the sent ones, tensor by tensor
     probe                      -> engine log-probs == actor log-probs (within tol) on fixed random
                                   prompts and the engine's greedy continuation of them
 
+The bitwise check (``sync.verify_bitwise``, on by default; rollout/weight_checksum.py) is the exact one: a sync
+copies and casts, so the engine must hold bit for bit what was sent, and a tensor that differs is named
+(:class:`WeightSyncError`). In bf16 the probe cannot tell a stale layer from rounding (docs/weight_sync.md);
+it stays for what bits cannot show: the engine computing with them wrongly (a layout, transpose, rope or
+tied-head error, an engine-side transform the check does not read back).
+
 With ``rollout.quantization`` (fp8/nvfp4) the stream passes through modelopt's quantizers first
-(``quantize.py``) and the probe measures two things: transfer exactness against the actor holding the
+(``quantize.py``): the bitwise check compares the engine with the quantize-dequantized tensors sent (HF engine),
+and the probe measures two things: transfer exactness against the actor holding the
 same quantize-dequantized weights for one forward (``sync/max_logprob_diff``, bounded by the tolerance),
 and the quantization gap against the trained weights (``sync/quant_logprob_diff``, logged only).
 
@@ -22,7 +31,7 @@ training" and must never be trained on silently. Two bounds, one tolerance (docs
   within 5e-2 relative.
 
 ``sync.probe_tolerance`` bounds the first (1e-4 float32, 5e-2 bfloat16), ``sync.probe_greedy_tolerance`` the
-second (1e-4, 0.1); the measurements behind the bf16 defaults are in docs/weight_sync.md.
+second (1e-4 float32, 0.25 bfloat16); the measurements behind the bf16 defaults are in docs/weight_sync.md.
 """
 
 from __future__ import annotations

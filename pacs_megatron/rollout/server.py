@@ -147,11 +147,12 @@ class EngineServer:
     def _bitwise(self, recorder: Recorder) -> Report | None:
         """The load checked here (held vs received, in the engine's dtype); the trainer checks the transport
         (received vs sent, as sent) with :attr:`Report.received`. None when the engine cannot be read back."""
+        start = time.perf_counter()
         held = self.engine.weight_checksums()
         if held is None:
             return None
         differs, unverified = compare(recorder.sums, held)
-        return Report(recorder.wire_sums, differs, unverified)
+        return Report(recorder.wire_sums, differs, unverified, recorder.seconds + time.perf_counter() - start)
 
     def _planted(self, buckets: Iterable[NamedTensors]) -> Iterator[NamedTensors]:
         """The test hook of :data:`STALE_ENV`."""

@@ -177,6 +177,8 @@ class Report:
     """Held tensors that differ from what arrived, cast to the engine's dtype (the load), in the order held."""
     unverified: list[str]
     """Received tensors no held tensor covers (e.g. MoE experts in vLLM's prepacked layout, a tied alias)."""
+    seconds: float = 0.0
+    """The engine's time on the check: fingerprinting what arrived, reading back what it holds, comparing."""
 
 
 def compare(sent: dict[str, Checksum], held: Iterable[Held]) -> tuple[list[str], list[str]]:

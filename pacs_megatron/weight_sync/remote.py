@@ -210,6 +210,7 @@ class RemoteWeightSync(WeightSync):
         """Tensors every engine verified bit for bit, of the version the last :meth:`sync` waited for."""
         self.greedy_logprob_diff = math.nan
         """The probe's greedy mean of the version the last :meth:`sync` waited for (nan: none yet)."""
+        self.engine_bitwise_s = 0.0
         self.sender = None
         self.device = torch.device(device)
         if engines.rank == 0:
@@ -246,15 +247,16 @@ class RemoteWeightSync(WeightSync):
         self._bitwise_s = recorder.seconds if recorder else math.nan
         return SyncResult(time.perf_counter() - start, total / 1e9, float("nan"), count)
 
-    def _bitwise(self, m) -> tuple[int, str, int]:
-        """Rank 0: ``(tensors verified, first tensor that differs, how many)`` for one engine's Loaded reply ``m``:
+    def _bitwise(self, m) -> tuple[float, int, str, int]:
+        """Rank 0: ``(the engine's seconds on it, tensors verified, first tensor that differs, how many)`` for one
+        engine's Loaded reply ``m``:
         what it received against what was sent (the transport), then what it holds against what arrived (its load).
         """
         report, sent = m.bitwise, self.sent.get(m.version)
         if report is None or sent is None:
-            return 0, "", 0
+            return math.nan, 0, "", 0
         bad = [n for n, c in sent.items() if report.received.get(n) != c] + list(report.differs)
-        return len(sent) - len(report.unverified), (bad[0] if bad else ""), len(bad)
+        return report.seconds, len(sent) - len(report.unverified), (bad[0] if bad else ""), len(bad)
 
     def verify(self, upto: int) -> tuple[float, float]:
         """Collective: check the loads the engines answered for every version <= ``upto`` (waiting for all of
@@ -287,11 +289,12 @@ class RemoteWeightSync(WeightSync):
                 self.pending.pop(version, None)
                 self.sent.pop(version, None)
                 del self._answers[version]
-        for version, engine, *_, verified, first, count in rows:
+        for version, engine, *_, engine_s, verified, first, count in rows:
             if count:
                 raise_bitwise(first, count, f"engine {engine}, version {version}")
             if version == upto:
                 self.bitwise_tensors = min(self.bitwise_tensors, verified)
+                self.engine_bitwise_s = max(self.engine_bitwise_s, engine_s)
         compared = [r for r in rows if not math.isnan(r[3])]
         if not compared:
             return math.nan, math.nan
@@ -316,7 +319,9 @@ class RemoteWeightSync(WeightSync):
         pushed = self.push_version(version)
         self.bitwise_tensors = 1 << 62  # the least any engine verified of this version (verify sets it)
         self.greedy_logprob_diff = math.nan
+        self.engine_bitwise_s = 0.0  # the slowest engine's time on the check (verify sets it)
         diff, gap = self.verify(version) if wait else (math.nan, math.nan)
         verified = self.bitwise_tensors if self.bitwise_tensors < 1 << 62 else 0
         greedy = self.greedy_logprob_diff
-        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap, greedy, self._bitwise_s, verified)
+        bitwise_s = self._bitwise_s + self.engine_bitwise_s  # the sender's fingerprints, then the engines'
+        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap, greedy, bitwise_s, verified)

@@ -208,8 +208,8 @@ class WeightSync:
         of the tensors the engine holds now (rollout/weight_checksum.py); raise :class:`WeightSyncError` naming
         the first that differs, on every rank. ``(seconds, tensors verified)``; ``(nan, 0)`` when off or when
         the engine cannot be read back."""
-        held = self.engine.weight_checksums() if self.recorder and hasattr(self.engine, "weight_checksums") else None
         start = time.perf_counter()
+        held = self.engine.weight_checksums() if self.recorder and hasattr(self.engine, "weight_checksums") else None
         bad: list[str] = []
         verified = 0
         if held is not None:

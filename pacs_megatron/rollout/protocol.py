@@ -130,6 +130,11 @@ class Loaded(Reply):
     probe_logprobs: list = field(default_factory=list)
     """The engine's per-token log-probs of ``Init.probe`` after loading (float32 tensors)."""
     load_s: float = 0.0
+    probe_continuation: list = field(default_factory=list)
+    """The engine's greedy continuation of the probe's prompts (its first PROBE_LEN // 2 tokens) under the loaded
+    weights: the next version's probe continues them (weight_sync/remote.py, greedy bound)."""
+    bitwise: Any = None
+    """The engine's bitwise check of the load (rollout/weight_checksum.py ``Report``; None: not checked)."""
 
 
 @dataclass(frozen=True)

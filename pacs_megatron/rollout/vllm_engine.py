@@ -247,6 +247,9 @@ class VLLMEngine:
         self._scales = ("_scale", "_scale_inv") if self.fp8_weights else ()
         self._weights_valid = True  # False after a level-2 sleep until update_weights rewrites them
         self._expected = expected_hf_names(model_dir)
+        self._tp = cfg.rollout.vllm.tensor_parallel_size
+        self.weight_dtype = getattr(torch, kwargs["dtype"])
+        """The dtype vLLM holds the floating weights in (the bitwise sync check fingerprints in it)."""
         logger.info(
             "vLLM engine on %s (%s): replica %d of %d (tp=%d)",
             device.type,
@@ -306,6 +309,19 @@ class VLLMEngine:
         count = reload_weights(self.llm, buckets, SyncStream(self._expected, self._scales))
         self._weights_valid = True
         return count
+
+    def weight_checksums(self) -> list | None:
+        """The weights as this rank's worker holds them, fingerprinted for the bitwise sync check
+        (rollout/vllm_reload.py ``held_checksums``); None where they are not read back: tensor parallelism > 1
+        (each rank holds a shard) and FP8 weights (GPU, never run)."""
+        from functools import partial
+
+        from pacs_megatron.rollout.vllm_reload import held_checksums
+
+        if self._tp > 1 or self.fp8_weights:
+            return None
+        self.wake()
+        return self.llm.apply_model(partial(held_checksums, dtype=self.weight_dtype))[0]
 
     def sleep(self) -> None:
         """Free the GPU for the trainer (no-op without ``rollout.vllm.enable_sleep_mode``)."""

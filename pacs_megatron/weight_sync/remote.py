@@ -38,10 +38,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pacs_megatron.data.batching import TrainBatch, build_train_batch
+from pacs_megatron.rollout.base import PROBE_LEN
 from pacs_megatron.rollout.remote import RemoteEngines, broadcast_from_rank0
+from pacs_megatron.rollout.weight_checksum import Recorder
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.weight_sync.buckets import iter_buckets
-from pacs_megatron.weight_sync.sync import SyncResult, WeightSync, random_probe_batch
+from pacs_megatron.weight_sync.sync import SyncResult, WeightSync, raise_bitwise, random_probe_batch
 
 logger = get_logger(__name__)
 
@@ -188,13 +191,26 @@ class RemoteWeightSync(WeightSync):
     def __init__(self, actor, engines: RemoteEngines, cfg, vocab_size: int, param_dtype, rollout, device) -> None:
         """Collective: trainer rank 0 joins the weight group (the engines join it once built)."""
         super().__init__(actor, engines, cfg, vocab_size, param_dtype, rollout)
-        # random tokens only: the greedy bound of the colocated probe needs the engine's continuation
-        # under the new weights before the actor scores it, and the actor has moved on by then
+        # The colocated probe's greedy part is the engine's continuation under the new weights, scored by the actor
+        # holding them; here the actor has moved on by the time an engine answers. So each engine also returns its
+        # greedy continuation of the probe's prompts, and the next version's probe continues them with it (rows
+        # the model predicted one version earlier: still tokens it predicts, at |logp| of a few nats), where the
+        # greedy bound applies. Until the first answer the probe is random tokens only (relative bound).
         self.probe = random_probe_batch(vocab_size, cfg.probe_sequences) if cfg.probe_sequences else None
+        self.continuation: list[list[int]] | None = None
+        """The latest greedy continuation of the probe's prompts an engine returned (the same on every rank)."""
         self.engines = engines
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        """version -> (actor, reference) probe log-probs, until every engine's Loaded was compared."""
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, TrainBatch]] = {}
+        """version -> (actor, reference) probe log-probs and the probe, until every engine's Loaded was compared."""
+        self.sent: dict[int, dict] = {}
+        """Trainer rank 0, sync.verify_bitwise: version -> fingerprints of the tensors sent (as sent)."""
         self._answers: dict[int, int] = {}
+        self._bitwise_s = math.nan  # rank 0's fingerprinting of the last version pushed
+        self.bitwise_tensors = 0
+        """Tensors every engine verified bit for bit, of the version the last :meth:`sync` waited for."""
+        self.greedy_logprob_diff = math.nan
+        """The probe's greedy mean of the version the last :meth:`sync` waited for (nan: none yet)."""
+        self.engine_bitwise_s = 0.0
         self.sender = None
         self.device = torch.device(device)
         if engines.rank == 0:
@@ -206,54 +222,106 @@ class RemoteWeightSync(WeightSync):
         start = time.perf_counter()
         layout, buffers, total, count = [], [], 0, 0
         pin = self.device.type == "cuda"
-        for bucket in iter_buckets(self._stream(), self.bucket_bytes, self.send_dtype):
+        # the engines fingerprint what they receive and hold; rank 0 what it sends, in the same dtype
+        recorder = Recorder() if self.cfg.verify_bitwise and self.sender is not None else None
+        buckets = iter_buckets(self._stream(), self.bucket_bytes, self.send_dtype)
+        for bucket in recorder.buckets(buckets) if recorder else buckets:
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             count += 1
             if self.sender is not None:
                 entry, buf = pack(bucket, pin=pin)
                 layout.append(entry)
                 buffers.append(buf)
+        if self.probe is not None and self.continuation is not None:
+            half = PROBE_LEN // 2
+            prompts = [row[:half].tolist() for row in self.probe.input_ids]
+            self.probe = build_train_batch(prompts, self.continuation, [0.0] * len(prompts), 1, pad_id=0)
         probe = self.probe_sequences() if self.probe is not None else []
         if self.sender is not None:
             self.engines.send_load(version, layout, probe)
             self.sender.send(version, buffers)
         if self.probe is not None:
-            self.pending[version] = self.reference_logprobs()
+            self.pending[version] = (*self.reference_logprobs(), self.probe)
+        if recorder is not None:
+            self.sent[version] = recorder.sums
+        self._bitwise_s = recorder.seconds if recorder else math.nan
         return SyncResult(time.perf_counter() - start, total / 1e9, float("nan"), count)
 
+    def _bitwise(self, m) -> tuple[float, int, str, int]:
+        """Rank 0: ``(the engine's seconds on it, tensors verified, first tensor that differs, how many)`` for one
+        engine's Loaded reply ``m``:
+        what it received against what was sent (the transport), then what it holds against what arrived (its load).
+        """
+        report, sent = m.bitwise, self.sent.get(m.version)
+        if report is None or sent is None:
+            return math.nan, 0, "", 0
+        bad = [n for n, c in sent.items() if report.received.get(n) != c] + list(report.differs)
+        return report.seconds, len(sent) - len(report.unverified), (bad[0] if bad else ""), len(bad)
+
     def verify(self, upto: int) -> tuple[float, float]:
-        """Collective: compare the probes the engines returned for every version <= ``upto`` (waiting for all of
-        ``upto``'s, when still pending) with the actor's; raise WeightSyncError above the tolerance. Returns
-        ``(max diff, max quantization gap)``, nan when nothing was compared."""
+        """Collective: check the loads the engines answered for every version <= ``upto`` (waiting for all of
+        ``upto``'s, when still pending): bit for bit (raises WeightSyncError naming the first tensor that differs),
+        then their probes against the actor's (raises above a tolerance). Returns ``(max diff, max quantization
+        gap)``, nan when no probe was compared. Keeps the newest greedy continuation for the next version's probe."""
         payload = None
         if self.sender is not None:
-            needed = self.engines.count - self._answers.get(upto, 0) if upto in self.pending else 0
+            waiting = upto in self.pending or upto in self.sent
+            needed = self.engines.count - self._answers.get(upto, 0) if waiting else 0
+            loaded = self.engines.take_loaded(upto, needed)
             nan4 = (math.nan, math.nan, math.nan, math.nan)
-            payload = [
+            rows = [
                 (
                     m.version,
                     m.engine,
-                    *(self.compare(m.probe_logprobs, *self.pending[m.version]) if m.version in self.pending else nan4),
+                    *(self._probe_row(m) if m.version in self.pending else nan4),
+                    *self._bitwise(m),
                 )
-                for m in self.engines.take_loaded(upto, needed)
+                for m in loaded
             ]
-        rows = broadcast_from_rank0(payload)
+            newest = max(loaded, key=lambda m: m.version, default=None)
+            payload = (rows, newest.probe_continuation if newest is not None and newest.probe_continuation else None)
+        rows, continuation = broadcast_from_rank0(payload)
+        if continuation is not None:
+            self.continuation = continuation
         for version, *_ in rows:
             self._answers[version] = self._answers.get(version, 0) + 1
             if self._answers[version] == self.engines.count:
                 self.pending.pop(version, None)
+                self.sent.pop(version, None)
                 del self._answers[version]
+        for version, engine, *_, engine_s, verified, first, count in rows:
+            if count:
+                raise_bitwise(first, count, f"engine {engine}, version {version}")
+            if version == upto:
+                self.bitwise_tensors = min(self.bitwise_tensors, verified)
+                self.engine_bitwise_s = max(self.engine_bitwise_s, engine_s)
         compared = [r for r in rows if not math.isnan(r[3])]
         if not compared:
             return math.nan, math.nan
         worst = max(compared, key=lambda r: r[3])
-        self.raise_if_off(worst[2], worst[3])
+        greedy = max((r[4] for r in compared if not math.isnan(r[4])), default=math.nan)
+        self.raise_if_off(worst[2], worst[3], greedy)
+        if upto in {r[0] for r in compared}:
+            self.greedy_logprob_diff = greedy
         return worst[2], max(r[5] for r in compared)
+
+    def _probe_row(self, m) -> tuple[float, float, float, float]:
+        """Rank 0: :meth:`compare` of one engine's probe log-probs of version ``m.version``; the greedy mean is nan
+        when that version's probe had no continuation yet."""
+        actor_lp, ref_lp, probe = self.pending[m.version]
+        diff, scaled, greedy, gap = self.compare(m.probe_logprobs, actor_lp, ref_lp, probe)
+        return diff, scaled, greedy if bool(probe.response_mask.any()) else math.nan, gap
 
     def sync(self, version: int = 0, wait: bool = True) -> SyncResult:
         """Push ``version``; with ``wait`` wait for every engine's probe of it and verify (raises above the
         tolerance), as the colocated sync does; without, ``max_logprob_diff`` is nan (verified later, when the
         first samples of ``version`` are taken)."""
         pushed = self.push_version(version)
+        self.bitwise_tensors = 1 << 62  # the least any engine verified of this version (verify sets it)
+        self.greedy_logprob_diff = math.nan
+        self.engine_bitwise_s = 0.0  # the slowest engine's time on the check (verify sets it)
         diff, gap = self.verify(version) if wait else (math.nan, math.nan)
-        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap)
+        verified = self.bitwise_tensors if self.bitwise_tensors < 1 << 62 else 0
+        greedy = self.greedy_logprob_diff
+        bitwise_s = self._bitwise_s + self.engine_bitwise_s  # the sender's fingerprints, then the engines'
+        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap, greedy, bitwise_s, verified)

@@ -2,12 +2,21 @@
 
     actor.export_hf_weights()  -> (hf_name, full tensor), one at a time, on every rank
     iter_buckets(...)          -> buckets of sync.bucket_mb (engines that load in place: one tensor each)
+      Recorder                 -> an exact integer fingerprint of each tensor as sent, in the engine's dtype
     engine.update_weights(...) -> the engine loads them (HF: copy by name; vLLM: its layerwise reload)
+    bitwise check              -> the engine's fingerprints of what it holds == the sent ones, tensor by tensor
     probe                      -> engine log-probs == actor log-probs (within tol) on fixed random
                                   prompts and the engine's greedy continuation of them
 
+The bitwise check (``sync.verify_bitwise``, on by default; rollout/weight_checksum.py) is the exact one: a sync
+copies and casts, so the engine must hold bit for bit what was sent, and a tensor that differs is named
+(:class:`WeightSyncError`). In bf16 the probe cannot tell a stale layer from rounding (docs/weight_sync.md);
+it stays for what bits cannot show: the engine computing with them wrongly (a layout, transpose, rope or
+tied-head error, an engine-side transform the check does not read back).
+
 With ``rollout.quantization`` (fp8/nvfp4) the stream passes through modelopt's quantizers first
-(``quantize.py``) and the probe measures two things: transfer exactness against the actor holding the
+(``quantize.py``): the bitwise check compares the engine with the quantize-dequantized tensors sent (HF engine),
+and the probe measures two things: transfer exactness against the actor holding the
 same quantize-dequantized weights for one forward (``sync/max_logprob_diff``, bounded by the tolerance),
 and the quantization gap against the trained weights (``sync/quant_logprob_diff``, logged only).
 
@@ -22,7 +31,7 @@ training" and must never be trained on silently. Two bounds, one tolerance (docs
   within 5e-2 relative.
 
 ``sync.probe_tolerance`` bounds the first (1e-4 float32, 5e-2 bfloat16), ``sync.probe_greedy_tolerance`` the
-second (1e-4, 0.1); the measurements behind the bf16 defaults are in docs/weight_sync.md.
+second (1e-4 float32, 0.25 bfloat16); the measurements behind the bf16 defaults are in docs/weight_sync.md.
 """
 
 from __future__ import annotations
@@ -36,14 +45,27 @@ from pacs_megatron.config import RolloutConfig, SyncConfig
 from pacs_megatron.data.batching import TrainBatch, build_train_batch
 from pacs_megatron.rollout.base import PROBE_LEN, RolloutEngine
 from pacs_megatron.rollout.types import SamplingParams
+from pacs_megatron.rollout.weight_checksum import Recorder, compare
 from pacs_megatron.utils.dist import all_gather_objects
+from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.weight_sync.buckets import iter_buckets
+
+logger = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class WeightSyncError(RuntimeError):
     """The engine does not hold the actor's weights after a sync."""
+
+
+def raise_bitwise(first: str, count: int, where: str) -> None:
+    """:class:`WeightSyncError` for a bitwise mismatch: ``count`` held tensors differ, ``first`` the first."""
+    raise WeightSyncError(
+        f"bitwise check after weight sync: the engine ({where}) does not hold what the actor sent: {first}"
+        f"{f' and {count - 1} more tensor(s)' if count > 1 else ''} differ(s) (a stale or corrupted load; "
+        "sync.verify_bitwise=false skips this check)"
+    )
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,11 @@ class SyncResult:
     quantized rollouts introduce (equals max_logprob_diff without quantization)."""
     greedy_logprob_diff: float = float("nan")
     """Mean |engine - actor| log-prob over the greedy continuation tokens (nan: no probe)."""
+    bitwise_seconds: float = float("nan")
+    """Seconds the bitwise check took: fingerprinting the sent stream, reading the engine back, comparing
+    (nan: not checked)."""
+    bitwise_tensors: int = 0
+    """HF tensors the bitwise check found bit for bit in the engine (0: not checked)."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -78,6 +105,8 @@ class SyncResult:
             "sync/buckets": float(self.buckets),
             "sync/quant_logprob_diff": self.quant_logprob_diff,
             "sync/greedy_logprob_diff": self.greedy_logprob_diff,
+            "sync/bitwise_seconds": self.bitwise_seconds,
+            "sync/bitwise_tensors": float(self.bitwise_tensors),
         }
 
 
@@ -153,6 +182,9 @@ class WeightSync:
         self.send_dtype = None if in_place else self.dtype
         if self.quantizer is not None and getattr(engine, "fp8_weights", False):
             self.send_dtype = None  # FP8 data and float32 scales must arrive as they are (vLLM casts the rest)
+        self.recorder: Recorder | None = None
+        """The fingerprints of the sync in flight (set by :meth:`push`, used by :meth:`check_bitwise`)."""
+        self._told = False  # what the bitwise check cannot read back is logged once
 
     def push(self) -> SyncResult:
         """Stream the weights into the engine (no probe)."""
@@ -167,8 +199,38 @@ class WeightSync:
                 count += 1
                 yield bucket
 
-        self.engine.update_weights(counted())
+        self.recorder = Recorder(getattr(self.engine, "weight_dtype", None)) if self.cfg.verify_bitwise else None
+        self.engine.update_weights(self.recorder.buckets(counted()) if self.recorder else counted())
         return SyncResult(time.perf_counter() - start, nbytes / 1e9, float("nan"), count)
+
+    def check_bitwise(self) -> tuple[float, int]:
+        """Collective: compare the fingerprints of what :meth:`push` sent (cast to the engine's dtype) with those
+        of the tensors the engine holds now (rollout/weight_checksum.py); raise :class:`WeightSyncError` naming
+        the first that differs, on every rank. ``(seconds, tensors verified)``; ``(nan, 0)`` when off or when
+        the engine cannot be read back."""
+        start = time.perf_counter()
+        held = self.engine.weight_checksums() if self.recorder and hasattr(self.engine, "weight_checksums") else None
+        bad: list[str] = []
+        verified = 0
+        if held is not None:
+            bad, unverified = compare(self.recorder.sums, held)
+            verified = len(self.recorder.sums) - len(unverified)
+            if unverified and not self._told:
+                logger.info(
+                    "bitwise sync check: %d of %d tensors read back; not read back (probe only): %s%s",
+                    verified, len(self.recorder.sums), unverified[:6], " ..." if len(unverified) > 6 else "",
+                )  # fmt: skip
+        elif self.recorder is not None and not self._told:
+            logger.warning("bitwise sync check: %s cannot be read back; probe only", type(self.engine).__name__)
+        self._told = True
+        seconds = self.recorder.seconds + time.perf_counter() - start if held is not None else float("nan")
+        self.recorder = None
+        # every rank checked its own engine: all raise, or none (the next collective would hang)
+        verdicts = all_gather_objects((bad[:1], len(bad)))
+        for rank, (first, count) in enumerate(verdicts):
+            if count:
+                raise_bitwise(first[0], count, f"rank {rank}")
+        return seconds, verified
 
     def _stream(self):
         """The actor's export, through the quantizer when rollouts are quantized. An engine with FP8
@@ -260,6 +322,7 @@ class WeightSync:
         """Push, then probe; raise :class:`WeightSyncError` above the tolerance. ``version`` (the RL step of the
         weights) matters only to engines on other ranks, which stamp their samples with it (remote.py)."""
         pushed = self.push()
+        bit_s, bit_n = self.check_bitwise()  # exact: first, and its error names the tensor
         diff, scaled, greedy, gap = self.check()
         self.raise_if_off(diff, scaled, greedy)
-        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap, greedy)
+        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap, greedy, bit_s, bit_n)

@@ -75,7 +75,14 @@ def test_push_counts_buckets_and_bytes_and_casts():
     dtypes = {n: t.dtype for b in engine.received for n, t in b}
     assert dtypes == {"a": torch.bfloat16, "b": torch.bfloat16, "ids": torch.int64}
     m = SyncResult(
-        seconds=2.0, gbytes=1.0, max_logprob_diff=0.5, buckets=3, quant_logprob_diff=0.7, greedy_logprob_diff=0.1
+        seconds=2.0,
+        gbytes=1.0,
+        max_logprob_diff=0.5,
+        buckets=3,
+        quant_logprob_diff=0.7,
+        greedy_logprob_diff=0.1,
+        bitwise_seconds=0.3,
+        bitwise_tensors=5,
     ).metrics()
     assert m == {
         "sync/seconds": 2.0,
@@ -85,6 +92,8 @@ def test_push_counts_buckets_and_bytes_and_casts():
         "sync/buckets": 3.0,
         "sync/quant_logprob_diff": 0.7,
         "sync/greedy_logprob_diff": 0.1,
+        "sync/bitwise_seconds": 0.3,
+        "sync/bitwise_tensors": 5.0,
     }
 
 

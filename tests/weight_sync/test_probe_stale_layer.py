@@ -62,6 +62,7 @@ class StaleLayerEngine:
     def __init__(self, engine, stale: dict[str, torch.Tensor]):
         self.engine, self.stale = engine, stale
         self.loads_in_place = getattr(engine, "loads_in_place", False)
+        self.weight_dtype, self.weight_checksums = engine.weight_dtype, engine.weight_checksums
 
     def update_weights(self, buckets):
         return self.engine.update_weights([[(n, self.stale.get(n, t)) for n, t in b] for b in buckets])
@@ -84,13 +85,13 @@ def _relative_only(engine, actor, vocab: int) -> float:
 
 def _check(model_dir: Path, tok, layer: int, scale: float, match: str = "greedy continuation", greedy: float = -1.0):
     """(the correct bf16 sync's result, the old relative-only check's value on the stale engine);
-    ``greedy``: sync.probe_greedy_tolerance (-1: the bf16 default)."""
+    ``greedy``: sync.probe_greedy_tolerance (-1: the bf16 default). The probe alone (no bitwise check)."""
     from pacs_megatron.rollout.hf_engine import HFEngine
 
     engine = HFEngine(model_dir, tok, dtype=torch.bfloat16, seed=0)
     actor = HFActor(model_dir)
     vocab = actor.model.config.vocab_size
-    cfg = SyncConfig(dtype="bfloat16", probe_greedy_tolerance=greedy)
+    cfg = SyncConfig(dtype="bfloat16", probe_greedy_tolerance=greedy, verify_bitwise=False)
     sync = WeightSync(actor, engine, cfg, vocab, torch.float32)
     assert sync.tolerance == 5e-2
     correct = sync.sync()  # the actor's weights, in bf16: passes
@@ -107,6 +108,35 @@ def test_trained_like_model_stale_layer_fails_the_bf16_probe(tmp_path):
     context part ranks those 4 (greedy tokens at about -0.7). A layer moved by 0.35 of its weights' std
     and left stale is 1.5 nats on random tokens but 0.044 relative: the relative check misses it; on the
     greedy tokens it is 0.12 nats on average (a correct bf16 sync: 0.0025, 0.0068 relative)."""
+    model_dir, tok = _trained_like_model(tmp_path)
+    # At 0.1: the bf16 default is 0.25 since a correct bf16-vs-bf16 sync of SmolLM2 measured 0.106 after
+    # 20 training steps (docs/weight_sync.md); a recipe that wants this layer caught sets 0.1.
+    correct, missed = _check(model_dir, tok, layer=2, scale=0.35, greedy=0.1)
+    assert correct.greedy_logprob_diff < 0.03 and missed < 5e-2
+
+
+def test_the_bitwise_check_catches_the_stale_layer_the_bf16_probe_passes(tmp_path):
+    """The same stale layer under the default bf16 bounds: the probe passes it (0.044 relative, 0.12 greedy
+    against 5e-2 and 0.25), the bitwise check (sync.verify_bitwise, default on) names its first tensor."""
+    from pacs_megatron.rollout.hf_engine import HFEngine
+
+    model_dir, tok = _trained_like_model(tmp_path)
+    engine = HFEngine(model_dir, tok, dtype=torch.bfloat16, seed=0)
+    actor = HFActor(model_dir)
+    vocab = actor.model.config.vocab_size
+    assert WeightSync(actor, engine, SyncConfig(dtype="bfloat16"), vocab, torch.float32).sync().bitwise_tensors > 0
+    wrong = StaleLayerEngine(engine, actor.move_layer(2, 0.35))
+    probe_only = SyncConfig(dtype="bfloat16", verify_bitwise=False)
+    passed = WeightSync(actor, wrong, probe_only, vocab, torch.float32).sync()  # the bf16 probe: no error
+    assert passed.greedy_logprob_diff > 0.05  # the stale layer is there, under the 0.25 bound
+    with pytest.raises(
+        WeightSyncError, match=r"bitwise check .* model\.layers\.2\.self_attn\.q_proj\.weight and 6 more"
+    ):
+        WeightSync(actor, wrong, SyncConfig(dtype="bfloat16"), vocab, torch.float32).sync()
+
+
+def _trained_like_model(tmp_path: Path):
+    """(model dir, tokenizer) of the tiny Qwen2 with a trained model's log-prob statistics (see the first test)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from pacs_megatron.config import TinyModelConfig
@@ -137,10 +167,7 @@ def test_trained_like_model_stale_layer_fails_the_bf16_probe(tmp_path):
         bias[likely] = 0.0
         model.lm_head.weight[:, 0] = bias
     model.save_pretrained(model_dir)
-    # At 0.1: the bf16 default is 0.25 since a correct bf16-vs-bf16 sync of SmolLM2 measured 0.106 after
-    # 20 training steps (docs/weight_sync.md); a recipe that wants this layer caught sets 0.1.
-    correct, missed = _check(model_dir, tok, layer=2, scale=0.35, greedy=0.1)
-    assert correct.greedy_logprob_diff < 0.03 and missed < 5e-2
+    return model_dir, tok
 
 
 @pytest.mark.slow

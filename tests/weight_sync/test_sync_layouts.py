@@ -100,7 +100,7 @@ def _sync_body(rank, world, model_dir, tp, pp):
 
     sync = WeightSync(actor, engine, cfg.sync, hf_cfg["vocab_size"], actor.param_dtype)
     res = sync.sync()
-    out |= {"probe": res.max_logprob_diff, "buckets": res.buckets, "gbytes": res.gbytes}
+    out |= {"probe": res.max_logprob_diff, "buckets": res.buckets, "gbytes": res.gbytes, "bitwise": res.bitwise_tensors}
     out["after"] = _max_diff(actor, engine, batch)
 
     try:
@@ -143,6 +143,7 @@ def test_sync_into_hf_engine(model_dirs, layout, tp, pp, model):
         assert r["probe"] <= 1e-5 and r["after"] <= 1e-5, where
         assert r["buckets"] == r["params"] and r["gbytes"] > 0, where  # the HF engine streams tensor by tensor
         assert "does not hold the actor's weights" in r["corrupt"] and r["corrupt_diff"] > 1e-3, where
+        assert r["bitwise"] == r["params"], where  # every parameter bit for bit (sync.verify_bitwise)
         assert r["small_buckets"] > 5 and r["written"] == r["params"], where
         assert r["restored"] <= 1e-5, where
         assert "left 1 parameters unwritten" in r["drop"] and DROP in r["drop"], where

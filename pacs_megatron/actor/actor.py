@@ -223,7 +223,8 @@ class MegatronActor:
         micro-batches and LM-head rows of :meth:`compute_logprobs` (collective)."""
         if self.reference is None:
             raise ValueError(
-                "compute_ref_logprobs needs a reference policy: set algorithm.kl_loss_coef > 0 or algorithm.pacs.anchor=reference"
+                "compute_ref_logprobs needs a reference policy: set algorithm.kl_loss_coef > 0 or "
+                "algorithm.pacs.anchor=reference"
             )
         packed = self._packed(batch, mini_batch_groups)
         only = response_only and self.response_logits

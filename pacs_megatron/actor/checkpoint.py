@@ -174,7 +174,12 @@ def _restore_zero_steps(state: object) -> None:
     come from that: it gets step 0 back."""
     if isinstance(state, dict):
         for value in state.values():
-            if isinstance(value, dict) and "exp_avg" in value and "step" not in value and torch.is_tensor(value["exp_avg"]):
+            if (
+                isinstance(value, dict)
+                and "exp_avg" in value
+                and "step" not in value
+                and torch.is_tensor(value["exp_avg"])
+            ):
                 value["step"] = torch.zeros((), dtype=torch.float32, device=value["exp_avg"].device)
             else:
                 _restore_zero_steps(value)

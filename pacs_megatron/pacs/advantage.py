@@ -58,7 +58,8 @@ def group_advantage(
     Example:
         >>> group_advantage(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, "rloo").tolist()
         [1.0, -1.0, -1.0, 1.0]
-        >>> group_advantage(torch.tensor([1.0, 0.0, 0.5, 3.0]), 4, "rloo", keep=torch.tensor([1, 1, 1, 0]).bool()).tolist()
+        >>> keep = torch.tensor([True, True, True, False])  # row 3 leaves its group
+        >>> group_advantage(torch.tensor([1.0, 0.0, 0.5, 3.0]), 4, "rloo", keep=keep).tolist()
         [0.75, -0.75, 0.0, 0.0]
     """
     check_groups(values.numel(), group_size)
@@ -109,7 +110,9 @@ def _kept_group_advantage(
         mean = torch.where(alone, torch.zeros_like(total), total / count.clamp(min=1))
         centred = r - mean
         if norm_by_std:
-            var = torch.where(k, centred, torch.zeros_like(centred)).square().sum(1, keepdim=True) / (count - 1).clamp(min=1)
+            var = torch.where(k, centred, torch.zeros_like(centred)).square().sum(1, keepdim=True) / (count - 1).clamp(
+                min=1
+            )
             # sqrt has an infinite slope at 0 (all kept values equal, e.g. psi = 0 at a step's start): take it
             # where var > 0 only, so the gradient there is 0 as torch.std's is, not 0 * inf = NaN
             positive = var > 0

@@ -80,7 +80,9 @@ def class_weights(
     n_pos_k = (grouped * k).sum(dim=1, keepdim=True)
     n_kept = k.sum(dim=1, keepdim=True)
     n_neg_k = n_kept - n_pos_k
-    w_kept = torch.where(grouped > 0.5, n_kept / (2.0 * n_pos_k.clamp(min=1.0)), n_kept / (2.0 * n_neg_k.clamp(min=1.0)))
+    w_kept = torch.where(
+        grouped > 0.5, n_kept / (2.0 * n_pos_k.clamp(min=1.0)), n_kept / (2.0 * n_neg_k.clamp(min=1.0))
+    )
     w_kept = torch.where((n_pos_k > 0) & (n_neg_k > 0), w_kept, torch.ones_like(w_kept))
     return torch.where(n_kept < group_size, w_kept, w).reshape(-1)
 

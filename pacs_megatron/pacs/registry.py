@@ -108,7 +108,9 @@ def get_loss(name: str) -> LossSpec:
 
 @register_loss("pacs")
 def _pacs(x: LossInputs, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    return pacs_loss(x.logp, pacs_anchor(x, cfg), x.response_mask, x.scores, x.group_size, cfg, x.group_ids, x.is_weights)
+    return pacs_loss(
+        x.logp, pacs_anchor(x, cfg), x.response_mask, x.scores, x.group_size, cfg, x.group_ids, x.is_weights
+    )
 
 
 def pacs_anchor(x: LossInputs, cfg: Any) -> torch.Tensor:

@@ -45,7 +45,13 @@ def test_qwen3_v2_recipes_dry_run_and_doctor(size, data_root, tmp_path, monkeypa
 
     cfg = load_config(recipe, over)
     a, t = cfg.algorithm, cfg.trainer
-    assert (a.loss, a.pacs.anchor, a.pacs.beta, a.pacs.adv_estimator, a.kl_loss_coef) == ("pacs", "reference", 1.0, "rloo", 0)
+    assert (a.loss, a.pacs.anchor, a.pacs.beta, a.pacs.adv_estimator, a.kl_loss_coef) == (
+        "pacs",
+        "reference",
+        1.0,
+        "rloo",
+        0,
+    )
     assert a.reference_reset_every > 0 and a.needs_reference
     assert (t.train_batch_size, a.mini_batch_size, a.micro_batch_size, cfg.rollout.n) == (1024, 256, 8, 8)
     assert (cfg.optimizer.lr, cfg.data.max_prompt_length, cfg.rollout.max_response_length) == (1e-6, 1024, 8192)

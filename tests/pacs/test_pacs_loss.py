@@ -221,8 +221,15 @@ def test_masked_row_gradient_is_zero_even_when_its_logprobs_are_nan(est):
     logp[2, 1] = float("nan")  # a dropped row may hold anything
     logp.requires_grad_(True)
     w = torch.tensor([[1.0], [1.0], [0.0], [1.0]], dtype=torch.float64)
-    loss, m = pacs_loss(logp, old, torch.ones(b, 3, dtype=torch.bool), torch.tensor([1.0, 0.0, 1.0, 0.0]), 4,
-                        PACSConfig(adv_estimator=est), is_weights=w)
+    loss, m = pacs_loss(
+        logp,
+        old,
+        torch.ones(b, 3, dtype=torch.bool),
+        torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        4,
+        PACSConfig(adv_estimator=est),
+        is_weights=w,
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and bool((logp.grad[2] == 0).all())
     assert torch.isfinite(m["pacs/psi_mean"])

@@ -15,7 +15,8 @@ the actor over the same local batch and evaluates the same loss against the roll
 ``algorithm.pacs.anchor=reference`` (PACS v2) r is measured against the reference, as the loss does, so the
 in-update values are non-zero from the second step on and ``post_*`` show the classifier after the update.
 With several mini-batches or epochs the in-update ``pacs/*`` mean something too; ``post_*`` is then the
-state after all of them. Switch: ``logging.post_update_metrics``; cost: one forward of the batch without grad (the old-log-prob pass's price).
+state after all of them. Switch: ``logging.post_update_metrics``; cost: one forward of the batch without
+grad (the old-log-prob pass's price).
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/lo
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 
-def _nvcc(src: Path, out: Path, mode: str = "-c") -> subprocess.CompletedProcess:
+def _nvcc(src: Path, out: Path, mode: str = "-c", lang: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     cmd = [
         NVCC,
+        *lang,
         mode,
         "-arch=sm_90",
         "-std=c++20",
@@ -56,6 +57,17 @@ def test_cuda_op_compiles(tmp_path):
         "partial_kernel<c10::BFloat16",
         "backward_kernel<c10::BFloat16",
     ):
+        assert name in symbols, f"{name} missing from the object file"
+
+
+def test_fused_head_cuda_branch_compiles(tmp_path):
+    """csrc/head.cpp (the fused LM head, issue 44) with its CUDA branch on: at::mm (cuBLAS) per logits block plus
+    the CUDA row kernels above. Compiled by nvcc as CUDA source, as the CUDA build would see it; never run."""
+    obj = tmp_path / "head_cuda.o"
+    res = _nvcc(REPO / "csrc" / "head.cpp", obj, lang=("-x", "cu"))
+    assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-6000:]}"
+    symbols = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True).stdout
+    for name in ("pacs::head_partial", "pacs::head_backward", "pacs::partial_cuda", "pacs::backward_cuda"):
         assert name in symbols, f"{name} missing from the object file"
 
 

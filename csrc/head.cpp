@@ -1,20 +1,24 @@
 // Fused LM head + log-prob op (issue 44): hidden states and the vocab-parallel output weight in, the
-// per-row partial stats out, without ever holding more than one [chunk, V] block of logits.
+// per-row partial stats out, without ever holding more than one [N, Vc] block of logits.
 // Legend as in logprob.h, plus:
 //   H      hidden size; hidden [N, H] (row n = token n), weight [V, H] (this rank's vocab shard)
-//   C      rows per chunk (`chunk`): the logits block is [C, V], reused for every chunk
-//   Vr     real (unpadded) columns of this shard; columns [Vr, V) are megatron's vocab padding
+//   Vc     vocab columns per block (`block`): the logits block is [N, Vc], reused for every block
+//   K      blocks, ceil(V / Vc); Vr real (unpadded) columns of this shard, [Vr, V) is megatron's padding
 //
-// Forward, per chunk:  z = hidden[c] @ weight^T  (at::mm: oneDNN/MKL on CPU, cuBLAS on CUDA), the padded
-//   columns set to -1e30 as actor/model.py mask_padded_vocab does, then the row kernel of logprob_cpu.cpp /
-//   logprob_cuda.cu streams the block once for (max, sum-exp, target z, entropy term). The block stays hot in
-//   cache between the GEMM and the row kernel on CPU when C * V is small.
-// Backward, per chunk: recompute the block (the GEMM again: nothing [N, V] was saved), the row kernel writes
-//   d loss / d z into the block in place, then grad_hidden[c] = g @ weight and grad_weight += g^T @ hidden[c].
-//   grad_weight is accumulated in fp32 for bf16/fp16 (one rounding at the end, as a single unfused GEMM
-//   would round once), in the weight's dtype otherwise.
-// The collectives (one all-gather of the [N, 4] stats, the TP all-reduce of grad_hidden) stay in Python
-// (pacs_megatron/ops/head.py), as for the logits op.
+// Why blocks of vocab columns (not of rows): backward then writes each block's grad_weight rows once, with
+// one GEMM of depth N (g^T @ hidden), and accumulates only grad_hidden [N, H] over blocks. Blocks of rows
+// would accumulate the whole [V, H] grad_weight once per block instead: V / N times more accumulator
+// traffic, and N (the response tokens of a micro-batch) is well below V (49k-152k) in this project.
+//
+// Forward, per block k:  z = hidden @ weight[k]^T  (at::mm: oneDNN/MKL on CPU, cuBLAS on CUDA), padded columns
+//   set to -1e30 as actor/model.py mask_padded_vocab does, then the row kernel of logprob_cpu.cpp /
+//   logprob_cuda.cu streams the block once for its (max, sum-exp, target z, entropy term) per row: [K, N, 4].
+//   The blocks are to the row what TP shards are: the Python side all-gathers [K, N, 4] over TP (still one
+//   collective) and combine_row merges the W * K partial stats by max rescaling (the running max / sum-exp).
+// Backward, per block: recompute z (nothing [N, V] was saved), the row kernel writes d loss / d z into the
+//   block in place (global lse and entropy come in rowp), grad_weight[k] = g^T @ hidden, grad_hidden += g @
+//   weight[k] (in fp32 for bf16/fp16: one rounding at the end, as a single unfused GEMM rounds once).
+// The collectives (the stats all-gather, the TP all-reduce of grad_hidden) stay in Python (ops/head.py).
 //
 // Device: the same code runs on CPU and CUDA tensors; only the row kernels differ (partial_cpu/_cuda,
 // backward_cpu/_cuda) and at::mm picks the BLAS. The CUDA branch is compiled by nvcc in
@@ -51,7 +55,7 @@ void backward_any(const at::Tensor& logits, const at::Tensor& targets, const at:
 }
 
 void check_head(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, int64_t valid_local,
-                int64_t chunk) {
+                int64_t block) {
   TORCH_CHECK(hidden.dim() == 2, "hidden must be 2-D [N, H], got sizes ", hidden.sizes());
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), "weight must be [V_local, H] with H = ",
               hidden.size(1), " (the hidden size), got sizes ", weight.sizes());
@@ -71,43 +75,44 @@ void check_head(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
               hidden.device());
   TORCH_CHECK(valid_local >= 0 && valid_local <= weight.size(0), "valid_local must be in [0, V_local = ",
               weight.size(0), "], got ", valid_local);
-  TORCH_CHECK(chunk > 0, "chunk (rows per logits block) must be positive, got ", chunk);
+  TORCH_CHECK(block > 0, "block (vocab columns per logits block) must be positive, got ", block);
 }
 
-// Logits of rows [r0, r0 + c) into the first c rows of buf, as a [1, c, V] view for the row kernels.
-at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, int64_t r0, int64_t c,
+int64_t num_blocks(int64_t vocab, int64_t block) { return (vocab + block - 1) / block; }
+
+// Logits of vocab columns [v0, v0 + c) for every row, into the front of buf as a contiguous [N, c] tensor.
+at::Tensor block_logits(const at::Tensor& hidden, const at::Tensor& weight, int64_t v0, int64_t c,
                         const at::Tensor& buf, int64_t valid_local) {
-  at::Tensor z = buf.narrow(0, 0, c);
-  at::mm_out(z, hidden.narrow(0, r0, c), weight.t());
-  const int64_t V = weight.size(0);
+  at::Tensor z = buf.narrow(0, 0, hidden.size(0) * c).view({hidden.size(0), c});
+  at::mm_out(z, hidden, weight.narrow(0, v0, c).t());
   // mask_padded_vocab's constant (finite: keeps p * z finite in the entropy); fp16's lowest value in fp16
-  if (valid_local < V) z.narrow(1, valid_local, V - valid_local).fill_(z.scalar_type() == at::kHalf ? -65504.0 : -1e30);
-  return z.unsqueeze(0);
+  const int64_t real = std::max<int64_t>(0, std::min<int64_t>(c, valid_local - v0));
+  if (real < c) z.narrow(1, real, c - real).fill_(z.scalar_type() == at::kHalf ? -65504.0 : -1e30);
+  return z;
 }
 
 }  // namespace
 
 at::Tensor head_partial(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                        int64_t vocab_start, double inv_temp, bool with_entropy, int64_t valid_local, int64_t chunk) {
-  check_head(hidden, weight, targets, valid_local, chunk);
-  const int64_t N = hidden.size(0), V = weight.size(0);
-  at::Tensor stats = at::empty({N, kStats}, hidden.options().dtype(acc_type_for(hidden.scalar_type())));
+                        int64_t vocab_start, double inv_temp, bool with_entropy, int64_t valid_local, int64_t block) {
+  check_head(hidden, weight, targets, valid_local, block);
+  const int64_t N = hidden.size(0), V = weight.size(0), Vc = std::min(block, V), K = num_blocks(V, Vc);
+  at::Tensor stats = at::empty({K, N, kStats}, hidden.options().dtype(acc_type_for(hidden.scalar_type())));
   if (N == 0) return stats;
-  const int64_t C = std::min(chunk, N);
   at::Tensor h = hidden.contiguous(), w = weight.contiguous();
-  at::Tensor buf = at::empty({C, V}, h.options());  // the only logits this op ever holds
-  for (int64_t r0 = 0; r0 < N; r0 += C) {
-    const int64_t c = std::min(C, N - r0);
-    at::Tensor z = chunk_logits(h, w, r0, c, buf, valid_local);
-    stats.narrow(0, r0, c).copy_(partial_any(z, targets.narrow(0, r0, c), vocab_start, inv_temp, with_entropy));
+  at::Tensor buf = at::empty({N * Vc}, h.options());  // the only logits this op ever holds
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t v0 = k * Vc, c = std::min(Vc, V - v0);
+    at::Tensor z = block_logits(h, w, v0, c, buf, valid_local);
+    stats[k].copy_(partial_any(z.unsqueeze(0), targets, vocab_start + v0, inv_temp, with_entropy));
   }
   return stats;
 }
 
 at::Tensor head_backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                          const at::Tensor& rowp, int64_t vocab_start, double inv_temp, bool with_entropy,
-                         int64_t valid_local, int64_t chunk, const at::Tensor& grad_hidden) {
-  check_head(hidden, weight, targets, valid_local, chunk);
+                         int64_t valid_local, int64_t block, const at::Tensor& grad_hidden) {
+  check_head(hidden, weight, targets, valid_local, block);
   const int64_t N = hidden.size(0), V = weight.size(0), H = hidden.size(1);
   const auto acc = acc_type_for(hidden.scalar_type());
   TORCH_CHECK(rowp.dim() == 2 && rowp.size(0) == N && rowp.size(1) == kStats && rowp.is_contiguous() &&
@@ -117,30 +122,35 @@ at::Tensor head_backward(const at::Tensor& hidden, const at::Tensor& weight, con
   TORCH_CHECK(grad_hidden.sizes() == hidden.sizes() && grad_hidden.is_contiguous() &&
                   grad_hidden.scalar_type() == hidden.scalar_type() && grad_hidden.device() == hidden.device(),
               "grad_hidden must be a contiguous tensor shaped and typed like hidden ", hidden.sizes());
-  // fp32 accumulator for half types: each chunk's product is one GEMM, the sum over chunks stays in fp32
-  at::Tensor gw = at::zeros({V, H}, weight.options().dtype(acc));
-  if (N == 0) return gw.to(weight.scalar_type());
-  const int64_t C = std::min(chunk, N);
+  at::Tensor gw = at::empty({V, H}, weight.options());
+  // grad_hidden sums over blocks: in place for fp32/fp64, in an fp32 accumulator for half types
+  const bool direct = acc == hidden.scalar_type();
+  at::Tensor gh = direct ? grad_hidden : at::zeros({N, H}, hidden.options().dtype(acc));
+  if (direct) gh.zero_();
+  if (N == 0) return gw.zero_();
+  const int64_t Vc = std::min(block, V), K = num_blocks(V, Vc);
   at::Tensor h = hidden.contiguous(), w = weight.contiguous();
-  at::Tensor buf = at::empty({C, V}, h.options());
-  for (int64_t r0 = 0; r0 < N; r0 += C) {
-    const int64_t c = std::min(C, N - r0);
-    at::Tensor z = chunk_logits(h, w, r0, c, buf, valid_local);
-    backward_any(z, targets.narrow(0, r0, c), rowp.narrow(0, r0, c), vocab_start, inv_temp, with_entropy, z);
-    const at::Tensor g = z.squeeze(0);  // d loss / d logits of the chunk, in the hidden states' dtype
+  at::Tensor buf = at::empty({N * Vc}, h.options());
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t v0 = k * Vc, c = std::min(Vc, V - v0);
+    at::Tensor g = block_logits(h, w, v0, c, buf, valid_local);
+    at::Tensor g3 = g.unsqueeze(0);
+    backward_any(g3, targets, rowp, vocab_start + v0, inv_temp, with_entropy, g3);  // d loss / d z, in place
     // padded columns are constants (mask_padded_vocab's masked_fill passes them no gradient), even if a
     // target id points into the padding
-    if (valid_local < V) g.narrow(1, valid_local, V - valid_local).zero_();
-    at::Tensor gh = grad_hidden.narrow(0, r0, c);
-    at::mm_out(gh, g, w);
-    const at::Tensor hc = h.narrow(0, r0, c);
-    if (gw.scalar_type() == g.scalar_type()) {
-      gw.addmm_(g.t(), hc);
+    const int64_t real = std::max<int64_t>(0, std::min<int64_t>(c, valid_local - v0));
+    if (real < c) g.narrow(1, real, c - real).zero_();
+    at::Tensor gw_k = gw.narrow(0, v0, c);
+    at::mm_out(gw_k, g.t(), h);  // this block's weight rows, written once
+    const at::Tensor w_k = w.narrow(0, v0, c);
+    if (direct) {
+      gh.addmm_(g, w_k);
     } else {
-      gw.add_(at::mm(g.t(), hc));
+      gh.add_(at::mm(g, w_k));
     }
   }
-  return gw.scalar_type() == weight.scalar_type() ? gw : gw.to(weight.scalar_type());
+  if (!direct) grad_hidden.copy_(gh);
+  return gw;
 }
 
 }  // namespace pacs

@@ -1,10 +1,13 @@
 """Fused LM head + log-prob (issue 44): hidden states and the vocab-parallel output weight in, per-token
 log-probs and entropy out, without ever materialising the ``[N, V]`` logits or their gradient.
 
-    hidden [N, H] --(C rows at a time: z = h @ W^T, [C, V_local])--> per-row stats [N, 4]
-        --one all-gather over tp_group--> [W, N, 4] --combine--> (logp, lse, entropy) [N]
-    backward: per chunk, recompute z, write d/dz into the block, grad_hidden[c] = g @ W,
-        grad_weight += g^T @ h[c]; then ONE all-reduce of grad_hidden over tp_group
+    hidden [N, H] --(Vc vocab columns at a time: z = h @ W[k]^T, [N, Vc])--> per-block row stats [K, N, 4]
+        --one all-gather over tp_group--> [W * K, N, 4] --combine (running max / sum-exp)--> (logp, lse, H) [N]
+    backward: per block, recompute z, write d/dz into the block, grad_weight[k] = g^T @ h,
+        grad_hidden += g @ W[k]; then ONE all-reduce of grad_hidden over tp_group
+
+Blocks of vocab columns, not of rows: each block's grad_weight rows are written once, and only grad_hidden
+[N, H] is accumulated (csrc/head.cpp says why that matters on CPU).
 
 Why the all-reduce: megatron's ``ColumnParallelLinear`` output layer (no sequence parallelism) copies its
 input to every TP rank (``copy_to_tensor_model_parallel_region``: identity forward, all-reduce backward),
@@ -14,9 +17,10 @@ sequence with megatron's ``gather_from_sequence_parallel_region`` (whose backwar
 per-rank partial gradients) and passes ``reduce_grad_input=False``. grad_weight stays per rank (each rank
 owns its vocab rows), as megatron's layer leaves it.
 
-Memory beyond the inputs: the ``[C, V_local]`` block, a weight-sized fp32 grad_weight accumulator in
-backward (for bf16/fp16 weights), and a few floats per row; nothing ``[N, V]`` is saved for backward.
-The price is one more GEMM in a training step (backward recomputes the chunk's logits): the upstream
+Memory beyond the inputs: the ``[N, Vc]`` block (``PACS_HEAD_BLOCK_BYTES``, 32 MiB by default: at most one
+``[chunk, V_local]`` of logits), grad_hidden (an fp32 accumulator for bf16/fp16) and grad_weight in backward,
+and 4 floats per row and block; nothing ``[N, V]`` is saved for backward.
+The price is one more GEMM in a training step (backward recomputes each block's logits): the upstream
 gradient of log p is only known after the PACS loss, so the gradient cannot be formed in forward as
 Liger's cross-entropy does.
 
@@ -24,7 +28,8 @@ Implementations: ``pacs_megatron._C.head_partial / head_backward`` (csrc/head.cp
 or the pure-torch twin in ``ops/head_reference.py``; chosen like the logits op (``impl=`` / env
 ``PACS_LOGPROB_IMPL``). The CUDA path was never run (written without a GPU).
 
-Legend: B, T leading dims; N = B * T rows; H hidden; V = V_local vocab shard; W tp world; C chunk rows.
+Legend: B, T leading dims; N = B * T rows; H hidden; V = V_local vocab shard; W tp world; Vc block columns;
+K = ceil(V / Vc) blocks.
 """
 
 from __future__ import annotations
@@ -43,9 +48,9 @@ from pacs_megatron.utils.logging import get_logger, warn_once
 
 logger = get_logger(__name__)
 
-CHUNK_BYTES_ENV = "PACS_HEAD_CHUNK_BYTES"
-DEFAULT_CHUNK_BYTES = 16 << 20
-"""Budget of the logits block (in the hidden states' dtype) when ``chunk_rows`` is not given."""
+BLOCK_BYTES_ENV = "PACS_HEAD_BLOCK_BYTES"
+DEFAULT_BLOCK_BYTES = 32 << 20
+"""Budget of the logits block (in the hidden states' dtype) when ``block_cols`` is not given."""
 
 _REFERENCE = SimpleNamespace(
     head_partial=head_reference.head_partial,
@@ -54,12 +59,12 @@ _REFERENCE = SimpleNamespace(
 )
 
 
-def default_chunk_rows(rows: int, vocab_local: int, dtype: torch.dtype) -> int:
-    """Rows per logits block: ``PACS_HEAD_CHUNK_BYTES`` (default 16 MiB) over one row's bytes, a multiple
-    of 8 (GEMM tiles), at least 8 and at most ``rows``."""
-    budget = int(os.environ.get(CHUNK_BYTES_ENV, DEFAULT_CHUNK_BYTES))
-    per_row = vocab_local * torch.empty((), dtype=dtype).element_size()
-    return max(1, min(rows, max(8, budget // per_row // 8 * 8)))
+def default_block_cols(rows: int, vocab_local: int, dtype: torch.dtype) -> int:
+    """Vocab columns per logits block: ``PACS_HEAD_BLOCK_BYTES`` (default 32 MiB) over one column's bytes
+    (``rows`` values), a multiple of 256 (GEMM tiles, vector width), at least 256, at most ``vocab_local``."""
+    budget = int(os.environ.get(BLOCK_BYTES_ENV, DEFAULT_BLOCK_BYTES))
+    per_col = max(1, rows) * torch.empty((), dtype=dtype).element_size()
+    return max(1, min(vocab_local, max(256, budget // per_col // 256 * 256)))
 
 
 def _backend(device: torch.device, impl: str | None):
@@ -77,23 +82,25 @@ class _FusedHeadFn(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], targets [N]) -> (token_logp [N], entropy [N]); module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, tp_group, with_entropy, vocab_size, chunk, impl, reduce):
+    def forward(ctx, hidden, weight, targets, temperature, tp_group, with_entropy, vocab_size, block, impl, reduce):
         world, rank = tp_world_and_rank(tp_group)
         vocab = weight.size(0)
         valid_local = max(0, min(vocab, vocab_size - rank * vocab))
         inv_temp = 1.0 / temperature
-        stats = impl.head_partial(hidden, weight, targets, rank * vocab, inv_temp, with_entropy, valid_local, chunk)
-        res = impl.logprob_combine(_all_gather_stats(stats, tp_group, world), targets, world * vocab)
+        stats = impl.head_partial(hidden, weight, targets, rank * vocab, inv_temp, with_entropy, valid_local, block)
+        k, n = stats.shape[0], stats.shape[1]  # [K, N, 4]: the blocks merge like TP shards
+        gathered = _all_gather_stats(stats.reshape(k * n, 4), tp_group, world)  # [W, K * N, 4], one collective
+        res = impl.logprob_combine(gathered.reshape(world * k, n, 4), targets, world * vocab)
         logp, lse, entropy = res.t().contiguous().unbind(dim=0)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.meta = (inv_temp, rank, world, with_entropy, valid_local, chunk, impl, tp_group, reduce)
+        ctx.meta = (inv_temp, rank, world, with_entropy, valid_local, block, impl, tp_group, reduce)
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        inv_temp, rank, world, with_entropy, valid_local, chunk, impl, tp_group, reduce = ctx.meta
+        inv_temp, rank, world, with_entropy, valid_local, block, impl, tp_group, reduce = ctx.meta
         nones = (None,) * 8
         use_entropy = with_entropy and g_entropy is not None
         if g_logp is None and not use_entropy:
@@ -108,7 +115,7 @@ class _FusedHeadFn(torch.autograd.Function):
             rowp[:, 3] = entropy
         grad_hidden = torch.empty_like(hidden)
         grad_weight = impl.head_backward(
-            hidden, weight, targets, rowp, rank * weight.size(0), inv_temp, use_entropy, valid_local, chunk, grad_hidden
+            hidden, weight, targets, rowp, rank * weight.size(0), inv_temp, use_entropy, valid_local, block, grad_hidden
         )
         if reduce and world > 1:
             dist.all_reduce(grad_hidden, group=tp_group)  # what ColumnParallelLinear's backward does (docstring)
@@ -147,7 +154,7 @@ def fused_head_logprobs(
     tp_group=None,
     return_entropy: bool = False,
     vocab_size: int | None = None,
-    chunk_rows: int | None = None,
+    block_cols: int | None = None,
     reduce_grad_input: bool = True,
     impl: str | None = None,
 ) -> LogprobOutput:
@@ -163,7 +170,7 @@ def fused_head_logprobs(
         tp_group: the vocab's process group (None: unsharded); one all-gather of [N, 4] in forward.
         return_entropy: also return the per-token entropy (differentiable).
         vocab_size: real vocab ids (global); the padded ids [vocab_size, W * V_local) are masked out.
-        chunk_rows: rows per logits block (default :func:`default_chunk_rows`).
+        block_cols: vocab columns per logits block (default :func:`default_block_cols`).
         reduce_grad_input: all-reduce grad_hidden over ``tp_group`` (False under sequence parallelism: the
             caller's gather reduce-scatters it).
         impl: "ext" | "reference" | "auto" (default: env PACS_LOGPROB_IMPL, else auto).
@@ -176,7 +183,7 @@ def fused_head_logprobs(
     if vocab_size is not None and not 0 < vocab_size <= vocab_global:
         raise ValueError(f"vocab_size={vocab_size} must be in (0, W * V_local = {vocab_global}]")
     hidden2 = hidden.reshape(-1, hidden.size(-1))
-    chunk = chunk_rows or default_chunk_rows(hidden2.size(0), weight.size(0), hidden.dtype)
+    block = block_cols or default_block_cols(hidden2.size(0), weight.size(0), hidden.dtype)
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
     logp, entropy = _FusedHeadFn.apply(
         hidden2,
@@ -186,7 +193,7 @@ def fused_head_logprobs(
         tp_group,
         return_entropy,
         vocab_size or vocab_global,
-        int(chunk),
+        int(block),
         _backend(hidden.device, impl),
         reduce_grad_input,
     )

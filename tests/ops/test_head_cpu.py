@@ -4,7 +4,7 @@ Every case is checked against the unfused path the actor runs without the switch
 (padded vocab columns masked as actor/model.py does) then ``fused_logprobs``, and against the fp64 oracle
 (``reference_logprobs`` on the fp64 product). Gradients of hidden and weight included. fp32: within 1e-5
 relative; bf16: the fused op's error vs fp64 at most 2x the unfused path's own error (both round the logits
-to bf16; the fused op's grad_weight sums its chunks in fp32).
+to bf16; the fused op's grad_hidden sums its vocab blocks in fp32).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from _logprob_helpers import needs_ext
 
 from pacs_megatron.ops import fused_head_logprobs, fused_logprobs, reference_logprobs
 
-B, T, H, V = 3, 7, 24, 203  # N = 21 rows: chunks of 8 leave a ragged last chunk; V odd
+B, T, H, V = 3, 7, 24, 203  # V odd: blocks of 64 columns leave a ragged last block
 
 
 def _case(dtype, seed=0, vocab=V):
@@ -44,13 +44,13 @@ def _pad_mask(logits, vocab_size):
     return logits.masked_fill(pad, -1e30)
 
 
-def _run(kind, hidden, weight, targets, mask, ups, *, temperature, entropy, vocab_size=None, chunk=8, impl="ext"):
+def _run(kind, hidden, weight, targets, mask, ups, *, temperature, entropy, vocab_size=None, block=64, impl="ext"):
     """(token_logp, seq_logp, entropy, grad_hidden, grad_weight) as fp64, for the fused op / unfused / oracle."""
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     kw = dict(temperature=temperature, return_entropy=entropy)
     if kind == "fused":
-        out = fused_head_logprobs(h, w, targets, mask, vocab_size=vocab_size, chunk_rows=chunk, impl=impl, **kw)
+        out = fused_head_logprobs(h, w, targets, mask, vocab_size=vocab_size, block_cols=block, impl=impl, **kw)
     elif kind == "unfused":
         out = fused_logprobs(_pad_mask(h @ w.t(), vocab_size), targets, mask, impl="ext", **kw)
     else:
@@ -67,11 +67,11 @@ def _rel(a, b):
 @needs_ext
 @pytest.mark.parametrize("impl", ["ext", "reference"])
 @pytest.mark.parametrize("entropy", [False, True])
-@pytest.mark.parametrize("temperature,vocab_size,chunk", [(1.0, None, 8), (0.7, 190, 5), (1.3, None, 64)])
-def test_fp32_equals_unfused(impl, entropy, temperature, vocab_size, chunk):
-    case = _case(torch.float32, seed=int(temperature * 10) + chunk)
+@pytest.mark.parametrize("temperature,vocab_size,block", [(1.0, None, 64), (0.7, 190, 5), (1.3, None, 512)])
+def test_fp32_equals_unfused(impl, entropy, temperature, vocab_size, block):
+    case = _case(torch.float32, seed=int(temperature * 10) + block)
     kw = dict(temperature=temperature, entropy=entropy, vocab_size=vocab_size)
-    got = _run("fused", *case, chunk=chunk, impl=impl, **kw)
+    got = _run("fused", *case, block=block, impl=impl, **kw)
     unfused = _run("unfused", *case, **kw)
     oracle = _run("oracle", *[x.double() if x.is_floating_point() else x for x in case[:2]], *case[2:], **kw)
     names = ("token_logp", "seq_logp", "entropy", "grad_hidden", "grad_weight")
@@ -86,7 +86,7 @@ def test_fp32_equals_unfused(impl, entropy, temperature, vocab_size, chunk):
 def test_bf16_within_twice_unfused_error(impl):
     case = _case(torch.bfloat16, seed=3)
     kw = dict(temperature=0.9, entropy=True, vocab_size=200)
-    got = _run("fused", *case, chunk=8, impl=impl, **kw)
+    got = _run("fused", *case, block=48, impl=impl, **kw)
     unfused = _run("unfused", *case, **kw)
     oracle = _run("oracle", case[0].double(), case[1].double(), *case[2:], **kw)
     names = ("token_logp", "seq_logp", "entropy", "grad_hidden", "grad_weight")
@@ -105,18 +105,17 @@ def test_gradcheck_fp64(impl):
     tgt = torch.tensor([0, 3, 10, -100, 9])
 
     def fn(h, w):
-        out = fused_head_logprobs(h, w, tgt, temperature=0.8, return_entropy=True, chunk_rows=2, impl=impl)
+        out = fused_head_logprobs(h, w, tgt, temperature=0.8, return_entropy=True, block_cols=4, impl=impl)
         return out.token_logp, out.entropy
 
     assert torch.autograd.gradcheck(fn, (h, w), eps=1e-6, atol=1e-7)
 
 
 @needs_ext
-def test_chunk_size_does_not_change_values():
-    """Rows are independent: a row's result does not depend on which chunk it falls in (fp32, exact)."""
+def test_block_size_does_not_change_values():
+    """The blocks merge like TP shards: the block width changes the summation order only (fp32 rounding)."""
     hidden, weight, targets, mask, ups = _case(torch.float32, seed=11)
-    outs = [fused_head_logprobs(hidden, weight, targets, chunk_rows=c, impl="ext").token_logp for c in (1, 4, 21)]
-    # the GEMM's blocking may change with the chunk's row count: equal to fp32 rounding, not bitwise
+    outs = [fused_head_logprobs(hidden, weight, targets, block_cols=c, impl="ext").token_logp for c in (1, 7, 256)]
     for o in outs[1:]:
         assert _rel(o.double(), outs[0].double()) < 1e-6
 

@@ -70,7 +70,7 @@ def _check(rank: int, world: int, dtype) -> dict:
     res = {}
     for impl in ("ext", "reference"):
         hs, ws = hidden.clone().requires_grad_(), weight[lo:hi].clone().requires_grad_()
-        kw = dict(temperature=temp, tp_group=group, return_entropy=True, vocab_size=vocab_size, chunk_rows=5)
+        kw = dict(temperature=temp, tp_group=group, return_entropy=True, vocab_size=vocab_size, block_cols=16)
         with CollectiveCounter() as fwd:
             got = fused_head_logprobs(hs, ws, targets, impl=impl, **kw)
         with CollectiveCounter() as bwd:

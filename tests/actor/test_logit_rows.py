@@ -147,3 +147,18 @@ def test_no_selection_where_the_output_layer_gathers_the_sequence():
     assert selects_rows(chunk(True, SimpleNamespace(sequence_parallel=False)))
     assert not selects_rows(chunk(True, SimpleNamespace(sequence_parallel=True)))  # input: this rank's slice
     assert not selects_rows(chunk(False, None))  # an earlier pipeline stage or virtual chunk
+
+
+def test_fused_lm_head_switch():
+    from pacs_megatron.config import ConfigError
+    from pacs_megatron.config.model import AUTO_FUSED_LM_HEAD, ModelConfig
+
+    with pytest.raises(ConfigError, match="model.fused_lm_head"):
+        ModelConfig(path="/m", fused_lm_head="yes")
+    assert ModelConfig(path="/m", fused_lm_head=False).fused_lm_head == "false"  # YAML's bare false
+    assert ModelConfig(path="/m", fused_lm_head="true").use_fused_lm_head(on_gpu=True)
+    assert not ModelConfig(path="/m", fused_lm_head="false").use_fused_lm_head(on_gpu=False)
+    auto = ModelConfig(path="/m")
+    assert auto.fused_lm_head == "auto"
+    assert auto.use_fused_lm_head(on_gpu=False) == AUTO_FUSED_LM_HEAD["cpu"]
+    assert auto.use_fused_lm_head(on_gpu=True) == AUTO_FUSED_LM_HEAD["gpu"]

@@ -21,8 +21,9 @@
 // The collectives (the stats all-gather, the TP all-reduce of grad_hidden) stay in Python (ops/head.py).
 //
 // Device: the same code runs on CPU and CUDA tensors; only the row kernels differ (partial_cpu/_cuda,
-// backward_cpu/_cuda) and at::mm picks the BLAS. The CUDA branch is compiled by nvcc in
-// tests/ops/test_nvcc_compile.py; it was never run (no GPU was lent when it was written).
+// backward_cpu/_cuda) and at::mm picks the BLAS. The CUDA branch is compiled with -DPACS_WITH_CUDA by the host
+// compiler, as setup.py's CUDA build does (tests/ops/test_nvcc_compile.py); it was never run (no GPU was lent
+// when it was written).
 #include "logprob.h"
 
 #include <ATen/ops/empty.h>

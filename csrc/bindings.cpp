@@ -67,4 +67,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_backward", &backward, "write d loss / d logits into grad (may alias logits)", py::arg("logits"),
         py::arg("targets"), py::arg("rowp"), py::arg("vocab_start"), py::arg("inv_temp"), py::arg("with_entropy"),
         py::arg("grad"));
+  // Fused LM head (csrc/head.cpp): device-generic, the row kernels above per [N, block] logits block
+  m.def("head_partial", &pacs::head_partial,
+        "partial stats [K, N, 4] of hidden @ weight^T, one [N, block] logits block at a time", py::arg("hidden"),
+        py::arg("weight"), py::arg("targets"), py::arg("vocab_start"), py::arg("inv_temp"), py::arg("with_entropy"),
+        py::arg("valid_local"), py::arg("block"));
+  m.def("head_backward", &pacs::head_backward,
+        "recompute each logits block; write d loss / d hidden into grad_hidden, return d loss / d weight",
+        py::arg("hidden"), py::arg("weight"), py::arg("targets"), py::arg("rowp"), py::arg("vocab_start"),
+        py::arg("inv_temp"), py::arg("with_entropy"), py::arg("valid_local"), py::arg("block"),
+        py::arg("grad_hidden"));
 }

@@ -135,6 +135,16 @@ at::Tensor combine_cpu(const at::Tensor& stats, const at::Tensor& targets, int64
 void backward_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& rowp, int64_t vocab_start,
                   double inv_temp, bool with_entropy, const at::Tensor& grad);
 
+// Fused LM head (head.cpp, CPU and CUDA tensors): partial stats [K, N, 4] of logits hidden @ weight^T computed
+// `block` vocab columns at a time (K blocks; combine them with the TP shards' as W * K shards), columns
+// >= valid_local masked as vocab padding.
+at::Tensor head_partial(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                        int64_t vocab_start, double inv_temp, bool with_entropy, int64_t valid_local, int64_t block);
+// Writes d loss / d hidden (this shard's part, before the TP all-reduce) into grad_hidden; returns d loss / d weight.
+at::Tensor head_backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                         const at::Tensor& rowp, int64_t vocab_start, double inv_temp, bool with_entropy,
+                         int64_t valid_local, int64_t block, const at::Tensor& grad_hidden);
+
 #ifdef PACS_WITH_CUDA
 at::Tensor partial_cuda(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start, double inv_temp,
                         bool with_entropy);

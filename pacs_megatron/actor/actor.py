@@ -22,6 +22,7 @@ import torch
 
 from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, gather_rows, run_schedule
+from pacs_megatron.actor.logit_rows import set_fused_head
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
 from pacs_megatron.actor.moe import MoeStats
 from pacs_megatron.actor.moe_aux import MoeAuxLoss
@@ -133,6 +134,7 @@ class MegatronActor:
         if cfg.model.loads_weights:
             load_hf_weights(chunks, self.spec, self.model_dir, groups)
         self.model = wrap_ddp(chunks, self.config, cfg, groups)
+        set_fused_head(chunks, cfg.model.use_fused_lm_head(on_gpu))  # actor/logit_rows.py, ops/head.py
         self.moe_stats = (
             MoeStats(chunks, self.spec.num_layers, self.spec.num_experts, self.spec.num_experts_per_tok)
             if self.spec.is_moe

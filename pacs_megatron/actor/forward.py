@@ -3,6 +3,10 @@
     micro-batches (whole groups, one T) --forward_step--> GPTModel chunk(s) --last stage-->
     vocab-parallel logits [b, T, V/tp] --token_logprobs--> token_logp [b, T] --loss_func--> ...
 
+With the fused LM head on (``model.fused_lm_head``, actor/logit_rows.py ``set_fused_head``) the last stage
+skips the output layer: ``hidden [b, T, h] + output weight --token_logprobs (ops/head.py)--> token_logp``,
+no ``[b, T, V/tp]`` logits in forward or backward.
+
 ``get_forward_backward_func`` picks no-pipelining, 1F1B or interleaved 1F1B (vpp > 1) from the
 layout. With fixed batching every micro-batch of a pass has the same T (``seq_length``) and row
 count (``micro_batch_size``), which shape the p2p buffers between stages. Token-budget micro-batches
@@ -22,12 +26,21 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from pacs_megatron.actor.logit_rows import LogitRows, logit_rows_hook, response_rows, selects_rows
+from pacs_megatron.actor.logit_rows import (
+    HeadInput,
+    LogitRows,
+    fused_head_hook,
+    fuses_head,
+    head_input_loss,
+    logit_rows_hook,
+    response_rows,
+    selects_rows,
+)
 from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
 from pacs_megatron.actor.moe import padding_mask, set_routing_replay
 from pacs_megatron.actor.thd import ThdBatch, pack_thd
 from pacs_megatron.data.batching import TrainBatch, split_micro_batches
-from pacs_megatron.ops import fused_logprobs
+from pacs_megatron.ops import fused_head_logprobs, fused_logprobs
 from pacs_megatron.parallel import ParallelGroups
 
 IGNORE_ID = -100
@@ -35,7 +48,7 @@ IGNORE_ID = -100
 
 
 def token_logprobs(
-    logits: torch.Tensor,
+    logits: torch.Tensor | HeadInput,
     input_ids: torch.Tensor,
     spec: ModelSpec,
     groups: ParallelGroups,
@@ -58,23 +71,40 @@ def token_logprobs(
     of the whole logits buffer for the slice. With ``inplace_backward`` (the training pass) the op
     writes d loss / d logits into the logits buffer itself, so no N x V gradient is allocated; the
     logits must then have no other reader in backward (here: none, they are the loss' only input).
+
+    A :class:`HeadInput` (the fused LM head: hidden states and the output weight instead of logits) takes
+    the same targets through ops/head.py, which masks the padded vocab itself and holds one logits block
+    at a time (``inplace_backward`` is moot there: no logits gradient exists).
     """
-    logits = mask_padded_vocab(logits, spec, groups, inplace=inplace_backward)
+    if not isinstance(logits, HeadInput):
+        logits = mask_padded_vocab(logits, spec, groups, inplace=inplace_backward)
     if rows is not None:
         targets = rows.targets(input_ids)
     elif thd is None:
         targets = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_ID)
     else:
         targets = thd.next_token_targets(IGNORE_ID)
-    rec = fused_logprobs(
-        logits,
-        targets,
-        mask=None,
-        temperature=temperature,
-        tp_group=groups.tp_group,
-        return_entropy=with_entropy,
-        inplace_backward=inplace_backward,
-    )
+    if isinstance(logits, HeadInput):
+        rec = fused_head_logprobs(
+            logits.hidden,
+            logits.weight,
+            targets,
+            temperature=temperature,
+            tp_group=groups.tp_group,
+            return_entropy=with_entropy,
+            vocab_size=spec.vocab_size,
+            reduce_grad_input=logits.reduce_grad_input,
+        )
+    else:
+        rec = fused_logprobs(
+            logits,
+            targets,
+            mask=None,
+            temperature=temperature,
+            tp_group=groups.tp_group,
+            return_entropy=with_entropy,
+            inplace_backward=inplace_backward,
+        )
     if rows is not None or thd is not None:
         unpack = rows.scatter if rows is not None else thd.unpack_predictions
         token_logp = unpack(rec.token_logp.float())
@@ -118,6 +148,8 @@ def run_schedule(
     and their outputs are dropped. ``thd``: run the layers on THD-packed rows (actor/thd.py).
     ``response_only``: the LM head computes only the logits of response tokens, where it can
     (actor/logit_rows.py); the loss function then gets ``rows=`` the :class:`LogitRows` its logits hold.
+    Chunks with the fused LM head on (``set_fused_head``) hand their loss function a :class:`HeadInput`
+    (hidden states and the output weight) instead of logits.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -138,7 +170,8 @@ def run_schedule(
         extra = {"thd": p} if p is not None else {}
         if rows is not None:
             extra["rows"] = rows
-        with logit_rows_hook(model, rows):
+        fused = fuses_head(model)
+        with logit_rows_hook(model, rows), fused_head_hook(model, fused):
             if p is not None:  # CPU: actor/attention.py; GPU (TE): written, never run (actor/thd.py)
                 out = model(
                     input_ids=p.input_ids,
@@ -150,7 +183,8 @@ def run_schedule(
             else:  # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
                 positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
                 out = model(input_ids=ids, position_ids=positions, attention_mask=None, padding_mask=mask)
-        return out, make_loss_func(mb, ids, k >= n_real, **extra)
+        loss_func = make_loss_func(mb, ids, k >= n_real, **extra)
+        return out, head_input_loss(loss_func, model) if fused else loss_func
 
     iters = [iter(enumerate(micro)) for _ in chunks]
     kwargs = {}

@@ -16,6 +16,11 @@ same shapes (bit-identical log-probs). Not applied where the output layer gather
 (sequence parallelism: its input is this TP rank's slice of the sequence) nor on chunks without an
 output layer (earlier pipeline stages, earlier virtual chunks). Passes that read prompt tokens (the
 weight-sync probe, tools/parity.py, HF comparisons) keep full logits: ``response_only=False``.
+
+Fused LM head (``model.fused_lm_head``, issue 44): within :func:`fused_head_hook` the output layer returns
+its (row-selected) input instead of logits, so the chunk's output is the final norm's hidden states
+``[b, T, h]`` (``[1, n, h]`` with rows) and the loss function gets a :class:`HeadInput` (those states and
+the layer's weight): ops/head.py computes the log-probs chunk by chunk without any ``[n, V]`` logits.
 """
 
 from __future__ import annotations
@@ -26,8 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pacs_megatron.actor.model import output_weight
 from pacs_megatron.actor.thd import ThdBatch
 from pacs_megatron.actor.weights import unwrap
+
+FUSED_HEAD_ATTR = "_pacs_fused_lm_head"
+"""Attribute of a model chunk (set by :func:`set_fused_head`) that turns the fused LM head on for it."""
 
 
 @dataclass(frozen=True)
@@ -102,3 +111,74 @@ def logit_rows_hook(model, rows: LogitRows | None) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+@dataclass(frozen=True)
+class HeadInput:
+    """What a chunk with a bypassed output layer hands its loss function instead of logits.
+
+    Example:
+        >>> x = HeadInput(hidden=torch.zeros(2, 5, 8), weight=torch.zeros(32, 8))
+        >>> x.hidden.shape[:-1]  # the logits' leading shape: targets are shaped alike
+        torch.Size([2, 5])
+    """
+
+    hidden: torch.Tensor
+    """``[b, T, h]`` final-norm hidden states (``[1, n, h]`` for selected rows or THD), the whole sequence."""
+    weight: torch.Tensor
+    """``[V/tp, h]`` the output layer's weight (the shared embedding for tied models): model.output_weight."""
+    reduce_grad_input: bool = True
+    """All-reduce grad_hidden over TP in the op (False under sequence parallelism, whose gather reduce-scatters)."""
+
+
+def set_fused_head(chunks: list, enabled: bool) -> None:
+    """Turn the fused LM head on or off for every chunk (chunks without an output layer ignore it)."""
+    for chunk in chunks:
+        setattr(unwrap(chunk), FUSED_HEAD_ATTR, bool(enabled))
+
+
+def fuses_head(model) -> bool:
+    """Whether ``model`` (a chunk, possibly DDP-wrapped) holds the output layer and has the fused head on."""
+    model = unwrap(model)
+    return bool(getattr(model, FUSED_HEAD_ATTR, False)) and bool(getattr(model, "post_process", False))
+
+
+def head_input_loss(loss_func, model):
+    """Wrap megatron's ``loss_func`` so that its first argument (the chunk's output, hidden states under
+    :func:`fused_head_hook`) arrives as a :class:`HeadInput` carrying the output weight."""
+    chunk = unwrap(model)
+    sp = bool(chunk.output_layer.sequence_parallel)
+
+    def wrapped(output, *args, **kwargs):
+        return loss_func(HeadInput(output, output_weight(chunk), reduce_grad_input=not sp), *args, **kwargs)
+
+    return wrapped
+
+
+@contextmanager
+def fused_head_hook(model, enabled: bool) -> Iterator[None]:
+    """Within the block, ``model``'s output layer returns its input (after :func:`logit_rows_hook`'s row
+    selection) instead of ``input @ weight.T``: GPTModel then returns the hidden states ``[b, T, h]``.
+
+    Under sequence parallelism the layer's input is this rank's slice of the sequence; it is gathered here
+    with megatron's ``gather_from_sequence_parallel_region`` (backward: reduce-scatter), as the layer itself
+    would. Sequence parallelism needs Transformer Engine or Apex: that branch was never run (CPU only)."""
+    if not enabled:
+        yield
+        return
+    layer = unwrap(model).output_layer
+
+    def skip(input_, weight=None, runtime_gather_output=None):  # noqa: ARG001 - ColumnParallelLinear's signature
+        if layer.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            input_ = gather_from_sequence_parallel_region(
+                input_, tensor_parallel_output_grad=True, group=layer.tp_group
+            )
+        return input_, None
+
+    layer.forward = skip  # an instance attribute: nn.Module.__call__ still runs the row-selection pre-hook
+    try:
+        yield
+    finally:
+        del layer.forward

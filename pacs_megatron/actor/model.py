@@ -357,3 +357,13 @@ def mask_padded_vocab(
         return logits
     pad = torch.arange(v_local, device=logits.device) >= n_real
     return logits.masked_fill_(pad, -1e30) if inplace else logits.masked_fill(pad, -1e30)
+
+
+def output_weight(chunk) -> torch.Tensor:
+    """The LM head's weight ``[V_local, h]`` of a chunk holding the output layer (``post_process``), exactly
+    what megatron's ``GPTModel._postprocess`` multiplies by: the shared word embedding for tied models (on
+    the first stage the embedding's own parameter; on a later last stage its tied copy), else
+    ``output_layer.weight``. The fused LM head (ops/head.py) takes it as an argument."""
+    if chunk.share_embeddings_and_output_weights:
+        return chunk.shared_embedding_or_output_weight()
+    return chunk.output_layer.weight

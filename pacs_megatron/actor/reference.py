@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from pacs_megatron.actor.forward import forward_logprobs
+from pacs_megatron.actor.logit_rows import set_fused_head
 from pacs_megatron.actor.model import build_model_chunks, transformer_config
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.data.batching import TrainBatch
@@ -72,6 +73,7 @@ class ReferencePolicy:
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):  # the caller's RNG is untouched
             _seed_for_init(cfg.model.seed, on_gpu)
             self.chunks = build_model_chunks(actor.spec, self.config, groups)
+        set_fused_head(self.chunks, cfg.model.use_fused_lm_head(on_gpu))  # as the actor's (ops/head.py)
         for c in self.chunks:
             c.eval()
             c.requires_grad_(False)

@@ -2,6 +2,9 @@
 
     python -m pacs_megatron.bench.logprob --device cpu --shapes 4096x32768 --dtype float32 --threads 2 --json out.json
 
+With ``--head H`` each N x V shape also gets the fused LM head's rows (bench/head.py): hidden [N, H] and the
+weight [V, H] in, against the unfused GEMM + this op and GEMM + naive torch, in the same run.
+
 For each N x V shape (one rank's shard: with ``--tp W`` every candidate works on [N, V / W], i.e. the per-rank
 compute; the fused op's single all-gather of [N, 4] stats and Megatron's three [N] all-reduces are not timed)
 it times forward and forward+backward of
@@ -80,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--hbm-tbps", type=float, default=None, help="HBM peak (TB/s) for the %% of floor; default: from the GPU's name"
     )
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--head", type=int, default=None, help="hidden size H: also bench the fused LM head (bench/head.py)")
+    p.add_argument("--head-candidates", default="head-fused,head+fused,head+naive")
+    p.add_argument("--block-cols", type=int, default=None, help="vocab columns per block of head-fused (default: auto)")
+    p.add_argument("--no-logits-rows", action="store_true", help="with --head: skip the logits-input rows")
 
 
 # ---------------------------------------------------------------- memory probes
@@ -321,9 +328,18 @@ def main(args: argparse.Namespace) -> int:
         "environment": _environment(args, device),
         "command": "python -m pacs_megatron.bench.logprob "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "results": [bench_shape(n, v, args, device, dtype) for n, v in shapes],
+        "results": [] if args.no_logits_rows else [bench_shape(n, v, args, device, dtype) for n, v in shapes],
     }
-    _print_table(report)
+    if report["results"]:
+        _print_table(report)
+    if args.head:
+        from pacs_megatron.bench.head import bench_head_shape, print_head_table
+
+        report["head_results"] = [
+            bench_head_shape(n, v, args.head, args, device, dtype, _PeakMemory) for n, v in shapes
+        ]
+        for row in report["head_results"]:
+            print_head_table(row, str(device))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

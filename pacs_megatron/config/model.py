@@ -57,6 +57,11 @@ class TinyModelConfig:
             raise ConfigError("model.tiny.moe_intermediate_size must be >= 0 (0: intermediate_size // top-k)")
 
 
+AUTO_FUSED_LM_HEAD = {"cpu": True, "gpu": False}
+"""What ``model.fused_lm_head=auto`` picks per device (docs/benchmarks.md, "Fused LM head"); GPU: off until
+the CUDA path has run and been timed (it never has)."""
+
+
 @dataclass
 class ModelConfig:
     """Which model the actor trains and how it is initialised."""
@@ -88,6 +93,10 @@ class ModelConfig:
     convention) whose gradient is the same for every RL loss and batching (actor/moe_aux.py); 0 (the
     default, as verl for Qwen3-MoE RL) turns it off. From Hugging Face's ``router_aux_loss_coef``, which
     pools one loss over all L layers: c = router_aux_loss_coef * k / L (docs/models.md)."""
+    fused_lm_head: str = "auto"
+    """The LM head fused into the log-prob op (ops/head.py, issue 44): the training, old-log-prob and
+    reference passes never hold ``[tokens, V]`` logits, only one ``[chunk, V/tp]`` block. "true", "false",
+    or "auto" (the default): on where it was measured faster or equal (docs/benchmarks.md, 2026-11-27)."""
 
     def __post_init__(self) -> None:
         _choice("model.init", self.init, ("pretrained", "random", "tiny", "gguf"))
@@ -97,12 +106,21 @@ class ModelConfig:
                 f"with model.init=gguf (now init={self.init!r}, gguf={self.gguf!r}): set both or neither"
             )
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        if isinstance(self.fused_lm_head, bool):  # YAML's bare true/false
+            self.fused_lm_head = "true" if self.fused_lm_head else "false"
+        _choice("model.fused_lm_head", self.fused_lm_head, ("auto", "true", "false"))
         if not self.moe_aux_loss_coeff >= 0:
             raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0 (0 turns it off)")
         if not self.path:
             raise ConfigError(
                 "model.path is empty: set it to a Hugging Face model directory (model.path=/ckpt/Qwen2.5-7B)"
             )
+
+    def use_fused_lm_head(self, on_gpu: bool) -> bool:
+        """Whether the actor fuses the LM head: ``fused_lm_head`` resolved for the device ("auto": see there)."""
+        if self.fused_lm_head != "auto":
+            return self.fused_lm_head == "true"
+        return AUTO_FUSED_LM_HEAD["gpu" if on_gpu else "cpu"]
 
     @property
     def loads_weights(self) -> bool:

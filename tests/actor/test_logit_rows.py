@@ -8,6 +8,11 @@ response tokens, not b * T); and a whole RL step (reference KL, entropy bonus, o
 on and off. Cases: fixed and token-budget (THD-packed) micro-batches, PP=2, PP=2 x VPP=2 and TP=2 (the
 vocabulary split over ranks). Sequence parallelism needs TE or Apex (not on CPU): there the output layer
 gathers the sequence itself and no rows are selected (``selects_rows``, checked without a model).
+
+The fused LM head (``model.fused_lm_head=true``, ops/head.py) runs in the same launch, with and without the
+row selection: its loss functions get hidden states and the output weight (never ``[.., V]`` logits), and
+its log-probs, entropy, step metrics and updated weights equal the unfused full pass's (tied embeddings:
+the weight is the shared embedding; TP=2: grad_hidden all-reduced by the op as megatron's layer does).
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import torch
 from _actor_helpers import GROUP, hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 
-from pacs_megatron.actor.logit_rows import selects_rows
+from pacs_megatron.actor.logit_rows import HeadInput, selects_rows
 
 VOCAB = 255
+VARIANTS = {"rows": (True, "false"), "full": (False, "false"), "fused_rows": (True, "true"), "fused": (False, "true")}
+"""name -> (actor.response_logits, model.fused_lm_head); "full" is the baseline every other variant equals."""
 
 # name -> (world, tp, pp, vpp, sequence parallel, dynamic batching)
 CASES = {
@@ -54,11 +61,11 @@ def _case(model_dir, tp, pp, vpp, sp, dynamic):
     batch = sample_batch(VOCAB)
     out = {"last": groups.is_last_stage}
     steps = {}
-    for on in (True, False):
-        actor = MegatronActor(cfg, groups, model_dir)
-        actor.response_logits = on
+    for name, (rows_on, fused) in VARIANTS.items():
+        actor = MegatronActor(replace(cfg, model=replace(cfg.model, fused_lm_head=fused)), groups, model_dir)
+        actor.response_logits = rows_on
         lp = actor.compute_logprobs(batch, GROUP, 1.0, with_entropy=True, response_only=True)
-        out[f"logp_{on}"], out[f"entropy_{on}"] = lp.token_logp, lp.entropy
+        out[f"logp_{name}"], out[f"entropy_{name}"] = lp.token_logp, lp.entropy
         rows = []  # the rows of the logits each training loss function sees
         real = ts.token_logprobs
         ts.token_logprobs = partial(_recording, rows, real)
@@ -67,15 +74,17 @@ def _case(model_dir, tp, pp, vpp, sp, dynamic):
             m2 = stages.update_actor(cfg, actor, local, groups.dp_size)
         finally:
             ts.token_logprobs = real
-        out[f"rows_{on}"] = rows
+        out[f"rows_{name}"] = rows
         weights = {n: t.detach().clone() for n, t in actor.export_hf_weights()}
-        steps[on] = ({k: float(v) for k, v in (m1 | m2).items()}, weights)
+        steps[name] = ({k: float(v) for k, v in (m1 | m2).items()}, weights)
     out["steps"] = steps
     return out
 
 
 def _recording(seen: list, real, logits, *args, **kwargs):
-    seen.append(tuple(logits.shape[:-1]))
+    """Records (kind, leading shape) of what the loss function got: "head" for the fused LM head's input."""
+    x = logits.hidden if isinstance(logits, HeadInput) else logits
+    seen.append(("head" if isinstance(logits, HeadInput) else "logits", tuple(x.shape[:-1])))
     return real(logits, *args, **kwargs)
 
 
@@ -100,28 +109,35 @@ def test_response_logits_equal_full_logits(world, model_dir):
 
 
 def _check(case, r, mask, sp):
-    on, off = r["logp_True"], r["logp_False"]
-    assert torch.allclose(on[mask], off[mask], rtol=0, atol=1e-5), f"{case}: response log-probs differ"
-    assert torch.allclose(r["entropy_True"][mask], r["entropy_False"][mask], rtol=0, atol=1e-5), case
+    off = r["logp_full"]
     assert bool(off[~mask].ne(0).any()), f"{case}: the full pass has prompt log-probs"
-    if not sp:
-        assert not on[~mask].any() and not r["entropy_True"][~mask].any(), f"{case}: values outside the response"
-    if r["last"]:
-        n = int(mask[:, 1:].sum())  # the first token of a row is predicted by nothing
-        rows_on, rows_off = r["rows_True"], r["rows_False"]
-        if sp:  # the output layer gathers the sequence over TP: no selection, full logits in both
-            assert rows_on == rows_off
-        else:
-            assert all(s[0] == 1 for s in rows_on), f"{case}: selected logits are [1, n, V]: {rows_on}"
-            assert sum(s[1] for s in rows_on) == n, f"{case}: {rows_on} logits rows for {n} response tokens"
-            assert sum(s[0] * s[1] for s in rows_off) > n
-    (m_on, w_on), (m_off, w_off) = r["steps"][True], r["steps"][False]
-    assert m_on.keys() == m_off.keys()
-    for k, v in m_off.items():
-        assert m_on[k] == pytest.approx(v, rel=1e-4, abs=1e-6), f"{case}: {k} {m_on[k]} != {v}"
-    assert m_on["actor/grad_norm"] > 0
-    for name, w in w_off.items():
-        assert torch.allclose(w_on[name], w, rtol=0, atol=1e-5), f"{case}: {name} differs after the step"
+    for name, (rows_on, fused) in VARIANTS.items():
+        where = f"{case} {name}"
+        on = r[f"logp_{name}"]
+        assert torch.allclose(on[mask], off[mask], rtol=0, atol=1e-5), f"{where}: response log-probs differ"
+        assert torch.allclose(r[f"entropy_{name}"][mask], r["entropy_full"][mask], rtol=0, atol=1e-5), where
+        if not sp and rows_on:
+            assert not on[~mask].any() and not r[f"entropy_{name}"][~mask].any(), f"{where}: values outside"
+        if not rows_on:
+            assert torch.allclose(on, off, rtol=0, atol=1e-5), f"{where}: prompt log-probs differ"
+        if r["last"]:
+            seen = r[f"rows_{name}"]
+            kind = "head" if fused == "true" else "logits"
+            assert seen and all(k == kind for k, _ in seen), f"{where}: loss functions got {seen}"
+            shapes = [s for _, s in seen]
+            n = int(mask[:, 1:].sum())  # the first token of a row is predicted by nothing
+            if sp or not rows_on:  # no selection: the whole sequence reaches the head
+                assert sum(s[0] * s[1] for s in shapes) > n, where
+            else:
+                assert all(s[0] == 1 for s in shapes), f"{where}: selected rows are [1, n, .]: {shapes}"
+                assert sum(s[1] for s in shapes) == n, f"{where}: {shapes} rows for {n} response tokens"
+        (m_on, w_on), (m_off, w_off) = r["steps"][name], r["steps"]["full"]
+        assert m_on.keys() == m_off.keys()
+        for k, v in m_off.items():
+            assert m_on[k] == pytest.approx(v, rel=1e-4, abs=1e-6), f"{where}: {k} {m_on[k]} != {v}"
+        assert m_on["actor/grad_norm"] > 0
+        for key, w in w_off.items():
+            assert torch.allclose(w_on[key], w, rtol=0, atol=1e-5), f"{where}: {key} differs after the step"
 
 
 def test_no_selection_where_the_output_layer_gathers_the_sequence():
@@ -131,3 +147,18 @@ def test_no_selection_where_the_output_layer_gathers_the_sequence():
     assert selects_rows(chunk(True, SimpleNamespace(sequence_parallel=False)))
     assert not selects_rows(chunk(True, SimpleNamespace(sequence_parallel=True)))  # input: this rank's slice
     assert not selects_rows(chunk(False, None))  # an earlier pipeline stage or virtual chunk
+
+
+def test_fused_lm_head_switch():
+    from pacs_megatron.config import ConfigError
+    from pacs_megatron.config.model import AUTO_FUSED_LM_HEAD, ModelConfig
+
+    with pytest.raises(ConfigError, match="model.fused_lm_head"):
+        ModelConfig(path="/m", fused_lm_head="yes")
+    assert ModelConfig(path="/m", fused_lm_head=False).fused_lm_head == "false"  # YAML's bare false
+    assert ModelConfig(path="/m", fused_lm_head="true").use_fused_lm_head(on_gpu=True)
+    assert not ModelConfig(path="/m", fused_lm_head="false").use_fused_lm_head(on_gpu=False)
+    auto = ModelConfig(path="/m")
+    assert auto.fused_lm_head == "auto"
+    assert auto.use_fused_lm_head(on_gpu=False) == AUTO_FUSED_LM_HEAD["cpu"]
+    assert auto.use_fused_lm_head(on_gpu=True) == AUTO_FUSED_LM_HEAD["gpu"]

@@ -59,6 +59,32 @@ def test_cuda_op_compiles(tmp_path):
         assert name in symbols, f"{name} missing from the object file"
 
 
+def test_fused_head_cuda_branch_compiles(tmp_path):
+    """csrc/head.cpp (the fused LM head, issue 44) with its CUDA branch on: at::mm (cuBLAS) per logits block plus
+    the CUDA row kernels above. setup.py compiles .cpp sources with the host compiler and -DPACS_WITH_CUDA in a
+    CUDA build, so this does the same (nvcc -x cu took > 5 min on the loaded 2 cores). Never run on a GPU."""
+    obj = tmp_path / "head_cuda.o"
+    cmd = [
+        os.environ.get("CXX", "c++"),
+        "-c",
+        "-O0",
+        "-std=c++20",
+        "-fPIC",
+        "-DPACS_WITH_CUDA",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *[f"-I{p}" for p in cpp_extension.include_paths()],
+        f"-I{REPO / 'csrc'}",
+        str(REPO / "csrc" / "head.cpp"),
+        "-o",
+        str(obj),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"c++ failed:\n{res.stderr[-6000:]}"
+    symbols = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True).stdout
+    for name in ("pacs::head_partial", "pacs::head_backward", "pacs::partial_cuda", "pacs::backward_cuda"):
+        assert name in symbols, f"{name} missing from the object file"
+
+
 def test_ptx_has_one_ftz_ex2_per_exp(tmp_path):
     """Defect 6 (docs/kernel.md): exp is exp2f on logits pre-scaled by log2(e)/T, so the PTX has only
     ex2.approx.ftz.f32 (no non-ftz ex2) and the log2(e) constant is no longer multiplied per element."""

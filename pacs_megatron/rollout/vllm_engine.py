@@ -261,13 +261,13 @@ class VLLMEngine:
         self._weights_valid = True  # False after a level-2 sleep until update_weights rewrites them
         self._expected = expected_hf_names(model_dir)
         logger.info(
-            "vLLM %s engine on %s (%s): replica %d of %d (tp=%d); vLLM's own logging at %s (rollout.vllm.log_level)",
-            vllm.__version__,
+            "vLLM engine on %s (%s): replica %d of %d (tp=%d); vllm %s, its own logging at %s (rollout.vllm.log_level)",
             device.type,
             kwargs["dtype"],
             self.dp_rank,
             self.dp_size,
             cfg.rollout.vllm.tensor_parallel_size,
+            vllm.__version__,
             os.environ["VLLM_LOGGING_LEVEL"],
         )
 

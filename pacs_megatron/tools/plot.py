@@ -81,10 +81,10 @@ def check_requested_keys(runs: dict[str, list[dict]], patterns: list[str]) -> No
     (a typo such as ``reward/meen`` would otherwise just leave its panel out).
 
     Example:
-        >>> check_requested_keys({"r": [{"step": 1, "reward/mean": 0.5}]}, ["reward/meen"])
+        >>> check_requested_keys({"r": [{"step": 1, "loss/mean": 0.5}]}, ["loss/meen"])
         Traceback (most recent call last):
         ...
-        pacs_megatron.config.base.ConfigError: --keys reward/meen: no such metric in the runs; did you mean reward/mean?
+        pacs_megatron.config.base.ConfigError: --keys loss/meen: no such metric in the runs; did you mean loss/mean?
     """
     import difflib
 

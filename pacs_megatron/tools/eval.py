@@ -228,7 +228,7 @@ def _check_data_root(args: argparse.Namespace, data_cfg) -> None:
         if spec not in DATASETS and not Path(spec).is_file():
             close = difflib.get_close_matches(spec, list(DATASETS), n=3, cutoff=0.6)
             hint = f"did you mean {' or '.join(close)}?" if close else f"the shared sets are {', '.join(DATASETS)}"
-            raise ConfigError(f"--data {spec!r}: neither a shared set name nor an existing file; {hint}")
+            raise ConfigError(f"--data {spec!r}: neither a known name nor an existing file; {hint}")
         if spec in DATASETS and not (root / DATASETS[spec]).is_file():
             raise ConfigError(
                 f"--data {spec}: {root / DATASETS[spec]} does not exist; pass --data-root (or set $PACS_DATA_ROOT) "

@@ -81,22 +81,25 @@ def check_requested_keys(runs: dict[str, list[dict]], patterns: list[str]) -> No
     (a typo such as ``reward/meen`` would otherwise just leave its panel out).
 
     Example:
-        >>> check_requested_keys({"r": [{"step": 1, "loss/mean": 0.5}]}, ["loss/meen"])
+        >>> check_requested_keys({"r": [{"step": 1, "loss/mean": 0.5}]}, ["loss/meen"])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        pacs_megatron.config.base.ConfigError: --keys loss/meen: no such metric in the runs; did you mean loss/mean?
+        pacs_megatron.config.base.ConfigError: --keys: none of ... (loss/meen: did you mean loss/mean?)
     """
     import difflib
 
     from pacs_megatron.config import ConfigError
 
     present = present_keys(runs)
-    for pattern in patterns:
-        if any(fnmatch.fnmatchcase(k, pattern) for k in present):
-            continue
-        close = difflib.get_close_matches(pattern, present, n=3, cutoff=0.6)
-        hint = f"did you mean {' or '.join(close)}?" if close else f"logged keys include {', '.join(present[:8])}"
-        raise ConfigError(f"--keys {pattern}: no such metric in the runs; {hint}")
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(k, p) for k in present)]
+    if not unmatched:
+        return
+    pattern = unmatched[0]
+    close = difflib.get_close_matches(pattern, present, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else f"logged keys include {', '.join(present[:8])}"
+    if len(unmatched) == len(patterns):
+        raise ConfigError(f"--keys: none of the requested metric keys is in the runs ({pattern}: {hint})")
+    raise ConfigError(f"--keys {pattern}: no such metric in the runs; {hint}")
 
 
 def select_keys(runs: dict[str, list[dict]], patterns: list[str], keep_constant: bool = False) -> list[str]:

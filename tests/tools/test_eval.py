@@ -110,5 +110,5 @@ def test_a_mistyped_set_is_named_before_the_model_or_the_cache(tmp_path, capsys)
     (tmp_path / "eval_rollout.jsonl").write_text("")
     assert _run(model=tmp_path / "no_model", n=1, k="1", data="math501", out=tmp_path) == 2
     err = capsys.readouterr().err
-    assert "--data 'math501': neither a shared set name nor an existing file; did you mean math500?" in err
+    assert "--data 'math501': neither a known name nor an existing file; did you mean math500?" in err
     assert "no_model" not in err and "sampling anew" not in err

@@ -65,7 +65,10 @@ def test_a_mistyped_key_is_one_line_with_its_close_match(tmp_path, capsys):
     assert cli_main(["plot", str(tmp_path), "--keys", "reward/meen,pacs/loss"]) == 2
     errors = [ln for ln in capsys.readouterr().err.splitlines() if " E " in ln]
     assert len(errors) == 1
+    assert errors[0].endswith("--keys reward/meen: no such metric in the runs; did you mean reward/mean?")
+    assert cli_main(["plot", str(tmp_path), "--keys", "reward/meen"]) == 2  # the command
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if " E " in ln]
     assert errors[0].endswith(
-        "plot: config error: --keys reward/meen: no such metric in the runs; did you mean reward/mean?"
+        "none of the requested metric keys is in the runs (reward/meen: did you mean reward/mean?)"
     )
     assert not (tmp_path / "plots").exists()

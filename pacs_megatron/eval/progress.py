@@ -41,9 +41,8 @@ class EvalProgress:
         quiet_s: float = 0.0,
     ) -> None:
         self.total, self.what, self.done = max(1, total), what, 0
-        self.chunk = max(1, min(chunk, -(-self.total // 10)))
-        """Prompts per generate call when the caller reports progress by chunks: at most a tenth of the work,
-        so a line comes every tenth (``eval`` of 40 problems with --batch-size 64 was one silent call)."""
+        self.chunk = max(1, chunk)
+        """Prompts per generate call when the caller reports progress by chunks."""
         self.label = label
         """What the line starts with (``sampled``; ``validation (step 50):``)."""
         self.per_item = max(1, per_item)

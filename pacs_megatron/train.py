@@ -114,7 +114,7 @@ def _sync_steps(run: _Run, start: int) -> tuple[int, int | None]:
         metrics |= _update(run, batch, timer, step)
         with timer("sync"):
             metrics |= _synced(run, step, lambda: c.sync.sync().metrics())
-        if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
+        if cfg.trainer.validates_at(step):  # every test_freq steps and at the last
             with timer("eval"):
                 metrics |= stages.validate(cfg, c, step)  # the engine stays awake: the next rollout uses it
         stopped = _end_step(run, step, metrics, samples, timer, t0)
@@ -138,7 +138,7 @@ def _async_steps(run: _Run, start: int) -> tuple[int, int | None]:
         metrics |= _update(run, batch, timer, step)
         with timer("sync"):
             metrics |= _synced(run, step, async_stages.push_weights, cfg, c, step)
-        if cfg.trainer.test_freq and step % cfg.trainer.test_freq == 0:
+        if cfg.trainer.validates_at(step):  # every test_freq steps and at the last
             with timer("eval"):
                 metrics |= stages.validate(cfg, c, step)  # queued behind the batches in flight
         pipe.pushed(step)  # step + 1 + k may now be sampled (with these weights or newer)

@@ -23,8 +23,14 @@ class VLLMConfig:
     """CPU: KV cache per engine in GiB (vLLM's ``kv_cache_memory_bytes``); 1 is plenty for tiny models."""
     max_num_seqs: int = 256
     """Concurrent sequences per engine."""
+    log_level: str = "WARNING"
+    """vLLM's own logging (its engine config dump, per-step INFO lines): "WARNING" keeps a run's console to the
+    project's lines (a SmolLM2 run was 177 of 240 lines vLLM's at INFO); "INFO" or "DEBUG" to see them. A
+    ``VLLM_LOGGING_LEVEL`` already in the environment wins (rollout/vllm_engine.py ``set_vllm_log_level``)."""
 
     def __post_init__(self) -> None:
+        self.log_level = str(self.log_level).upper()  # "info" as vLLM itself accepts it
+        _choice("rollout.vllm.log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("rollout.vllm.gpu_memory_utilization must be in (0, 1], e.g. 0.5")
         _positive("rollout.vllm.tensor_parallel_size", self.tensor_parallel_size)

@@ -250,6 +250,19 @@ class TrainerConfig:
             if not 1 <= k <= self.val_n:
                 raise ConfigError(f"trainer.val_k has {k}: each k must be in 1..trainer.val_n={self.val_n}")
 
+    def validates_at(self, step: int) -> bool:
+        """Whether the loop validates after ``step``: every ``test_freq`` steps, and at the last step, so a run
+        whose ``total_steps`` is not a multiple of ``test_freq`` (e.g. a resume with more steps) still ends
+        with its final model's numbers.
+
+        Example:
+            >>> [s for s in range(1, 8) if TrainerConfig(total_steps=7, test_freq=3).validates_at(s)]
+            [3, 6, 7]
+            >>> TrainerConfig(total_steps=7, test_freq=0).validates_at(7)
+            False
+        """
+        return bool(self.test_freq) and (step % self.test_freq == 0 or step == self.total_steps)
+
 
 def stop_deadline(trainer: TrainerConfig, launched_unix: float) -> float:
     """The launch's absolute end (Unix seconds; 0: none): the earlier of ``deadline_unix`` and

@@ -14,6 +14,12 @@ Per dataset: ``pass@k`` for each k, ``mean@n`` (mean score), ``num_problems``, `
 (mean tokens), ``truncation_rate`` and ``boxed_rate`` (share of responses with a non-empty
 ``\\boxed{}``). ``overall`` is the unweighted mean over datasets of each metric they all share (the
 "Avg." column of papers), present with two or more datasets.
+
+The training loop's validation (``sharded=True``) is visible on the console: generation runs in about ten
+chunks of at least :data:`MIN_CHUNK_SAMPLES` samples (chunk j samples with seed + j, so a validation of
+one chunk samples exactly as before) with a
+progress line per chunk once it has run for :data:`QUIET_S` seconds (eval/progress.py), and the results are
+one line per set (:func:`result_lines`: pass@k, mean response length, boxed and truncation rates).
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ AVG = "overall"
 """Key of the mean over datasets (a dataset may not use this name)."""
 SAMPLING = "sampling"
 """Key of the sampling settings in ``eval_metrics.json`` (a dataset may not use this name either)."""
+QUIET_S = 10.0
+"""A validation shorter than this prints no progress lines (only its results)."""
+CHUNKS = 10
+"""Generate calls a sharded validation is split into, for its progress lines (fewer for few samples)."""
+MIN_CHUNK_SAMPLES = 128
+"""Fewest samples per generate call when chunking: a small validation (the tiny recipe's 25 x 4) stays one
+call, sampled exactly as before, and an engine's batch is not cut into slivers."""
 
 
 def evaluate(
@@ -79,14 +92,20 @@ def evaluate(
     if not flat:
         raise ValueError("evaluate: no problems to evaluate")
     prompt_ids = [list(rec.prompt_ids) for _, rec in flat]
-    if progress is None or sharded:
+    if sharded and progress is None:  # the training loop's validation: progress lines, chunk by chunk
+        from pacs_megatron.eval.progress import EvalProgress
+
+        chunk = max(-(-len(prompt_ids) // CHUNKS), -(-MIN_CHUNK_SAMPLES // sampling.n))
+        label = f"validation (step {step}):"
+        progress = EvalProgress(len(prompt_ids), "samples", chunk, False, label, sampling.n, QUIET_S)
+    if progress is None:
         groups = _generate(prompt_ids, engine, sampling, sharded, step)
     else:
         groups = []
         for j, start in enumerate(range(0, len(prompt_ids), progress.chunk)):
             part = prompt_ids[start : start + progress.chunk]
             seed = None if sampling.seed is None else sampling.seed + j
-            groups += _generate(part, engine, replace(sampling, seed=seed), False, step)
+            groups += _generate(part, engine, replace(sampling, seed=seed), sharded, step)
             progress.advance(len(part))
     pairs = [(rec, resp) for (_, rec), group in zip(flat, groups) for resp in group]
     scores, reward_metrics = score_rollouts(
@@ -117,7 +136,11 @@ def evaluate(
                 "score": [float(s) for s in scores[i * n : (i + 1) * n]],
             }
         )
-    metrics = flatten_metrics(compute_metrics(rows, k_list), prefix)
+    per_set = compute_metrics(rows, k_list)
+    if sharded:  # the training loop's validation: its results on the console, not only in metrics.jsonl
+        for line in result_lines(per_set):
+            logger.info("validation (step %d): %s", step, line)
+    metrics = flatten_metrics(per_set, prefix)
     p = f"{prefix}/" if prefix else ""
     metrics[f"{p}reward_timeouts"] = float(reward_metrics.get("reward/timeouts", 0.0))
     metrics[f"{p}reward_errors"] = float(reward_metrics.get("reward/errors", 0.0))
@@ -172,6 +195,27 @@ def compute_metrics(rows: Sequence[Mapping[str, Any]], k_list: Sequence[int]) ->
         avg = {k: sum(m[k] for m in out.values()) / len(out) for k in next(iter(out.values())) if k in shared}
         avg["num_problems"] = float(sum(m["num_problems"] for m in out.values()))
         out[AVG] = avg
+    return out
+
+
+def result_lines(per_set: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """One console line per set: pass@k, mean@n, boxed rate, truncation rate, response length.
+
+    Example:
+        >>> result_lines({"gsm8k": {"pass@1": 0.25, "pass@4": 0.5, "mean@n": 0.25, "n": 4.0, "num_problems": 40.0,
+        ...                         "boxed_rate": 0.9, "truncation_rate": 0.05, "response_length": 120.5}})
+        ['gsm8k: pass@1=0.250 pass@4=0.500 boxed=0.90 truncated=0.05 length=120 (40 problems x 4)']
+    """
+    out = []
+    for name, m in per_set.items():
+        parts = [f"{k}={v:.3f}" for k, v in m.items() if k.startswith("pass@")]
+        parts += [
+            f"{short}={m[k]:.2f}" for k, short in (("boxed_rate", "boxed"), ("truncation_rate", "truncated")) if k in m
+        ]
+        if "response_length" in m:
+            parts.append(f"length={m['response_length']:.0f}")
+        samples = f" x {int(m['n'])}" if "n" in m else ""
+        out.append(f"{name}: {' '.join(parts)} ({int(m['num_problems'])} problems{samples})")
     return out
 
 

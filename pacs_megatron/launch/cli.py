@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pacs_megatron.config import ConfigError, RunConfig, load_config, to_yaml
-from pacs_megatron.launch.engine_rank import engines_for_rank
-from pacs_megatron.launch.local import on_ranks, stop_engines
-from pacs_megatron.launch.preflight import preflight
-from pacs_megatron.launch.rank import run_rank
-from pacs_megatron.launch.slurm import apply_srun_env, srun_exit_code
-from pacs_megatron.parallel import check_layout
-from pacs_megatron.utils.dist import under_launcher
-from pacs_megatron.utils.early_signals import restore_default_handlers
 from pacs_megatron.utils.logging import get_logger, init_logging
 
+if TYPE_CHECKING:
+    from pacs_megatron.config import RunConfig
+
+# Everything else is imported inside main(): the config package imports torch (~3 s, more on a loaded
+# machine), which `pacs-megatron train --help` does not need.
 logger = get_logger(__name__)
 
 
@@ -40,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def layout_summary(cfg: RunConfig) -> dict:
     """What a run would look like, from the config and the model's config.json when present."""
+    from pacs_megatron.config import ConfigError
+    from pacs_megatron.parallel import check_layout
+
     par = cfg.parallel
     out = {
         "world_size": par.world_size,
@@ -86,7 +87,38 @@ def layout_summary(cfg: RunConfig) -> dict:
     return out
 
 
+def finished_run(cfg: RunConfig) -> bool:
+    """The run in ``trainer.output_dir`` already reached ``trainer.total_steps`` (its newest valid checkpoint,
+    under ``--resume auto``): log its summary as "already complete" (final.json, rank 0) without spawning
+    ranks or loading the checkpoint (which took 42 s on a loaded 2-core box to say "nothing to train").
+    False when there is work left, or an export (``trainer.export_hf``) still to write, which needs the ranks."""
+    from pacs_megatron.utils.checkpoint import CheckpointManager
+    from pacs_megatron.utils.checkpoint_check import checkpoint_problem
+    from pacs_megatron.utils.resume import ResumePlan
+    from pacs_megatron.utils.run_record import RunRecord
+
+    t = cfg.trainer
+    if t.resume != "auto" or t.overwrite:
+        return False
+    valid = [(s, p) for s, p in reversed(CheckpointManager(t.output_dir).complete()) if checkpoint_problem(p) is None]
+    if not valid or valid[0][0] < t.total_steps:
+        return False
+    step, path = valid[0]
+    if t.export_hf and not (path / "hf" / "config.json").is_file():
+        return False
+    is_rank0 = int(os.environ.get("RANK", "0")) == 0
+    RunRecord(cfg, Path(t.output_dir), is_rank0, ResumePlan(path, step)).finish(step, path, status="already_complete")
+    return True
+
+
 def main(args: argparse.Namespace) -> int:
+    from pacs_megatron.config import load_config, to_yaml
+    from pacs_megatron.launch.local import on_ranks
+    from pacs_megatron.launch.preflight import preflight
+    from pacs_megatron.launch.slurm import apply_srun_env
+    from pacs_megatron.utils.dist import under_launcher
+    from pacs_megatron.utils.early_signals import restore_default_handlers
+
     init_logging()
     overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
     if getattr(args, "overwrite", False):
@@ -106,6 +138,8 @@ def main(args: argparse.Namespace) -> int:
     if cfg.trainer.dry_run:
         sys.stdout.write(to_yaml(cfg) + "\n# layout\n" + json.dumps(layout, indent=2) + "\n")
         return 0
+    if finished_run(cfg):  # "already complete", from the run dir alone
+        return 0
     separate = cfg.rollout.placement == "separate"  # engine processes beside the ranks (docs/async.md)
     if not (under_launcher() or (cfg.parallel.world_size == 1 and not separate)):
         restore_default_handlers()  # a driver or spawner, not a rank: it installs its own forwarding
@@ -123,6 +157,10 @@ def main(args: argparse.Namespace) -> int:
 def _train_here(cfg: RunConfig) -> int:
     """This process is a rank (or the only one): train. Under torchrun / srun, with rollout.placement=separate,
     trainer rank 0 starts the engine processes (no launcher of ours did) and stops them after."""
+    from pacs_megatron.launch.engine_rank import engines_for_rank
+    from pacs_megatron.launch.local import stop_engines
+    from pacs_megatron.launch.rank import run_rank
+    from pacs_megatron.launch.slurm import srun_exit_code
     from pacs_megatron.train import train
 
     engines = engines_for_rank(cfg)

@@ -17,10 +17,13 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
 - ``trainer.resume`` (``--resume``): a named checkpoint directory exists, and the checkpoint a resume
   would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
   shape (``utils/resume.py``);
-- ``rollout.engine=vllm`` without vllm installed (device_checks.py);
+- ``rollout.engine=vllm`` without vllm installed (device_checks.py), and every other package a setting
+  imports (``logging.wandb_project`` -> wandb, ``reward.backend=ray`` / ``launcher.kind=ray`` -> ray,
+  ``logging.tensorboard`` -> tensorboard, ...): launch/optional_deps.py, one line with the pip command;
 - ``trainer.output_dir``: writable (not read-only, not a file: ``utils/paths.py``), not locked by a
-  running run, a fresh start does not land on an old run (``utils/run_dir.py``), and its disk has room
-  for a checkpoint (the last one's size, or an estimate from the model's size before the first);
+  running run (a ``--dry-run``, which takes no lock, may look beside one), a fresh start does not land
+  on an old run (``utils/run_dir.py``), and its disk has room for a checkpoint (the last one's size, or
+  an estimate from the model's size before the first);
   checked by the launcher and rank 0 only, since rank 0 takes the lock;
 - every model path, with the check every command shares (``utils/model_dir.py``): ``model.path`` holds a
   ``config.json`` that parses (and, for ``init=pretrained`` and ``gguf``, readable safetensors weights that
@@ -46,12 +49,14 @@ from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.launch.device_checks import check_device
+from pacs_megatron.launch.optional_deps import check_optional_deps
 from pacs_megatron.utils.resume import preflight_resume
 
 
 def preflight(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` for the first problem found (see the module docstring)."""
     check_device(cfg)
+    check_optional_deps(cfg)
     check_model_paths(cfg)
     check_reward(cfg)
     check_resume(cfg)
@@ -101,7 +106,9 @@ def check_run_dir(cfg: RunConfig) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     check_writable_dir("trainer.output_dir", cfg.trainer.output_dir)  # read-only, a file, under a file
-    problem = RunDir.from_config(cfg).problem()
+    run_dir = RunDir.from_config(cfg)
+    # a dry run takes no lock and writes nothing: it may look at a config beside the run that holds the lock
+    problem = run_dir.fresh_problem() if cfg.trainer.dry_run else run_dir.problem()
     if problem:
         raise ConfigError(problem)
     check_checkpoint_space(cfg)

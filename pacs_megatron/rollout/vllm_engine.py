@@ -154,6 +154,18 @@ def _job_unique_cpu_shm_names() -> None:
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 
 
+def set_vllm_log_level(level: str) -> str:
+    """vLLM's logging at ``level`` (``rollout.vllm.log_level``), unless ``VLLM_LOGGING_LEVEL`` is already in the
+    environment (the user's, as vLLM documents it); the level in effect.
+
+    Set in the environment before vLLM is imported (vllm/logger.py reads it once, and its engine processes
+    inherit it) and on the ``vllm`` logger too, for a vLLM imported earlier in this process. Left set on purpose
+    (weight_sync/quantize.py restores it only around modelopt's import, which would otherwise set ERROR)."""
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper()).upper()
+    logging.getLogger("vllm").setLevel(level)
+    return level
+
+
 def _import_vllm():
     try:
         import vllm
@@ -211,6 +223,7 @@ class VLLMEngine:
             )
         # (num_layers, MoE layers) of the model: the layout routed_experts_from_vllm checks and fills
         self._routing_layers = moe_layer_indices(model_dir) if self._record_routing else None
+        set_vllm_log_level(cfg.rollout.vllm.log_level)  # before the import: vLLM reads it once
         vllm = _import_vllm()
         if not vllm.__version__.startswith(VLLM_VERSION.rsplit(".", 1)[0]):
             logger.warning("vllm %s installed; this engine was written against %s", vllm.__version__, VLLM_VERSION)
@@ -251,12 +264,14 @@ class VLLMEngine:
         self.weight_dtype = getattr(torch, kwargs["dtype"])
         """The dtype vLLM holds the floating weights in (the bitwise sync check fingerprints in it)."""
         logger.info(
-            "vLLM engine on %s (%s): replica %d of %d (tp=%d)",
+            "vLLM engine on %s (%s): replica %d of %d (tp=%d); vllm %s, its own logging at %s (rollout.vllm.log_level)",
             device.type,
             kwargs["dtype"],
             self.dp_rank,
             self.dp_size,
             cfg.rollout.vllm.tensor_parallel_size,
+            vllm.__version__,
+            os.environ["VLLM_LOGGING_LEVEL"],
         )
 
     def _decode(self, token_lists: list[list[int]]) -> list[str]:

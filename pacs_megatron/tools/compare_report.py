@@ -78,6 +78,9 @@ def method_summary(results: dict[int, list[dict] | None], val_key: str, tune_key
 
 
 def _pm(s: dict) -> str:
+    """``mean +- half-width``; with one seed there is no interval, so the mean alone (not ``+- nan``)."""
+    if not math.isfinite(s["half_width"]):
+        return f"{s['mean']:.3f}"
     return f"{s['mean']:.3f} +- {s['half_width']:.3f}"
 
 
@@ -86,20 +89,26 @@ def _lrs(s: dict) -> str:
 
 
 def table(summary: dict) -> str:
-    """Markdown: the final values (mean +- 95% t-interval over seeds), per seed, and the tuning grid."""
+    """Markdown: the final values (mean +- 95% t-interval over seeds; the mean alone for one seed), per seed,
+    and the tuning grid. When the tuning metric is the held-out one (one validation set), it is one column."""
     val, tune = summary["val_key"], summary["tune_key"]
-    lines = [f"| method | lr | seeds | {val} | {tune} | train {TRAIN_KEY} |", "|---|---|---|---|---|---|"]
+    both = tune != val
+    head = f"| {val} | {tune} |" if both else f"| {val} |"
+    rule = "|---|---|" if both else "|---|"
+    lines = [f"| method | lr | seeds {head} train {TRAIN_KEY} |", f"|---|---|---{rule}---|"]
     for m, s in summary["methods"].items():
+        tuned = f"{_pm(s['final_tune'])} | " if both else ""
         lines.append(
             f"| {m} | {_lrs(s)} | {s['final_heldout']['n']} | {_pm(s['final_heldout'])} | "
-            f"{_pm(s['final_tune'])} | {_pm(s['final_train_reward'])} |"
+            f"{tuned}{_pm(s['final_train_reward'])} |"
         )
-    lines += ["", "Per seed:", "", f"| method | seed | {val} | {tune} | train {TRAIN_KEY} |", "|---|---|---|---|---|"]
+    lines += ["", "Per seed:", "", f"| method | seed {head} train {TRAIN_KEY} |", f"|---|---{rule}---|"]
     for m, s in summary["methods"].items():
         for r in s["per_seed"]:
-            lines.append(f"| {m} | {r['seed']} | {r['heldout']:.3f} | {r['tune']:.3f} | {r['train_reward']:.3f} |")
+            tuned = f"{r['tune']:.3f} | " if both else ""
+            lines.append(f"| {m} | {r['seed']} | {r['heldout']:.3f} | {tuned}{r['train_reward']:.3f} |")
         for seed in s["failed_seeds"]:
-            lines.append(f"| {m} | {seed} | failed | failed | failed |")
+            lines.append(f"| {m} | {seed} | failed | " + ("failed | " if both else "") + "failed |")
     if summary["tuning"]:
         lines += ["", f"Tuning ({tune}, then train reward; mean over the tuning seeds):", ""]
         lines += ["| method | parameter | value | score | train reward | chosen |", "|---|---|---|---|---|---|"]

@@ -158,6 +158,7 @@ def main(args: argparse.Namespace) -> int:
     check_writable_dir("--out", out_dir)  # before sampling: a result that cannot be written is never computed
     rollout_path, metrics_path = out_dir / ROLLOUT_FILE, out_dir / METRICS_FILE
     data_cfg = _data_config(args)
+    _check_data_root(args, data_cfg)  # before the cache and the model: a mistyped set name is one line
     key = cache_key(args, model_dir, data_cfg.resolved_root())
 
     cached = read_key(rollout_path) if rollout_path.is_file() else None
@@ -179,7 +180,6 @@ def main(args: argparse.Namespace) -> int:
             logger.info("sampling anew: %s was sampled with other settings (%s)", rollout_path, "; ".join(changed))
         # weights readable and agreeing with config.json, a tokenizer: utils/model_dir.py, as every command
         check_model_dir("--model", model_dir, tokenizer_key="--tokenizer", tokenizer_dir=args.tokenizer)
-        _check_data_root(args, data_cfg)
         metrics, rows = _sample_and_score(args, ks, model_dir, data_cfg)
         write_rollouts(rollout_path, rows)
         write_key(rollout_path, key)
@@ -220,11 +220,18 @@ def _data_config(args: argparse.Namespace):
 
 
 def _check_data_root(args: argparse.Namespace, data_cfg) -> None:
-    """Shared set names need the data root: say so in eval's own terms (--data-root, not data.data_root)."""
+    """Each ``--data`` entry is a shared set name whose file is under the data root, or an existing file: said
+    in eval's own terms (--data-root, not data.data_root), with the closest set names for a typo."""
+    import difflib
+
     from pacs_megatron.data.sources import DATASETS
 
     root = data_cfg.resolved_root()
     for spec in (d.strip() for d in args.data.split(",") if d.strip()):
+        if spec not in DATASETS and not Path(spec).is_file():
+            close = difflib.get_close_matches(spec, list(DATASETS), n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(close)}?" if close else f"the shared sets are {', '.join(DATASETS)}"
+            raise ConfigError(f"--data {spec!r}: neither a known name nor an existing file; {hint}")
         if spec in DATASETS and not (root / DATASETS[spec]).is_file():
             raise ConfigError(
                 f"--data {spec}: {root / DATASETS[spec]} does not exist; pass --data-root (or set $PACS_DATA_ROOT) "

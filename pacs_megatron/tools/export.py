@@ -38,6 +38,12 @@ from pacs_megatron.utils.paths import check_writable_dir
 
 logger = get_logger(__name__)
 
+RECORD = "pacs_export.json"
+"""Written into OUT_DIR by each export: which run and checkpoint it holds (a re-export of the same run may
+replace it without ``--overwrite``)."""
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
+"""Weight files of a Hugging Face directory, removed from OUT_DIR before an export writes its own."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = (
@@ -53,6 +59,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="saved dtype (auto: as trained)"
     )
+    p.add_argument(
+        "--overwrite", action="store_true", help="write into a non-empty OUT_DIR that is not an export of this run"
+    )
+
+
+def _run_dir(ckpt: Path) -> str:
+    """The run a checkpoint belongs to (OUTPUT_DIR of OUTPUT_DIR/checkpoints/step_N), resolved."""
+    return str(ckpt.resolve().parent.parent)
+
+
+def check_out_dir(out: Path, ckpt: Path, overwrite: bool) -> None:
+    """OUT_DIR is absent, empty, an earlier export of this checkpoint's run, or ``--overwrite`` was given;
+    otherwise ConfigError naming what it holds and ``--overwrite``."""
+    if not out.is_dir() or overwrite:
+        return
+    held = sorted(p.name for p in out.iterdir())
+    if not held:
+        return
+    try:
+        earlier = json.loads((out / RECORD).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        earlier = None
+    if earlier == _run_dir(ckpt):
+        return
+    listing = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    what = f"an export of another run ({earlier})" if earlier else f"not an export of this run (it holds {listing})"
+    raise ConfigError(
+        f"OUT_DIR {out} is not empty and is {what}: choose a new directory, or pass --overwrite to replace its model"
+    )
+
+
+def clear_weights(out: Path) -> list[str]:
+    """Remove the weight files of whatever model OUT_DIR held (the export then writes its own); their names."""
+    gone = sorted({p for pattern in WEIGHT_PATTERNS for p in out.glob(pattern) if p.is_file()})
+    for p in gone:
+        p.unlink()
+    return [p.name for p in gone]
 
 
 def _checkpoint_dir(path: str) -> Path:
@@ -90,6 +133,7 @@ def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
     if Path(args.out).resolve().is_relative_to(ckpt.resolve()):
         raise ConfigError(f"OUT_DIR {args.out} is inside the checkpoint {ckpt}: write the export elsewhere")
     check_writable_dir("OUT_DIR", args.out)  # before any rank starts
+    check_out_dir(Path(args.out), ckpt, getattr(args, "overwrite", False))
     extra = read_extra_state(ckpt)
     model_cfg = extra.get("config", {}).get("model", {})
     model_dir = args.model_dir or model_cfg.get("path")
@@ -136,8 +180,14 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
             chunks = build_model_chunks(spec, config, groups)
         load_model_weights(chunks, ckpt)  # model only: optimizer state stays
         out_dtype = None if args.dtype == "auto" else resolve_dtype(args.dtype, on_gpu)
+        if groups.rank == 0 and Path(args.out).is_dir():
+            removed = clear_weights(Path(args.out))
+            if removed:
+                logger.info("removed the earlier weights in %s: %s", args.out, ", ".join(removed))
         save_hf(chunks, spec, groups, hf_config, args.out, tokenizer_dir, out_dtype)
         if groups.rank == 0:
+            record = {"run": _run_dir(ckpt), "checkpoint": str(ckpt.resolve()), "tp": tp, "pp": pp}
+            (Path(args.out) / RECORD).write_text(json.dumps(record, indent=2) + "\n")
             logger.info("exported %s (loaded at tp=%d pp=%d) to %s", ckpt, tp, pp, args.out)
         return 0
     finally:
@@ -149,6 +199,7 @@ def main(args: argparse.Namespace) -> int:
     model_dir, tokenizer_dir, tp, pp = _plan(args)  # a ConfigError is one line, exit 2 (cli.py's boundary)
     argv = ["pacs_megatron", "export", args.checkpoint, args.out, "--tp", str(tp), "--pp", str(pp)]
     argv += ["--dtype", args.dtype] + (["--model-dir", args.model_dir] if args.model_dir else [])
+    argv += ["--overwrite"] if getattr(args, "overwrite", False) else []
     return on_ranks(argv, tp * pp, lambda: run(args, model_dir, tokenizer_dir, tp, pp))
 
 

@@ -67,6 +67,41 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def present_keys(runs: dict[str, list[dict]]) -> list[str]:
+    """Every numeric metric key logged by any of ``runs``, sorted."""
+    present: dict[str, None] = {}
+    for rows in runs.values():
+        for r in rows:
+            present.update((k, None) for k, v in r.items() if k != "step" and isinstance(v, (int, float)))
+    return sorted(present)
+
+
+def check_requested_keys(runs: dict[str, list[dict]], patterns: list[str]) -> None:
+    """``--keys`` given by the user: each pattern matches a logged key, or ConfigError naming the closest ones
+    (a typo such as ``reward/meen`` would otherwise just leave its panel out).
+
+    Example:
+        >>> check_requested_keys({"r": [{"step": 1, "loss/mean": 0.5}]}, ["loss/meen"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        pacs_megatron.config.base.ConfigError: --keys: none of ... (loss/meen: did you mean loss/mean?)
+    """
+    import difflib
+
+    from pacs_megatron.config import ConfigError
+
+    present = present_keys(runs)
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(k, p) for k in present)]
+    if not unmatched:
+        return
+    pattern = unmatched[0]
+    close = difflib.get_close_matches(pattern, present, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else f"logged keys include {', '.join(present[:8])}"
+    if len(unmatched) == len(patterns):
+        raise ConfigError(f"--keys: none of the requested metric keys is in the runs ({pattern}: {hint})")
+    raise ConfigError(f"--keys {pattern}: no such metric in the runs; {hint}")
+
+
 def select_keys(runs: dict[str, list[dict]], patterns: list[str], keep_constant: bool = False) -> list[str]:
     """The numeric keys matching ``patterns`` (globs allowed), in pattern order; curves that never
     change in any run are dropped (logged) unless ``keep_constant``.
@@ -76,11 +111,8 @@ def select_keys(runs: dict[str, list[dict]], patterns: list[str], keep_constant:
         >>> select_keys({"run": rows}, ["a", "val/*/pass@*"])
         ['val/x/pass@1']
     """
-    present: dict[str, None] = {}
-    for rows in runs.values():
-        for r in rows:
-            present.update((k, None) for k, v in r.items() if k != "step" and isinstance(v, (int, float)))
-    keys = list(dict.fromkeys(k for p in patterns for k in sorted(present) if fnmatch.fnmatchcase(k, p)))
+    present = present_keys(runs)
+    keys = list(dict.fromkeys(k for p in patterns for k in present if fnmatch.fnmatchcase(k, p)))
     if keep_constant:
         return keys
     constant = [k for k in keys if all(_is_constant(rows, k) for rows in runs.values())]
@@ -92,6 +124,12 @@ def select_keys(runs: dict[str, list[dict]], patterns: list[str], keep_constant:
 def _is_constant(rows: list[dict], key: str) -> bool:
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return len(values) > 1 and max(values) - min(values) <= 1e-9 * max(1.0, abs(values[0]))
+
+
+def _require_matplotlib() -> None:
+    from pacs_megatron.launch.optional_deps import require
+
+    require("plot", "matplotlib", "pip install matplotlib")
 
 
 def plot_runs(
@@ -156,6 +194,10 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.runs[0]) / "plots" / "curves.png"
     runs = {label: read_metrics(r) for label, r in zip(labels, args.runs)}
     check_writable_file("--out", out)
-    plot_runs(runs, [k for k in args.keys.split(",") if k], out, args.title, args.keep_constant)
+    keys = [k for k in args.keys.split(",") if k]
+    if args.keys != ",".join(DEFAULT_KEYS):  # the defaults name curves a run may not log (val/* without test_freq)
+        check_requested_keys(runs, keys)
+    _require_matplotlib()
+    plot_runs(runs, keys, out, args.title, args.keep_constant)
     logger.info("wrote %s", out)
     return 0

@@ -47,6 +47,11 @@ DEPRECATION_NOISE = (
     r".*Please use DTensor instead and we are deprecating ShardedTensor.*",
 )
 """torch.distributed.checkpoint's FutureWarnings about the APIs megatron-core 0.16 calls (per rank, per load)."""
+RANK0_ONLY_MODULES = r"(torch|megatron|transformers|vllm|modelopt|accelerate|ray)(\.|$)"
+"""Third-party modules whose Python warnings every rank would print alike (torch's ``all_gather_into_tensor``
+deprecation, megatron's ``CUDA_DEVICE_MAX_CONNECTIONS`` advice): rank 0 prints them, the other ranks drop them."""
+RANK0_ONLY_MESSAGES = (r".*CUDA_DEVICE_MAX_CONNECTIONS.*",)
+"""The same by message, for warnings attributed to the calling frame (``stacklevel``) rather than their module."""
 
 
 def quiet_import_noise() -> None:
@@ -85,12 +90,27 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+def quiet_other_ranks() -> None:
+    """On ranks other than 0, drop the third-party warnings that every rank prints alike (:data:`RANK0_ONLY_MODULES`,
+    :data:`RANK0_ONLY_MESSAGES`): a 2-rank CPU run printed each of them twice (issue 42). The package's own
+    warnings go through the logger, which keeps rank 0's already."""
+    import warnings
+
+    if _rank() == 0:
+        return
+    warnings.filterwarnings("ignore", module=RANK0_ONLY_MODULES)
+    for pattern in RANK0_ONLY_MESSAGES:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def init_logging(level: str = "INFO", all_ranks: bool | None = None) -> logging.Logger:
-    """Configure the package logger (idempotent) and quiet third-party import noise. Errors are shown on
-    every rank."""
+    """Configure the package logger (idempotent) and quiet third-party import noise, and third-party warnings on
+    ranks other than 0 (unless every rank logs: ``PACS_LOG_ALL_RANKS=1``). Errors are shown on every rank."""
     quiet_import_noise()
     if all_ranks is None:
         all_ranks = os.environ.get("PACS_LOG_ALL_RANKS", "0") == "1"
+    if not all_ranks:
+        quiet_other_ranks()
     root = logging.getLogger(_ROOT)
     root.setLevel(level.upper())
     for h in list(root.handlers):

@@ -8,9 +8,11 @@ or any model loads, and get the same answer in the same words: a :class:`ConfigE
 What it checks, cheapest first, all without reading a tensor:
 
 - the directory exists (and is not a training run's output dir: that one is named, with the export
-  command that makes a model of it);
+  command that makes a model of it); a ``.gguf`` file is pointed to ``model.init=gguf`` / ``import-gguf``, and
+  a Hugging Face hub id (``Qwen/Qwen2.5-0.5B-Instruct``), which nothing here downloads, to ``hf download``;
 - ``config.json`` parses and has a ``model_type``;
-- weights (when asked for): ``model.safetensors`` or an index whose shards all exist; each file's
+- weights (when asked for): ``model.safetensors`` or an index whose shards all exist (a directory with only
+  ``pytorch_model.bin`` is told how to convert it once: pickled weights are not loaded); each file's
   header is read with safetensors' ``safe_open`` (~ms per file: it maps the file, reads no data), which
   refuses a truncated file ("incomplete metadata, file not fully covered"); the shapes in the headers
   must agree with ``config.json`` (vocabulary, width, layers, heads, MLP width) wherever the tensor names
@@ -35,6 +37,32 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 """Any one of these makes a directory loadable by ``AutoTokenizer`` (fast, sentencepiece or BPE files)."""
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""``owner/name`` as the Hugging Face hub spells a model (a relative path of two parts looks the same: it is
+only taken for a hub id when no such path exists)."""
+
+
+def missing_dir_hint(directory: str | Path) -> str:
+    """Why a model path that is not a directory is not one, and the way forward ('' when nothing is known).
+
+    Example:
+        >>> missing_dir_hint("Qwen/Qwen2.5-0.5B-Instruct").split(":")[0]
+        'hub ids are not downloaded'
+    """
+    d = Path(directory)
+    if d.suffix.lower() == ".gguf":
+        return (
+            "a .gguf file is not a model directory: train from it with model.init=gguf model.gguf="
+            f"{d} model.path=DIR (imported into DIR on the first start), or convert it once with pacs-megatron "
+            f"import-gguf --gguf {d} --out DIR and point at DIR"
+        )
+    if not d.exists() and _HUB_ID.match(str(directory)):
+        local = f"models/{d.name}"
+        return (
+            f"hub ids are not downloaded: fetch it once with hf download {directory} --local-dir {local} "
+            f"(pip install huggingface_hub), then point at {local}"
+        )
+    return ""
 
 
 def run_dir_hint(directory: str | Path) -> str:
@@ -53,8 +81,10 @@ def read_hf_config(key: str, directory: str | Path) -> dict:
     """``directory/config.json`` parsed, or ConfigError naming ``key`` and what is wrong."""
     d, where = Path(directory), named(key, directory)
     if not d.is_dir():
+        hint = missing_dir_hint(d)
         what = "is a file, not a directory" if d.exists() else "no such directory"
-        raise ConfigError(f"{where}: {what}; point it at a Hugging Face model directory (config.json, weights)")
+        fix = hint or "point it at a Hugging Face model directory (config.json, weights)"
+        raise ConfigError(f"{where}: {what}; {fix}")
     path = d / "config.json"
     if not path.is_file():
         raise ConfigError(f"{where} has no config.json: point it at a Hugging Face model directory{run_dir_hint(d)}")
@@ -83,6 +113,14 @@ def weight_files(key: str, directory: str | Path) -> list[Path]:
             )
         return files
     files = sorted(d.glob("*.safetensors"))
+    pickled = sorted(p.name for p in d.glob("pytorch_model*.bin"))
+    if not files and pickled:
+        raise ConfigError(
+            f"{where} holds {pickled[0]} (PyTorch pickle) but no *.safetensors: pickled weights are not loaded "
+            '(unpickling can run code); convert them once with python -c "from transformers import '
+            f"AutoModelForCausalLM as M; M.from_pretrained('{d}').save_pretrained('{d}')\" (writes "
+            "model.safetensors beside them)"
+        )
     if not files:
         raise ConfigError(
             f"{where} holds no *.safetensors weights: download the model's weights there (a training run's "

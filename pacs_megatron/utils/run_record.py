@@ -7,7 +7,7 @@ earlier leaves nothing), headed by comments saying where it resumed from and wha
 already complete) rank 0 logs a summary and writes the same data to ``final.json``: steps, wall
 time, reward first -> last, the best and the last validation pass@k per set, the last checkpoint and
 the shell-quoted commands that export and evaluate it (the eval command repeats the run's validation:
-its sets, n, k, temperature, top-p and response length; the synthetic task's sets are written to
+its sets, n, k, temperature, top-p, response length and engine; the synthetic task's sets are written to
 ``OUTPUT_DIR/eval_sets/`` so that it names real files). Everything is read back from
 ``metrics.jsonl``, so the summary covers all launches of the run. A run in which every optimizer
 update was skipped (``actor/updates`` is 0 on every step: non-finite losses or gradients) ends with
@@ -112,6 +112,8 @@ class RunRecord:
         ]
         argv += ["--top-p", f"{t.val_top_p:g}", "--max-tokens", str(cfg.rollout.max_response_length)]
         argv += ["--chat-template", data.chat_template, "--reward", cfg.reward.fn]
+        if cfg.rollout.engine != "hf":  # the run's engine: the default HF engine is ~4x slower than vLLM's
+            argv += ["--engine", cfg.rollout.engine]
         if data.shots:
             argv += ["--shots", json.dumps(data.shots)]
         if data.data_root and data.task != "arith":

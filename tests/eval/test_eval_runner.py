@@ -44,3 +44,30 @@ def test_evaluate_metrics_and_rows(sharded):
     assert len(engine.calls) == 1  # all datasets in one generate call
     with pytest.raises(ValueError, match="k=\\[4\\]"):
         evaluate(engine, {"x": recs}, sampling, [4], scorer)
+
+
+def test_a_long_validation_shows_progress_and_one_result_line_per_set(monkeypatch, capsys):
+    """Fails on the old code: the training loop's (sharded) validation printed nothing until the run's summary."""
+    import pacs_megatron.eval.runner as runner
+    from pacs_megatron.utils.logging import init_logging
+
+    monkeypatch.setattr(runner, "QUIET_S", 0.0)  # a real validation stays quiet for its first 10 s
+    monkeypatch.setattr(runner, "MIN_CHUNK_SAMPLES", 1)
+    init_logging()
+    tok = build_arith_tokenizer()
+    recs = arith_records(arith_problems(ArithTaskConfig(max_operand=4, modulo=0)), tok)  # 25 problems
+    script = {r.prompt_text: [r.answer, "9"] for r in recs}  # one right, one wrong answer each
+    engine = ScriptedEngine(tok, script)
+    with RewardScorer(RewardConfig(fn="arith", num_workers=0)) as scorer:
+        metrics, _ = evaluate(
+            engine, {"a": recs[:20], "b": recs[20:]}, SamplingParams(n=2, seed=1), [1, 2], scorer, sharded=True, step=7
+        )
+    err = capsys.readouterr().err
+    progress = [ln for ln in err.splitlines() if "samples (" in ln]
+    assert len(engine.calls) == 9 and len(progress) >= 5  # ceil(25 / 10) = 3 problems per call
+    assert "validation (step 7): 6/50 samples (12%)" in progress[0] and "ETA" in progress[0]
+    assert "validation (step 7): 50/50 samples (100%)" in progress[-1]
+    assert len({s.seed for s in engine.calls}) == 9  # chunk j samples with its own seed (seed + j, then per replica)
+    assert "validation (step 7): a: pass@1=0.500 pass@2=1.000" in err and "(20 problems x 2)" in err
+    assert "validation (step 7): b: pass@1=0.500" in err and "overall: pass@1=0.500" in err
+    assert metrics["val/a/pass@1"] == pytest.approx(0.5)

@@ -102,3 +102,13 @@ def test_eval_cli_argument_errors(qwen_tiny_dir, data_root, tmp_path, capsys):
     assert _run(**nowhere) == 2
     err = capsys.readouterr().err
     assert "--data-root" in err and "data.data_root" not in err
+
+
+def test_a_mistyped_set_is_named_before_the_model_or_the_cache(tmp_path, capsys):
+    """Fails on the old code: --data was checked only after the model loaded (here: the missing model was
+    reported instead), behind a "sampling anew" line."""
+    (tmp_path / "eval_rollout.jsonl").write_text("")
+    assert _run(model=tmp_path / "no_model", n=1, k="1", data="math501", out=tmp_path) == 2
+    err = capsys.readouterr().err
+    assert "--data 'math501': neither a known name nor an existing file; did you mean math500?" in err
+    assert "no_model" not in err and "sampling anew" not in err

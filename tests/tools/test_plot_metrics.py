@@ -57,3 +57,18 @@ def test_a_restart_from_step_0_keeps_the_earlier_rows_aside(tmp_path, caplog):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
     w.truncate_after(-1)  # a fresh run's step-0 validation: nothing of a later step to keep
     assert len(list(tmp_path.glob("metrics.before-restart-*.jsonl"))) == 1
+
+
+def test_a_mistyped_key_is_one_line_with_its_close_match(tmp_path, capsys):
+    """Fails on the old code: ``--keys reward/meen`` said only that no requested key was present."""
+    MetricsWriter(tmp_path, enabled=True, tensorboard=False).log(1, {"reward/mean": 0.5, "pacs/loss": 0.7})
+    assert cli_main(["plot", str(tmp_path), "--keys", "reward/meen,pacs/loss"]) == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if " E " in ln]
+    assert len(errors) == 1
+    assert errors[0].endswith("--keys reward/meen: no such metric in the runs; did you mean reward/mean?")
+    assert cli_main(["plot", str(tmp_path), "--keys", "reward/meen"]) == 2  # the issue's command
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if " E " in ln]
+    assert errors[0].endswith(
+        "none of the requested metric keys is in the runs (reward/meen: did you mean reward/mean?)"
+    )
+    assert not (tmp_path / "plots").exists()

@@ -28,3 +28,23 @@ def test_import_noise_is_filtered_and_real_warnings_are_not():
         triton.name, logging.WARNING, "", 0, "Triton is installed, but doesn't include CPU backend.", None, None
     )
     assert not triton.filter(record)
+
+
+def test_third_party_warnings_print_on_rank_0_only(monkeypatch):
+    """Fails on the old code: torch's all_gather_into_tensor deprecation and megatron's CUDA_DEVICE_MAX_CONNECTIONS
+    advice printed once per rank."""
+    torch_warning = "`torch.distributed.all_gather_into_tensor` is deprecated."
+    megatron_advice = "Using sequence parallel requires CUDA_DEVICE_MAX_CONNECTIONS=1"
+    seen = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.delenv("PACS_LOG_ALL_RANKS", raising=False)
+        with warnings.catch_warnings(record=True) as caught:  # restores the filters init_logging adds
+            warnings.simplefilter("always")
+            init_logging()
+            warnings.warn_explicit(torch_warning, FutureWarning, "c10d_logger.py", 83, "torch.distributed.c10d_logger")
+            warnings.warn(megatron_advice, UserWarning, stacklevel=1)
+            warnings.warn("the user's own warning", UserWarning, stacklevel=1)
+        seen[rank] = [str(w.message) for w in caught]
+    assert seen["0"] == [torch_warning, megatron_advice, "the user's own warning"]
+    assert seen["1"] == ["the user's own warning"]

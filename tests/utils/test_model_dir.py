@@ -73,3 +73,25 @@ def test_sharded_weights_need_every_shard_and_shapes_are_compared(models, tmp_pa
         "vocab_size=12 but model.embed_tokens.weight is [10, 4] (vocab_size x hidden_size)"
     ]
     assert "the weights hold 2 layers" in shape_mismatches({**hf, "num_hidden_layers": 4}, shapes)[0]
+
+
+def test_pickled_weights_a_gguf_file_and_a_hub_id_are_told_the_way_forward(models, tmp_path, monkeypatch):
+    """Fails on the old code, which said "download the weights", "is a file" and "no such directory"."""
+    import shutil
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(models["no_weights"], pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ConfigError, match=r"holds pytorch_model.bin \(PyTorch pickle\).*save_pretrained") as e:
+        check_model_dir("model.path", pickled)
+    assert "\n" not in str(e.value)
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match=r"is a file, not a directory; a .gguf file .*model.init=gguf.*import-gguf"):
+        check_model_dir("model.path", gguf)
+    monkeypatch.chdir(tmp_path)
+    hub = r"model.path='Qwen/Qwen2.5-0.5B-Instruct': no such directory; hub ids are not downloaded: .*hf download"
+    with pytest.raises(ConfigError, match=hub):
+        check_model_dir("model.path", "Qwen/Qwen2.5-0.5B-Instruct")
+    with pytest.raises(ConfigError, match=r"no such directory; point it at a Hugging Face model directory"):
+        check_model_dir("model.path", "/no/such/dir")  # an absolute path is never a hub id

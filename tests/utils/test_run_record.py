@@ -174,3 +174,18 @@ def test_a_run_whose_updates_were_all_skipped_is_not_complete(tmp_path):
     assert done["status"] == "complete"
     text = format_summary(done)  # no checkpoint: said in words, never "None"
     assert "None" not in text and "checkpoint    (none)" in text and "(no checkpoint to export)" in text
+
+
+def test_the_eval_command_carries_the_runs_engine(tmp_path):
+    """Fails on the old code: a vLLM run's summary said `eval ...` without --engine vllm, which then sampled
+    with the HF engine (~4x slower)."""
+    import shlex
+
+    out = tmp_path / "run"
+    for engine, expected in (("vllm", ["--engine", "vllm"]), ("hf", [])):
+        cfg = load_config("examples/configs/cpu_tiny.yaml", [f"trainer.output_dir={out}", f"rollout.engine={engine}"])
+        argv = shlex.split(RunRecord(cfg, out, True, None).summary(1, None, "complete")["eval_command"])
+        if expected:
+            assert argv[argv.index("--engine") :][:2] == expected
+        else:
+            assert "--engine" not in argv  # hf is eval's default

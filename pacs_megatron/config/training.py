@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from pacs_megatron.config.base import ConfigError, _choice, _positive
 from pacs_megatron.config.switches import OverlongConfig, check_algorithm_switches
 from pacs_megatron.pacs.config import (
+    GSPOConfig,
     PACSConfig,
     PolicyLossConfig,
     RolloutCorrectionConfig,
@@ -21,11 +22,15 @@ class AlgorithmConfig:
 
     loss: str = "pacs"
     """"pacs" (default), or the paper's baselines "grpo" and "ppo" (PPO-clip; critic-free unless
-    policy.adv_estimator=gae, the learned critic of ``critic:``)."""
+    policy.adv_estimator=gae, the learned critic of ``critic:``), or "gspo" (sequence-level ratio,
+    Qwen's GSPO, settings in ``gspo``)."""
     pacs: PACSConfig = field(default_factory=PACSConfig)
     """PACS settings (beta, reward_method, adv_estimator, weight_mode)."""
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """GRPO / PPO-clip settings (clip ratios, loss aggregation, advantage)."""
+    gspo: GSPOConfig = field(default_factory=GSPOConfig)
+    """GSPO settings: the same fields as ``policy`` with verl's GSPO defaults (clip 3e-4 / 4e-4,
+    seq-mean-token-mean, GRPO advantages)."""
     ppo_epochs: int = 1
     """Passes over each step's rollouts."""
     mini_batch_size: int = 0
@@ -110,7 +115,7 @@ class AlgorithmConfig:
     0: never (the reference stays the policy RL started from). Needs a reference (the anchor or kl_loss_coef > 0)."""
 
     def __post_init__(self) -> None:
-        _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo"))
+        _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo", "gspo"))
         _positive("algorithm.ppo_epochs", self.ppo_epochs)
         _positive("algorithm.mini_batch_size", self.mini_batch_size, allow_zero=True)
         _positive("algorithm.micro_batch_size", self.micro_batch_size)
@@ -149,10 +154,11 @@ class AlgorithmConfig:
         """The sub-config the selected loss reads, with ``policy.adv_estimator=auto`` resolved."""
         if self.loss == "pacs":
             return self.pacs
-        estimator = self.policy.adv_estimator
+        policy = self.gspo if self.loss == "gspo" else self.policy
+        estimator = policy.adv_estimator
         if estimator == "auto":
             estimator = "rloo" if self.loss == "ppo" else "grpo"
-        return replace(self.policy, adv_estimator=estimator)
+        return replace(policy, adv_estimator=estimator)
 
     def correction(self) -> RolloutCorrectionConfig:
         """``rollout_correction`` and its bounds, resolved for the selected loss (pacs/rollout_correction.py):

@@ -98,18 +98,51 @@ class PolicyLossConfig:
     0 uses the step's padded row length (the same for fixed and token-budget micro-batches)."""
 
     def __post_init__(self) -> None:
+        owner = type(self).__name__  # GSPOConfig shares these checks
         for name in ("clip_ratio_low", "clip_ratio_high"):
             if not 0 < getattr(self, name) < 1:
-                raise ValueError(f"PolicyLossConfig.{name}={getattr(self, name)} must be in (0, 1), e.g. 0.2")
+                raise ValueError(f"{owner}.{name}={getattr(self, name)} must be in (0, 1), e.g. 0.2")
         if not (self.clip_ratio_c == 0 or self.clip_ratio_c > 1):
-            raise ValueError(f"PolicyLossConfig.clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0) or 0 (off)")
-        _check_choice("PolicyLossConfig", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _check_choice("PolicyLossConfig", "adv_estimator", self.adv_estimator, POLICY_ADV_ESTIMATORS)
+            raise ValueError(f"{owner}.clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0) or 0 (off)")
+        _check_choice(owner, "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_choice(owner, "adv_estimator", self.adv_estimator, POLICY_ADV_ESTIMATORS)
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"PolicyLossConfig.{name}={getattr(self, name)} must be in [0, 1] (reference: 1)")
+                raise ValueError(f"{owner}.{name}={getattr(self, name)} must be in [0, 1] (reference: 1)")
         if self.loss_agg_horizon < 0:
-            raise ValueError(f"PolicyLossConfig.loss_agg_horizon={self.loss_agg_horizon} must be >= 0")
+            raise ValueError(f"{owner}.loss_agg_horizon={self.loss_agg_horizon} must be >= 0")
+
+
+@dataclass
+class GSPOConfig(PolicyLossConfig):
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): the clipped surrogate on a sequence-level ratio, with
+    verl's defaults (``actor.policy_loss.loss_mode=gspo``). Same fields as :class:`PolicyLossConfig`;
+    only the defaults differ: the length-normalised ratio s_i = exp(mean_t (logp - old_logp)) averages the
+    token log-ratios, so it stays much closer to 1 than a token ratio, and its clip range is the paper's
+    3e-4 / 4e-4 instead of PPO's 0.2 (pacs/policy_loss.py::gspo_policy_loss).
+
+    Example:
+        >>> c = GSPOConfig()
+        >>> c.clip_ratio_low, c.clip_ratio_high, c.loss_agg_mode, c.adv_estimator
+        (0.0003, 0.0004, 'seq-mean-token-mean', 'grpo')
+    """
+
+    clip_ratio_low: float = 3e-4
+    """Lower clip of s_i (verl's gspo recipe and the paper: 3e-4)."""
+    clip_ratio_high: float = 4e-4
+    """Upper clip of s_i (verl and the paper: 4e-4)."""
+    clip_ratio_c: float = 0.0
+    """Must stay 0: GSPO has no dual-clip (verl's gspo loss applies none)."""
+    loss_agg_mode: str = "seq-mean-token-mean"
+    """verl's gspo aggregation: each sequence's token mean, then the mean over sequences."""
+    adv_estimator: str = "grpo"
+    """Group-normalised advantages as GRPO's ("grpo"), or "rloo"; no critic ("gae" is refused)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.clip_ratio_c:
+            raise ValueError(f"GSPOConfig.clip_ratio_c={self.clip_ratio_c}: GSPO has no dual-clip, leave it 0")
+        _check_choice("GSPOConfig", "adv_estimator", self.adv_estimator, ("auto", "grpo", "rloo"))
 
 
 CORRECTION_WEIGHTS = ("tis", "mis")

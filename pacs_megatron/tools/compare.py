@@ -73,6 +73,8 @@ METHODS: dict[str, list[str]] = {
     "ppo": ["algorithm.loss=ppo", "algorithm.policy.adv_estimator=gae"],
     # PPO-clip with the critic-free leave-one-out baseline (this project's earlier "ppo").
     "ppo_rloo": ["algorithm.loss=ppo", "algorithm.policy.adv_estimator=rloo"],
+    # GSPO (sequence-level ratio; verl's defaults in algorithm.gspo: clip 3e-4 / 4e-4, GRPO advantages).
+    "gspo": ["algorithm.loss=gspo"],
 }
 TUNE_SEED0 = 1000
 TRAIN = (sys.executable, "-m", "pacs_megatron", "train")

@@ -30,7 +30,7 @@ def test_off_by_default_and_in_every_shipped_recipe():
     ],
 )
 def test_parts_compose_in_any_order(spec, weight, masks):
-    for loss, unit, level in (("pacs", "row", "sequence"), ("grpo", "token", "token")):
+    for loss, unit, level in (("pacs", "row", "sequence"), ("grpo", "token", "token"), ("gspo", "token", "token")):
         c = load_config(None, [f"algorithm.loss={loss}", f"algorithm.rollout_correction={spec}"]).algorithm.correction()
         assert (c.weight, c.masks, c.unit, c.level) == (weight, masks, unit, level)
 

@@ -150,6 +150,6 @@ def gspo_policy_loss(
             "policy/advantage_mean": (
                 advantages.float().mean() if advantages.dim() == 1 else (advantages.float() * m).sum() / denom
             ),
-            "gspo/seq_log_ratio_abs_mean": seq.abs().mean() if seq.numel() else torch.zeros(()),
+            "policy/gspo_seq_log_ratio_abs_mean": seq.abs().mean() if seq.numel() else torch.zeros(()),
         }
     return loss, metrics

@@ -24,9 +24,10 @@ IcePop's own weight M(rho) = rho * 1[a <= rho <= b] is "tis+icepop" with is_cap 
 (PACS, unit "row") a token mask becomes a row mask: a row with any IcePop-masked token is dropped whole,
 since PACS's BCE scores the whole sequence and a partial implicit reward would score a different one.
 
-A dropped unit has w = 0 exactly (a kept one has w >= 1/C > 0): the losses read w == 0 as "rejected"
-and take the unit out of their mask and denominators (:func:`kept_mask`, :func:`kept_rows`), so a
-rejected token or row does not dilute the others' mean (the bug verl #3915 and slime #657 fixed).
+A dropped unit has w = 0 exactly (a kept one has w > 0: exp of a log-ratio clamped at -20): the losses
+read w == 0 as "rejected" and take the unit out of their mask and denominators (:func:`kept_mask`,
+:func:`kept_rows`), so a rejected token or row does not dilute the others' mean (the bug verl #3915 and
+slime #657 fixed).
 
 Weights are constants (no gradient): they reweight the samples pi_rollout drew into pi_old's
 expectation; the losses multiply their per-token surrogate (GRPO/PPO, as verl's rollout correction

@@ -290,17 +290,12 @@ def save_samples(rt: Runtime, samples: list[dict]) -> None:
 
 def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict]:
     """The engine's sampled-token log-probs vs the actor's old log-probs (this rank's rows): mismatch
-    metrics every step, and the importance weights of ``algorithm.rollout_correction`` (tis / mis). The
-    old log-probs are the proximal policy's (the actor before this step's update): the engine's only enter
-    the weights, whatever policy version sampled them (pacs/decoupled.py)."""
-    algo = cfg.algorithm
+    metrics every step, and the weights of ``algorithm.rollout_correction`` (tis / mis and the masks of the
+    menu, :meth:`AlgorithmConfig.correction`). The old log-probs are the proximal policy's (the actor
+    before this step's update): the engine's only enter the weights, whatever policy version sampled them
+    (pacs/decoupled.py)."""
     _, w, metrics = decoupled_old_logp(
-        local.old_logp,
-        local.rollout_logp,
-        local.response_mask,
-        algo.rollout_correction,
-        algo.is_cap,
-        algo.resolved_is_level,
+        local.old_logp, local.rollout_logp, local.response_mask, cfg.algorithm.correction()
     )
     if w is None:  # no correction: is_weights (if any) are the truncation weights, unchanged
         return local, metrics

@@ -6,7 +6,14 @@ from dataclasses import dataclass, field, replace
 
 from pacs_megatron.config.base import ConfigError, _choice, _positive
 from pacs_megatron.config.switches import OverlongConfig, check_algorithm_switches
-from pacs_megatron.pacs.config import PACSConfig, PolicyLossConfig
+from pacs_megatron.pacs.config import (
+    GSPOConfig,
+    PACSConfig,
+    PolicyLossConfig,
+    RolloutCorrectionConfig,
+    check_ratio_bounds,
+    split_correction,
+)
 
 
 @dataclass
@@ -15,11 +22,15 @@ class AlgorithmConfig:
 
     loss: str = "pacs"
     """"pacs" (default), or the paper's baselines "grpo" and "ppo" (PPO-clip; critic-free unless
-    policy.adv_estimator=gae, the learned critic of ``critic:``)."""
+    policy.adv_estimator=gae, the learned critic of ``critic:``), or "gspo" (sequence-level ratio,
+    Qwen's GSPO, settings in ``gspo``)."""
     pacs: PACSConfig = field(default_factory=PACSConfig)
     """PACS settings (beta, reward_method, adv_estimator, weight_mode)."""
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """GRPO / PPO-clip settings (clip ratios, loss aggregation, advantage)."""
+    gspo: GSPOConfig = field(default_factory=GSPOConfig)
+    """GSPO settings: the same fields as ``policy`` with verl's GSPO defaults (clip 3e-4 / 4e-4,
+    seq-mean-token-mean, GRPO advantages)."""
     ppo_epochs: int = 1
     """Passes over each step's rollouts."""
     mini_batch_size: int = 0
@@ -40,11 +51,24 @@ class AlgorithmConfig:
     forward over the mini-batch. Ignored (the pass covers every row) with ``rollout_correction``, whose
     weights need pi_old before the first loss. False: the separate pass over every row."""
     rollout_correction: str = "none"
-    """Correct the rollout/actor mismatch (e.g. FP8 rollouts) by importance weights pi_old / pi_rollout:
-    "none", "tis" (truncated: min(ratio, is_cap)) or "mis" (masked: ratio, zeroed outside [1/is_cap,
-    is_cap]). See pacs/rollout_correction.py and docs/fp8.md."""
+    """Correct the rollout/actor mismatch (e.g. FP8 or bf16 rollouts) with ratios pi_old / pi_rollout:
+    "none", or "+"-joined parts that compose (e.g. "tis+icepop+geo"): at most one importance weight,
+    "tis" (truncated: min(ratio, is_cap)) or "mis" (masked: ratio, zeroed outside [1/is_cap, is_cap]),
+    and any rejection masks: "icepop" (tokens outside icepop_bounds), "geo" (rows whose geometric-mean
+    ratio is outside geo_bounds), "outlier" (rows with a token outside outlier_bounds). A masked unit gets
+    weight 0 and leaves the loss; for PACS a masked token drops its row. See pacs/rollout_correction.py
+    and docs/fp8.md."""
     is_cap: float = 2.0
     """Cap C of the importance ratio (> 1): tis truncates at C, mis drops units outside [1/C, C]."""
+    icepop_bounds: list[float] = field(default_factory=lambda: [0.5, 2.0])
+    """rollout_correction "icepop": [low, high] of the token ratio outside which a token is masked
+    (IcePop's and SkyRL's [0.5, 2]); 0 <= low < 1 < high."""
+    geo_bounds: list[float] = field(default_factory=lambda: [0.99, 1.01])
+    """rollout_correction "geo": [low, high] of a row's geometric-mean ratio exp(mean_t log ratio_t)
+    outside which the row is masked (verl's and SkyRL's [0.99, 1.01])."""
+    outlier_bounds: list[float] = field(default_factory=lambda: [1e-4, 100.0])
+    """rollout_correction "outlier": a row with any token ratio outside [low, high] is masked (SkyRL's
+    suggested 1e-4 / 100; verl's token veto is the low bound alone: set high=.inf; low=0 is no low bound)."""
     is_level: str = "auto"
     """Unit of the importance ratio: "token", "sequence" (product over the response), or "auto":
     sequence for pacs (its weight multiplies a row's BCE weight), token for grpo/ppo."""
@@ -91,12 +115,18 @@ class AlgorithmConfig:
     0: never (the reference stays the policy RL started from). Needs a reference (the anchor or kl_loss_coef > 0)."""
 
     def __post_init__(self) -> None:
-        _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo"))
+        _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo", "gspo"))
         _positive("algorithm.ppo_epochs", self.ppo_epochs)
         _positive("algorithm.mini_batch_size", self.mini_batch_size, allow_zero=True)
         _positive("algorithm.micro_batch_size", self.micro_batch_size)
         _positive("algorithm.logprob_micro_batch_size", self.logprob_micro_batch_size, allow_zero=True)
-        _choice("algorithm.rollout_correction", self.rollout_correction, ("none", "tis", "mis"))
+        try:
+            split_correction(self.rollout_correction)
+            for key in ("icepop_bounds", "geo_bounds", "outlier_bounds"):
+                check_ratio_bounds(f"algorithm.{key}", getattr(self, key))
+        except ValueError as e:
+            msg = str(e) if str(e).startswith("algorithm.") else f"algorithm.rollout_correction={e}"
+            raise ConfigError(msg) from None
         _choice("algorithm.is_level", self.is_level, ("auto", "token", "sequence"))
         if not self.is_cap > 1:
             raise ConfigError(f"algorithm.is_cap={self.is_cap} must be > 1, e.g. 2.0")
@@ -124,10 +154,26 @@ class AlgorithmConfig:
         """The sub-config the selected loss reads, with ``policy.adv_estimator=auto`` resolved."""
         if self.loss == "pacs":
             return self.pacs
-        estimator = self.policy.adv_estimator
+        policy = self.gspo if self.loss == "gspo" else self.policy
+        estimator = policy.adv_estimator
         if estimator == "auto":
             estimator = "rloo" if self.loss == "ppo" else "grpo"
-        return replace(self.policy, adv_estimator=estimator)
+        return replace(policy, adv_estimator=estimator)
+
+    def correction(self) -> RolloutCorrectionConfig:
+        """``rollout_correction`` and its bounds, resolved for the selected loss (pacs/rollout_correction.py):
+        PACS weighs rows, the other losses tokens."""
+        weight, masks = split_correction(self.rollout_correction)
+        return RolloutCorrectionConfig(
+            weight=weight,
+            masks=masks,
+            cap=self.is_cap,
+            level=self.resolved_is_level,
+            unit="row" if self.loss == "pacs" else "token",
+            icepop=tuple(self.icepop_bounds),
+            geo=tuple(self.geo_bounds),
+            outlier=tuple(self.outlier_bounds),
+        )
 
     @property
     def resolved_is_level(self) -> str:

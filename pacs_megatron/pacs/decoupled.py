@@ -22,9 +22,14 @@ This is the same code path as the FP8 rollout correction (pacs/rollout_correctio
 never enter a ratio, only the weights. With ``algorithm.rollout_correction=none`` stale samples are used
 as if drawn from pi_prox (biased by the policy's drift over k steps; logged as ``rollout/kl_seq``).
 
+The masks of the mismatch menu (icepop, geo, outlier; pacs/rollout_correction.py) ride on the same path:
+a stale sample whose ratio pi_prox / pi_b leaves their bounds is rejected like an engine outlier.
+
 Example:
+    >>> from pacs_megatron.pacs.config import RolloutCorrectionConfig
     >>> prox = torch.tensor([[0.0, -1.0]]); behaviour = torch.tensor([[0.0, -1.5]]); mask = torch.tensor([[0, 1]])
-    >>> old, w, _ = decoupled_old_logp(prox, behaviour, mask, "tis", cap=2.0, level="sequence")
+    >>> tis = RolloutCorrectionConfig(weight="tis", cap=2.0, level="sequence", unit="row")
+    >>> old, w, _ = decoupled_old_logp(prox, behaviour, mask, tis)
     >>> torch.equal(old, prox), round(w.item(), 4)
     (True, 1.6487)
 """
@@ -33,30 +38,28 @@ from __future__ import annotations
 
 import torch
 
-from pacs_megatron.pacs.rollout_correction import importance_weights, mismatch_metrics
+from pacs_megatron.pacs.config import RolloutCorrectionConfig
+from pacs_megatron.pacs.rollout_correction import correction_weights, mismatch_metrics
 
 
 def decoupled_old_logp(
     proximal_logp: torch.Tensor,
     behaviour_logp: torch.Tensor | None,
     response_mask: torch.Tensor,
-    mode: str,
-    cap: float,
-    level: str,
+    correction: RolloutCorrectionConfig,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """``(old_logp, is_weights, metrics)`` of the decoupled objective.
 
     ``old_logp`` is ``proximal_logp`` (the ratio's and the implicit reward's reference); ``is_weights`` are
-    pi_prox / pi_b of ``mode`` ("tis" / "mis") at ``level`` ("token" ``[B, T]`` / "sequence" ``[B, 1]``), or
-    None for ``mode="none"`` or without behaviour log-probs; ``metrics`` are the mismatch metrics
-    (``rollout/logprob_diff_*``, ``rollout/kl_seq``, ...) and, with weights, ``rollout/is_*``.
+    the menu's weights pi_prox / pi_b (``correction``: tis / mis and the masks, ``[B, T]`` for a token loss,
+    ``[B, 1]`` for PACS), or None when nothing is on or without behaviour log-probs; ``metrics`` are the
+    mismatch metrics (``rollout/logprob_diff_*``, ``rollout/kl_seq``, ratio quantiles, ...) and, with
+    weights, the menu's (``rollout/is_*``, ``rollout/*_masked_frac``).
     """
     if behaviour_logp is None:
         return proximal_logp, None, {}
     metrics = mismatch_metrics(proximal_logp, behaviour_logp, response_mask)
-    if mode == "none":
-        return proximal_logp, None, metrics
-    w, m = importance_weights(proximal_logp, behaviour_logp, response_mask, mode, cap, level)
+    w, m = correction_weights(proximal_logp, behaviour_logp, response_mask, correction)
     return proximal_logp, w, metrics | m
 
 

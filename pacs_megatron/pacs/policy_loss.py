@@ -1,4 +1,4 @@
-"""Clipped policy-gradient losses for the paper's baselines (GRPO, PPO-clip), token level.
+"""Clipped policy-gradient losses for the paper's baselines (GRPO, PPO-clip) and GSPO, token level.
 
 Shapes: ``[B, T]`` log-probs and mask, ``advantages [B]`` (outcome advantages broadcast over the
 response tokens). With ratio_t = exp(logp_t - old_logp_t):
@@ -20,6 +20,12 @@ aggregated by ``loss_agg_mode`` (B = rows with at least one token in the mask):
 
 Masked importance sampling (``is_weights`` with zeros, rollout_correction.py) rejects tokens or rows:
 they leave the mask, so they leave every denominator too (as verl #3915, slime #657).
+
+GSPO (Zheng et al. 2025, arXiv 2507.18071; :func:`gspo_policy_loss`) replaces ratio_t by the sequence's
+length-normalised ratio s_i = exp(1/|y_i| sum_t (logp_t - old_logp_t)), clipped at [1 - eps_low,
+1 + eps_high] with GSPO's own small eps (GSPOConfig: 3e-4 / 4e-4), in verl's token form with stop-gradient
+(sg): s_{i,t} = sg[s_i] * pi_t / sg[pi_t], whose value is s_i at every token and whose gradient is
+s_i * grad log pi_t, so with seq-mean-token-mean the gradient is the paper's s_i * A_i * mean_t grad log pi_t.
 """
 
 from __future__ import annotations
@@ -99,5 +105,51 @@ def clipped_policy_loss(
             "policy/advantage_mean": (
                 advantages.float().mean() if advantages.dim() == 1 else (advantages.float() * m).sum() / denom
             ),
+        }
+    return loss, metrics
+
+
+def gspo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    config: PolicyLossConfig,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO's clipped surrogate on the sequence ratio (module docstring), as verl's ``compute_policy_loss_gspo``:
+    no dual-clip, the log-ratio clamped at 10 before exp, ``config.loss_agg_mode`` (GSPOConfig:
+    seq-mean-token-mean, verl's). ``is_weights`` multiply each token's term as in :func:`clipped_policy_loss`;
+    units they reject (weight 0) leave the mask, so they leave s_i's mean too, as verl's rejection sampling
+    removes them from the response mask before the loss."""
+    if advantages.shape not in ((logp.shape[0],), tuple(logp.shape)):
+        raise ValueError(f"advantages must be [B] or [B, T]={tuple(logp.shape)}, got {tuple(advantages.shape)}")
+    adv = advantages.to(logp.dtype)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+    mask = kept_mask(response_mask, is_weights)
+    m = mask.to(logp.dtype)
+    # Padding may hold garbage (NaN old log-probs before their pass): zero it before the row mean.
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    seq_log_ratio = log_ratio.sum(-1) / m.sum(-1).clamp(min=1.0)  # [B]: log s_i
+    log_s = (logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
+    s = torch.exp(log_s)  # [B, T]: value s_i at every token, gradient s_i * grad logp_t
+    unclipped = -adv * s
+    clipped = -adv * s.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.to(loss_mat.dtype).detach()
+    loss = aggregate(loss_mat, mask, config.loss_agg_mode, config.loss_agg_horizon)
+    with torch.no_grad():
+        rows = mask.any(-1)
+        denom = m.sum().clamp(min=1.0)
+        seq = seq_log_ratio[rows]
+        metrics = {
+            "policy/loss": loss.detach(),
+            "policy/clipfrac": ((clipped > unclipped).to(logp.dtype) * m).sum() / denom,
+            "policy/approx_kl": (0.5 * log_ratio.pow(2) * m).sum() / denom,
+            "policy/advantage_mean": (
+                advantages.float().mean() if advantages.dim() == 1 else (advantages.float() * m).sum() / denom
+            ),
+            "policy/gspo_seq_log_ratio_abs_mean": seq.abs().mean() if seq.numel() else torch.zeros(()),
         }
     return loss, metrics

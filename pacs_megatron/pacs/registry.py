@@ -1,8 +1,8 @@
 """One registry for the trainable losses, so the trainer selects PACS or a baseline by name.
 
 A loss takes a :class:`LossInputs` (one micro-batch of whole groups) and its own sub-config
-(``AlgorithmConfig.loss_config()``: PACSConfig for pacs, PolicyLossConfig for the baselines) and
-returns ``(loss, metrics)``, where ``loss`` is a *mean* over the loss's unit (rows, or response
+(``AlgorithmConfig.loss_config()``: PACSConfig for pacs, PolicyLossConfig for grpo / ppo, GSPOConfig for
+gspo) and returns ``(loss, metrics)``, where ``loss`` is a *mean* over the loss's unit (rows, or response
 tokens for ``token-mean``). ``denominator`` reports that unit count, so a caller that splits a
 mini-batch into micro-batches (and data-parallel ranks) weights each micro-batch by
 ``denominator / total`` and gets exactly the full mini-batch's loss.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pacs_megatron.pacs.loss import pacs_loss
-from pacs_megatron.pacs.policy_loss import clipped_policy_loss
+from pacs_megatron.pacs.policy_loss import clipped_policy_loss, gspo_policy_loss
 from pacs_megatron.pacs.rollout_correction import kept_mask, kept_rows
 
 
@@ -134,6 +134,14 @@ def _clipped(x: LossInputs, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Ten
 # from the learned critic, filled in by critic_stages before the update).
 register_loss("grpo", needs_advantages=True, unit="agg")(_clipped)
 register_loss("ppo", needs_advantages=True, unit="agg")(_clipped)
+
+
+@register_loss("gspo", needs_advantages=True, unit="agg")
+def _gspo(x: LossInputs, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (pacs/policy_loss.py::gspo_policy_loss) with outcome advantages (GSPOConfig: GRPO's by default)."""
+    if x.advantages is None:
+        raise ValueError("the gspo loss needs LossInputs.advantages (outcome advantages)")
+    return gspo_policy_loss(x.logp, x.old_logp, x.response_mask, x.advantages, cfg, x.is_weights)
 
 
 @register_loss("sft", unit="token")

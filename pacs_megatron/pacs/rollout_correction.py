@@ -10,9 +10,24 @@ response mask (``token_logp`` convention of data/batching.py), ``[B]`` per row.
     tis        : w = min(rho, C)                                       (truncated IS; only large ratios clipped)
     mis        : w = rho * 1[1/C <= rho <= C]                          (masked IS: units outside are dropped)
 
-A dropped unit has w = 0 exactly (a kept one has w >= 1/C > 0): the losses read w == 0 as "rejected"
-and take the unit out of their mask and denominators (:func:`kept_mask`, :func:`kept_rows`), so a
-rejected token or row does not dilute the others' mean (the bug verl #3915 and slime #657 fixed).
+and the rejection masks (:func:`correction_weights`), each a factor 0/1 on the weight above (1 when no
+weight is chosen), so any of them composes with tis or mis and with each other (verl's rollout_is x
+rollout_rs x token veto; SkyRL's TIS x sequence mask x outlier mask), e.g. "tis+icepop+geo":
+
+    icepop     : token t kept iff a <= rho_t <= b                      ([0.5, 2]; Ring/IcePop, SkyRL's token mask)
+    geo        : row i kept iff a <= exp(mean_t delta_t) <= b          ([0.99, 1.01]; verl rollout_rs=geometric)
+    outlier    : row i kept iff a <= rho_t <= b for all its tokens     ([1e-4, 100]; SkyRL outlier_token_is_*)
+
+Every mask is computed from the engine's and the actor's log-probs over the full response (verl's order;
+SkyRL takes the geometric mean over the tokens its token masks left), so their order does not matter.
+IcePop's own weight M(rho) = rho * 1[a <= rho <= b] is "tis+icepop" with is_cap >= b. For a per-row loss
+(PACS, unit "row") a token mask becomes a row mask: a row with any IcePop-masked token is dropped whole,
+since PACS's BCE scores the whole sequence and a partial implicit reward would score a different one.
+
+A dropped unit has w = 0 exactly (a kept one has w > 0: exp of a log-ratio clamped at -20): the losses
+read w == 0 as "rejected" and take the unit out of their mask and denominators (:func:`kept_mask`,
+:func:`kept_rows`), so a rejected token or row does not dilute the others' mean (the bug verl #3915 and
+slime #657 fixed).
 
 Weights are constants (no gradient): they reweight the samples pi_rollout drew into pi_old's
 expectation; the losses multiply their per-token surrogate (GRPO/PPO, as verl's rollout correction
@@ -29,7 +44,11 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from pacs_megatron.pacs.config import RolloutCorrectionConfig
 
 _MAX_LOG_RATIO = 20.0
 
@@ -55,23 +74,61 @@ def kept_rows(num_rows: int, is_weights: torch.Tensor | None, device: torch.devi
     return is_weights.detach().reshape(num_rows, -1).ne(0).any(dim=-1)
 
 
+QUANTILES = (0.01, 0.5, 0.99)
+
+
+def quantiles(values: torch.Tensor, qs: tuple[float, ...] = QUANTILES) -> list[torch.Tensor]:
+    """Linearly interpolated quantiles of a flat tensor (torch.quantile's default), by sorting: torch.quantile
+    refuses more than 2^24 elements, a long-context step's token count. NaN if any value is NaN or none.
+
+    Example:
+        >>> [round(float(q), 3) for q in quantiles(torch.tensor([4.0, 1.0, 3.0, 2.0]))]
+        [1.03, 2.5, 3.97]
+    """
+    x = values.double().flatten()
+    if x.numel() == 0 or bool(torch.isnan(x).any()):
+        return [torch.tensor(float("nan"), dtype=torch.float64) for _ in qs]
+    x = x.sort().values
+    out = []
+    for q in qs:
+        pos = q * (x.numel() - 1)
+        lo = int(pos)
+        hi = min(lo + 1, x.numel() - 1)
+        out.append(x[lo] + (x[hi] - x[lo]) * (pos - lo))
+    return out
+
+
 def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor) -> dict:
     """``rollout/logprob_diff_mean|max`` = mean / max |rollout - old| over response tokens;
     ``rollout/kl_seq`` = mean over rows of sum_t (rollout - old) (the k1 estimate of KL(pi_rollout || pi_old)
     per sequence: the tokens were drawn from pi_rollout); ``rollout/k3_kl_seq`` = mean over rows of
-    sum_t (rho - 1 - log rho) with rho = pi_old / pi_rollout (k3: non-negative, lower variance)."""
+    sum_t (rho - 1 - log rho) with rho = pi_old / pi_rollout (k3: non-negative, lower variance);
+    ``rollout/ratio_p01|p50|p99``: quantiles of the token ratio rho_t over response tokens, and
+    ``rollout/geo_ratio_p01|p50|p99`` of the rows' geometric-mean ratio exp(mean_t log rho_t) (what the
+    icepop and geo bounds are set against). Over this rank's rows (rank 0 logs its own)."""
     mask = response_mask.bool()
     delta = (old_logp.double() - rollout_logp.double()).masked_fill(~mask, 0.0)
     # masked_fill keeps NaN where the mask is on: a NaN log-prob stays NaN in every metric below.
     diff = _masked(delta.abs(), mask)
     k3 = torch.expm1(delta.clamp(max=_MAX_LOG_RATIO)) - delta
     nan = torch.tensor(float("nan"), dtype=torch.float64)
-    return {
+    rows = mask.any(-1)
+    geo = _geo_log_ratio(delta, mask)[rows]
+    metrics = {
         "rollout/logprob_diff_mean": diff.mean() if diff.numel() else nan,
         "rollout/logprob_diff_max": diff.max() if diff.numel() else nan,
         "rollout/kl_seq": (-delta).sum(-1).mean(),
         "rollout/k3_kl_seq": k3.sum(-1).mean(),
     }
+    for name, log_ratio in (("ratio", _masked(delta, mask)), ("geo_ratio", geo)):
+        for q, v in zip(QUANTILES, quantiles(log_ratio)):  # exp is monotone: quantiles of the log, then exp
+            metrics[f"rollout/{name}_p{round(q * 100):02d}"] = torch.exp(v.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    return metrics
+
+
+def _geo_log_ratio(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` mean_t delta_t over each row's response tokens (0 for a row without any)."""
+    return delta.sum(-1) / mask.sum(-1).clamp(min=1)
 
 
 def importance_weights(
@@ -113,3 +170,66 @@ def importance_weights(
         "rollout/is_clipped_frac": _masked(clipped.double(), unit_mask).mean(),
     }
     return w, metrics
+
+
+def correction_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, cfg: RolloutCorrectionConfig
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The menu (module docstring): ``cfg.weight`` times each mask of ``cfg.masks``.
+
+    Returns ``(weights, metrics)``: None when nothing is on; else float32 ``[B, T]`` (``cfg.unit="token"``,
+    0 off the response and on masked tokens and rows) or ``[B, 1]`` (``"row"``, 0 on a dropped row).
+    Metrics: the weight's ``rollout/is_*`` (tis / mis); per mask the fraction it masks,
+    ``rollout/icepop_masked_frac`` (of response tokens), ``rollout/geo_masked_frac`` and
+    ``rollout/outlier_masked_frac`` (of rows); with any mask or mis, ``rollout/masked_token_frac`` and
+    ``rollout/masked_row_frac``: the response tokens and rows left with weight 0 by all of them together.
+
+    Example:
+        >>> from pacs_megatron.pacs.config import RolloutCorrectionConfig
+        >>> old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]]); ro = torch.tensor([[-1.0, -2.0], [-1.0, -1.1]])
+        >>> w, m = correction_weights(old, ro, torch.ones(2, 2), RolloutCorrectionConfig(masks=("icepop",)))
+        >>> w.tolist(), m["rollout/icepop_masked_frac"].item()
+        ([[1.0, 0.0], [1.0, 1.0]], 0.25)
+    """
+    if not cfg.active:
+        return None, {}
+    mask = response_mask.bool()
+    rows = mask.any(-1)
+    if cfg.weight != "none":
+        w, metrics = importance_weights(old_logp, rollout_logp, mask, cfg.weight, cfg.cap, cfg.level)
+        w = w.double()
+    else:
+        w, metrics = (mask.double() if cfg.unit == "token" else torch.ones_like(mask[:, :1], dtype=torch.float64)), {}
+    delta = (old_logp.double() - rollout_logp.double()).masked_fill(~mask, 0.0)
+    # Compare log-ratios with log-bounds: exact where exp would overflow, and log(0) = -inf keeps low=0 open.
+    keep_tok = torch.ones_like(mask)
+    keep_row = torch.ones_like(rows)
+    if "icepop" in cfg.masks:
+        inside = _within(delta, cfg.icepop) | ~mask
+        metrics["rollout/icepop_masked_frac"] = _masked((~inside).double(), mask).mean()
+        keep_tok &= inside
+    if "geo" in cfg.masks:
+        inside = _within(_geo_log_ratio(delta, mask), cfg.geo)
+        metrics["rollout/geo_masked_frac"] = (~inside)[rows].double().mean()
+        keep_row &= inside
+    if "outlier" in cfg.masks:
+        inside = (_within(delta, cfg.outlier) | ~mask).all(-1)
+        metrics["rollout/outlier_masked_frac"] = (~inside)[rows].double().mean()
+        keep_row &= inside
+    # torch.where, not a product: a masked unit's weight is exactly 0 even where its ratio is NaN.
+    if cfg.unit == "row":  # PACS: a token mask drops the row (module docstring); w is [B, 1] here
+        w = torch.where((keep_row & keep_tok.all(-1)).unsqueeze(-1), w, 0.0)
+        kept_tok = (w != 0) & mask
+    else:
+        w = torch.where(keep_tok & keep_row.unsqueeze(-1) & mask, w.expand_as(delta), 0.0)
+        kept_tok = w != 0
+    if cfg.masks or cfg.weight == "mis":
+        metrics["rollout/masked_token_frac"] = 1.0 - _masked(kept_tok.double(), mask).mean()
+        metrics["rollout/masked_row_frac"] = 1.0 - kept_tok.any(-1)[rows].double().mean()
+    return w.float(), metrics
+
+
+def _within(log_ratio: torch.Tensor, bounds: tuple[float, float]) -> torch.Tensor:
+    """``log_ratio`` in [log low, log high] (low = 0: no lower bound); NaN is outside (dropped, not kept)."""
+    lo, hi = bounds
+    return (log_ratio >= math.log(lo) if lo > 0 else ~torch.isnan(log_ratio)) & (log_ratio <= math.log(hi))

@@ -79,6 +79,8 @@ METHODS: dict[str, list[str]] = {
     # The control: PACS with one update per rollout batch, where psi = 0 and the loss is class-weighted
     # REINFORCE with a leave-one-out baseline (README, "What PACS is").
     "reinforce": ["algorithm.loss=pacs", "algorithm.mini_batch_size=0"],
+    # GSPO (sequence-level ratio; verl's defaults in algorithm.gspo: clip 3e-4 / 4e-4, GRPO advantages).
+    "gspo": ["algorithm.loss=gspo"],
 }
 TUNE_SEED0 = 1000
 TRAIN = (sys.executable, "-m", "pacs_megatron", "train")

@@ -16,10 +16,15 @@ import pytest
 import torch
 
 from pacs_megatron.pacs import PACSConfig, PolicyLossConfig, clipped_policy_loss, pacs_loss
+from pacs_megatron.pacs.config import RolloutCorrectionConfig
 from pacs_megatron.pacs.decoupled import decoupled_old_logp, staleness, staleness_metrics
 from pacs_megatron.pacs.implicit_reward import implicit_reward
 
 B, T, N = 8, 6, 4
+
+
+def _corr(weight: str, cap: float, level: str) -> RolloutCorrectionConfig:
+    return RolloutCorrectionConfig(weight=weight, cap=cap, level=level, unit="row" if level == "sequence" else "token")
 
 
 def _batch(seed: int = 0):
@@ -46,7 +51,7 @@ def _loss(name: str, logp, old, mask, scores, w):
 def test_at_k0_the_decoupled_loss_is_todays_loss_bit_for_bit(name, mode):
     level = "sequence" if name == "pacs" else "token"
     logp, prox, mask, scores = _batch()
-    old, w, metrics = decoupled_old_logp(prox, prox.clone(), mask, mode, 2.0, level)
+    old, w, metrics = decoupled_old_logp(prox, prox.clone(), mask, _corr(mode, 2.0, level))
     assert old is prox and float(metrics["rollout/logprob_diff_max"]) == 0.0
     assert bool((w[mask if level == "token" else slice(None)] == 1).all())
     today = _loss(name, logp, prox, mask, scores, None)
@@ -59,7 +64,7 @@ def test_at_k0_the_decoupled_loss_is_todays_loss_bit_for_bit(name, mode):
 def test_pacs_reward_starts_from_the_proximal_policy_whatever_the_staleness():
     _, prox, mask, scores = _batch()
     behaviour = prox - 0.3 * torch.rand(B, T, generator=torch.Generator().manual_seed(1))  # an older policy
-    old, w, m = decoupled_old_logp(prox, behaviour, mask, "tis", 100.0, "sequence")
+    old, w, m = decoupled_old_logp(prox, behaviour, mask, _corr("tis", 100.0, "sequence"))
     theta = prox.clone().requires_grad_(True)  # the first mini-batch of the update: theta = prox
     assert torch.equal(implicit_reward(theta, old, mask, 1.0), torch.zeros(B))
     loss, metrics = pacs_loss(theta, old, mask, scores, N, PACSConfig(beta=1.0, weight_mode=None), is_weights=w)
@@ -78,7 +83,7 @@ def test_weights_turn_behaviour_samples_into_proximal_expectations():
     f = torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0])
     y = torch.multinomial(p_b, 200_000, replacement=True, generator=g)
     mask = torch.ones(len(y), 1, dtype=torch.bool)
-    _, w, _ = decoupled_old_logp(p_prox.log()[y, None], p_b.log()[y, None], mask, "tis", 10.0, "sequence")
+    _, w, _ = decoupled_old_logp(p_prox.log()[y, None], p_b.log()[y, None], mask, _corr("tis", 10.0, "sequence"))
     estimate = float((w.squeeze(1) * f[y]).mean())
     assert abs(estimate - float((p_prox * f).sum())) < 0.02
     assert abs(float(f[y].mean()) - float((p_prox * f).sum())) > 0.2  # uncorrected: clearly off
@@ -86,8 +91,8 @@ def test_weights_turn_behaviour_samples_into_proximal_expectations():
 
 def test_without_behaviour_logprobs_or_correction_there_are_no_weights():
     _, prox, mask, _ = _batch()
-    assert decoupled_old_logp(prox, None, mask, "tis", 2.0, "token") == (prox, None, {})
-    old, w, m = decoupled_old_logp(prox, prox - 0.1, mask, "none", 2.0, "token")
+    assert decoupled_old_logp(prox, None, mask, _corr("tis", 2.0, "token")) == (prox, None, {})
+    old, w, m = decoupled_old_logp(prox, prox - 0.1, mask, _corr("none", 2.0, "token"))
     assert old is prox and w is None and "rollout/kl_seq" in m and "rollout/is_weight_mean" not in m
 
 

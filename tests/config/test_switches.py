@@ -17,7 +17,8 @@ def _off(cfg) -> bool:
         and a.entropy_coeff == 0
         and a.overlong.buffer_len == 0
         and not a.overlong.mask_truncated
-        and not cfg.actor.offload_reference
+        # offloading the reference is a memory setting, for a run that has one (PACS v2's anchor)
+        and (not cfg.actor.offload_reference or a.needs_reference)
     )
 
 

@@ -56,7 +56,7 @@ from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_BUILTIN_LOSSES = ("pacs", "grpo", "ppo")
+_BUILTIN_LOSSES = ("pacs", "grpo", "ppo", "gspo")
 
 
 @dataclass(frozen=True)

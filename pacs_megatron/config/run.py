@@ -209,7 +209,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         raise ConfigError(_format_omegaconf_error(e)) from None
     except ValueError as e:
         # The algorithm's own dataclasses name themselves; name the config key instead.
-        msg = str(e).replace("PACSConfig.", "algorithm.pacs.").replace("PolicyLossConfig.", "algorithm.policy.")
+        msg = (
+            str(e)
+            .replace("PACSConfig.", "algorithm.pacs.")
+            .replace("PolicyLossConfig.", "algorithm.policy.")
+            .replace("GSPOConfig.", "algorithm.gspo.")
+        )
         raise ConfigError(msg) from None
 
 

@@ -10,6 +10,9 @@ import math
 from pathlib import Path
 
 TRAIN_KEY = "reward/mean"
+EXTRA_CURVES = ("actor/entropy", "pacs/post_psi_abs_mean", "pacs/post_brier")
+"""Curves kept and drawn beside the scores where the runs log them: the policy's entropy (collapse or not) and
+the PACS classifier at work (psi's size, the Brier score of sigmoid(psi) against the outcome)."""
 # Two-sided 95% Student-t quantiles for 1..10 degrees of freedom (normal beyond).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 FINAL_DEFINITION = "validation metrics: mean of the last 3 validations; train reward: mean of the last quarter"
@@ -59,9 +62,19 @@ def curves(results: dict[int, list[dict]], key: str) -> dict:
     return {"step": steps, "mean": [s["mean"] for s in stats], "half_width": [s["half_width"] for s in stats]}
 
 
+def pass_at_k_keys(rows: list[dict], val_key: str) -> list[str]:
+    """The held-out split's other pass@k keys beside ``val_key`` (``.../pass@1``), k ascending."""
+    stem = val_key.rsplit("/", 1)[0] + "/pass@"
+    ks = sorted({int(k[len(stem) :]) for r in rows for k in r if k.startswith(stem) and k[len(stem) :].isdigit()})
+    return [f"{stem}{k}" for k in ks if f"{stem}{k}" != val_key]
+
+
 def method_summary(results: dict[int, list[dict] | None], val_key: str, tune_key: str) -> dict:
-    """One method's reported seeds: per-seed scores, their intervals and the mean curves."""
+    """One method's reported seeds: per-seed scores, their intervals (pass@1 and the held-out split's other
+    pass@k), and the mean curves (with :data:`EXTRA_CURVES` where logged)."""
     ok = {seed: rows for seed, rows in results.items() if rows}
+    every = [r for rows in ok.values() for r in rows]
+    extra = [k for k in EXTRA_CURVES if any(k in r for r in every)]
     per_seed = []
     for seed, rows in sorted(ok.items()):
         heldout, train = run_score(rows, val_key)
@@ -73,7 +86,10 @@ def method_summary(results: dict[int, list[dict] | None], val_key: str, tune_key
         "final_heldout": interval([s["heldout"] for s in per_seed]),
         "final_tune": interval([s["tune"] for s in per_seed]),
         "final_train_reward": interval([s["train_reward"] for s in per_seed]),
-        "curves": {key: curves(ok, key) for key in dict.fromkeys([TRAIN_KEY, val_key, tune_key])},
+        "final_pass_at_k": {
+            k: interval([run_score(rows, k)[0] for rows in ok.values()]) for k in pass_at_k_keys(every, val_key)
+        },
+        "curves": {key: curves(ok, key) for key in dict.fromkeys([TRAIN_KEY, val_key, tune_key, *extra])},
     }
 
 
@@ -109,6 +125,13 @@ def table(summary: dict) -> str:
             lines.append(f"| {m} | {r['seed']} | {r['heldout']:.3f} | {tuned}{r['train_reward']:.3f} |")
         for seed in s["failed_seeds"]:
             lines.append(f"| {m} | {seed} | failed | " + ("failed | " if both else "") + "failed |")
+    ks = sorted({k for s in summary["methods"].values() for k in s.get("final_pass_at_k", {})}, key=_k_of)
+    if ks:
+        lines += ["", "Held-out pass@k (mean of the last 3 validations, 95% interval over seeds):", ""]
+        lines += ["| method | " + " | ".join(ks) + " |", "|---|" + "---|" * len(ks)]
+        for m, s in summary["methods"].items():
+            cells = [_pm(s["final_pass_at_k"][k]) if k in s.get("final_pass_at_k", {}) else "-" for k in ks]
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
     if summary["tuning"]:
         lines += ["", f"Tuning ({tune}, then train reward; mean over the tuning seeds):", ""]
         lines += ["| method | parameter | value | score | train reward | chosen |", "|---|---|---|---|---|---|"]
@@ -125,18 +148,23 @@ def table(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _k_of(key: str) -> int:
+    return int(key.rsplit("@", 1)[1])
+
+
 def plot(summary: dict, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = list(dict.fromkeys([TRAIN_KEY, summary["val_key"]]))
+    logged = {k for s in summary["methods"].values() for k, c in s["curves"].items() if c["step"]}
+    keys = list(dict.fromkeys([TRAIN_KEY, summary["val_key"], *(k for k in EXTRA_CURVES if k in logged)]))
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for method, s in summary["methods"].items():
-            c = s["curves"][key]
-            if not c["step"]:
+            c = s["curves"].get(key)
+            if not c or not c["step"]:
                 continue
             lo = [m - (h if math.isfinite(h) else 0) for m, h in zip(c["mean"], c["half_width"])]
             hi = [m + (h if math.isfinite(h) else 0) for m, h in zip(c["mean"], c["half_width"])]

@@ -30,3 +30,27 @@ def test_two_seeds_and_a_separate_tuning_set_keep_both_columns_and_intervals():
     text = table(_summary({0: shifted, 1: [r | {"reward/mean": 0.0} for r in shifted]}, "val/tune/pass@1"))
     assert text.splitlines()[0] == "| method | lr | seeds | val/arith/pass@1 | val/tune/pass@1 | train reward/mean |"
     assert "+- " in text and "nan" not in text
+
+
+def test_pass_at_k_finals_and_the_classifier_curves(tmp_path):
+    """The held-out split's pass@4/16 get their own intervals, and entropy / psi curves are kept and drawn."""
+    from pacs_megatron.tools.compare_report import plot
+
+    rows = [
+        r | {"val/arith/pass@4": 0.5, "val/arith/pass@16": 0.75, "actor/entropy": 1.0 - 0.1 * r["step"],
+             "pacs/post_psi_abs_mean": 0.01 * r["step"]}
+        for r in ROWS
+    ]  # fmt: skip
+    summary = _summary({0: rows, 1: rows}, "val/arith/pass@1") | {"seeds": 2}
+    method = summary["methods"]["pacs"]
+    assert list(method["final_pass_at_k"]) == ["val/arith/pass@4", "val/arith/pass@16"]
+    assert method["final_pass_at_k"]["val/arith/pass@16"]["mean"] == 0.75
+    assert (
+        method["curves"]["actor/entropy"]["mean"] == [0.9, 0.8, 0.7, 0.6] and "pacs/post_brier" not in method["curves"]
+    )
+    text = table(summary)
+    assert (
+        "| method | val/arith/pass@4 | val/arith/pass@16 |" in text
+        and "| pacs | 0.500 +- 0.000 | 0.750 +- 0.000 |" in text
+    )
+    assert plot(summary, tmp_path / "c.png").stat().st_size > 0

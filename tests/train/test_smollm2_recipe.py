@@ -53,10 +53,11 @@ def test_two_training_steps_of_the_recipe(recipe, smollm2_dir, tmp_path):
     for row in rows.values():
         assert 0.0 <= row["reward/mean"] <= 1.0 and 0.0 <= row["response/boxed_rate"] <= 1.0
         assert row["sync/max_logprob_diff"] < 1e-3  # the engine samples with the weights the actor trains
-        if recipe == "v2":  # a reset after each step; at step 2 the policy has moved from the reference
-            assert row["reference/reset"] == 1.0 and row["actor/updates"] == 2.0
-    if recipe == "v2":
-        assert rows[2]["pacs/psi_abs_mean"] > 0 and rows[1]["pacs/first_minibatch_max_logratio"] == 0.0
+        if recipe == "v2":  # two updates a step, then the reference reset to the live policy
+            assert row["reference/reset"] == 1.0 and row["reference/age"] == 0.0 and row["actor/updates"] == 2.0
+            assert row["pacs/first_minibatch_max_logratio"] == 0.0 and 0.0 <= row["pacs/brier"] <= 1.0
+    if recipe == "v2":  # (8-token answers are all wrong here: RLOO's gradient is 0, so psi may stay 0)
+        assert (out / "checkpoints" / "step_00000002" / "reference").is_dir()
     final = json.loads((out / "final.json").read_text())
     assert final["status"] == "complete" and "--reward math_boxed" in final["eval_command"]
     assert "--chat-template auto" in final["eval_command"]

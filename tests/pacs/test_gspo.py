@@ -132,9 +132,9 @@ def test_gspo_is_registered_with_verls_defaults():
 def test_gspo_config_errors_name_the_field():
     cfg = load_config(None, ["algorithm.loss=gspo", "algorithm.gspo.clip_ratio_high=0.001"])
     assert cfg.algorithm.loss_config().clip_ratio_high == 0.001
-    with pytest.raises(ConfigError, match="GSPOConfig.clip_ratio_c=3.0: GSPO has no dual-clip"):
+    with pytest.raises(ConfigError, match="algorithm.gspo.clip_ratio_c=3.0: GSPO has no dual-clip"):
         load_config(None, ["algorithm.loss=gspo", "algorithm.gspo.clip_ratio_c=3.0"])
-    with pytest.raises(ConfigError, match="GSPOConfig.adv_estimator='gae'"):
+    with pytest.raises(ConfigError, match="algorithm.gspo.adv_estimator='gae'"):
         load_config(None, ["algorithm.gspo.adv_estimator=gae"])
-    with pytest.raises(ConfigError, match="GSPOConfig.clip_ratio_low=1.5 must be in"):
+    with pytest.raises(ConfigError, match="algorithm.gspo.clip_ratio_low=1.5 must be in"):
         load_config(None, ["algorithm.gspo.clip_ratio_low=1.5"])

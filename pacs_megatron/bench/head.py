@@ -26,16 +26,23 @@ from pacs_megatron.ops import fused_head_logprobs, fused_logprobs
 HEAD_CANDIDATES = ("head-fused", "head+fused", "head+naive")
 
 
+def _summed(out) -> torch.Tensor:
+    """The masked sum of a result's log-probs (the candidates are called with a mask, so it is there)."""
+    if out.seq_logp is None:
+        raise ValueError("the head candidates need a mask: their loss is the masked sum of log-probs")
+    return out.seq_logp.sum()
+
+
 def head_candidate(name: str, temperature: float, block_cols: int | None):
     """fn(hidden, weight, targets, mask) -> scalar loss (masked sum of log-probs)."""
     if name == "head-fused":
-        return lambda h, w, t, m: fused_head_logprobs(
-            h, w, t, m, temperature=temperature, block_cols=block_cols, impl="ext"
-        ).seq_logp.sum()
+        return lambda h, w, t, m: _summed(
+            fused_head_logprobs(h, w, t, m, temperature=temperature, block_cols=block_cols, impl="ext")
+        )
     if name == "head+fused":
-        return lambda h, w, t, m: fused_logprobs(
-            h @ w.t(), t, m, temperature=temperature, inplace_backward=True, impl="ext"
-        ).seq_logp.sum()
+        return lambda h, w, t, m: _summed(
+            fused_logprobs(h @ w.t(), t, m, temperature=temperature, inplace_backward=True, impl="ext")
+        )
     if name == "head+naive":
 
         def naive(h, w, t, m):

@@ -170,9 +170,9 @@ class AlgorithmConfig:
             cap=self.is_cap,
             level=self.resolved_is_level,
             unit="row" if self.loss == "pacs" else "token",
-            icepop=tuple(self.icepop_bounds),
-            geo=tuple(self.geo_bounds),
-            outlier=tuple(self.outlier_bounds),
+            icepop=_bounds(self.icepop_bounds),
+            geo=_bounds(self.geo_bounds),
+            outlier=_bounds(self.outlier_bounds),
         )
 
     @property
@@ -181,6 +181,12 @@ class AlgorithmConfig:
         if self.is_level != "auto":
             return self.is_level
         return "sequence" if self.loss == "pacs" else "token"
+
+
+def _bounds(pair: list[float]) -> tuple[float, float]:
+    """A mask's [low, high] (validated as two numbers at construction) as the pair the algorithm takes."""
+    low, high = pair
+    return (float(low), float(high))
 
 
 @dataclass

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from pacs_megatron import async_stages, train
+from pacs_megatron.config.training import TrainerConfig
 from pacs_megatron.weight_sync import WeightSyncError
 
 
@@ -31,7 +32,7 @@ def _loop(monkeypatch, start: int, fail_at: int) -> list[int]:
     monkeypatch.setattr(train, "_update", lambda run, batch, timer, step: {})
     monkeypatch.setattr(train, "_end_step", lambda *a: None)  # no periodic saves: save_freq is not due
     run = SimpleNamespace(
-        cfg=SimpleNamespace(trainer=SimpleNamespace(total_steps=10, test_freq=0)),
+        cfg=SimpleNamespace(trainer=TrainerConfig(total_steps=10, test_freq=0)),
         c=SimpleNamespace(save=lambda d, s: None),
         ckpt=SimpleNamespace(save=lambda step, write: saved.append(step)),
         memory=SimpleNamespace(start=lambda: None),

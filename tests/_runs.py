@@ -31,6 +31,11 @@ NONDETERMINISTIC = (
 """Metric keys whose values depend on the wall clock or on what the process did before, not on the maths."""
 
 
+def deterministic(row: dict) -> dict:
+    """A metrics row without its :data:`NONDETERMINISTIC` keys: what two runs of the same maths log alike."""
+    return {k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)}
+
+
 def train_cmd(out: Path, steps: int, *overrides: str, config: Path = CONFIG) -> list[str]:
     """``python -m pacs_megatron train`` of ``config`` for ``steps`` steps, writing to ``out``."""
     return [

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _runs import NONDETERMINISTIC, SHORT, metrics_rows, train_cmd
+from _runs import SHORT, deterministic, metrics_rows, train_cmd
 
 V2 = [
     "algorithm.pacs.anchor=reference",
@@ -24,10 +24,6 @@ V2 = [
 
 def _run(out: Path, steps: int) -> None:
     subprocess.run(train_cmd(out, steps, *SHORT, *V2), check=True, timeout=600)
-
-
-def _deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)}
 
 
 @pytest.mark.slow
@@ -50,4 +46,4 @@ def test_v2_resets_and_resumes_exactly_across_a_reset(tmp_path):
     _run(split, 5)
     resumed = metrics_rows(split)
     for step in range(1, 6):
-        assert _deterministic(resumed[step]) == _deterministic(rows[step]), step
+        assert deterministic(resumed[step]) == deterministic(rows[step]), step

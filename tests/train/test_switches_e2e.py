@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _runs import NONDETERMINISTIC, SHORT, metrics_rows, train_cmd
+from _runs import SHORT, deterministic, metrics_rows, train_cmd
 
 SWITCHES = [
     "algorithm.loss=grpo",
@@ -33,10 +33,6 @@ def _run(out: Path, steps: int) -> None:
     subprocess.run(train_cmd(out, steps, *SHORT, *SWITCHES), env=env, check=True, timeout=600)
 
 
-def _deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)}
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_switches_train_and_resume_exactly(tmp_path):
@@ -57,4 +53,4 @@ def test_switches_train_and_resume_exactly(tmp_path):
     _run(split, 3)
     resumed = metrics_rows(split)
     for step in (1, 2, 3):
-        assert _deterministic(resumed[step]) == _deterministic(rows[step]), step
+        assert deterministic(resumed[step]) == deterministic(rows[step]), step

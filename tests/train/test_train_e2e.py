@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _runs import CONFIG, NONDETERMINISTIC, metrics_rows, train_cmd, wait_for
+from _runs import CONFIG, deterministic, metrics_rows, train_cmd, wait_for
 
 SMALL = [
     "trainer.train_batch_size=10",
@@ -43,10 +43,6 @@ def _env() -> dict:
 
 
 _rows = metrics_rows
-
-
-def _deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)}
 
 
 @pytest.mark.slow
@@ -102,7 +98,7 @@ def test_train_resume_sigkill_and_sigterm(tmp_path):
     resumed = _rows(killed)
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
-        assert _deterministic(resumed[step]) == _deterministic(rows[step]), step
+        assert deterministic(resumed[step]) == deterministic(rows[step]), step
 
     # SIGTERM to every process of the job at once, as `scancel` signals a whole Slurm step (after a
     # checkpoint, so megatron's writer and the reward workers are running): helpers ignore it, every

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import test_train_e2e as e2e
-from test_train_e2e import _deterministic, _env, _rows
+from _runs import deterministic
+from test_train_e2e import _env, _rows
 
 CRITIC_KEYS = (
     "critic/value_loss",
@@ -64,4 +65,4 @@ def test_ppo_critic_runs_and_resumes_bit_identically(tmp_path):
     subprocess.run(cmd, env=_env(), check=True, timeout=300)
     again = _rows(resumed)
     assert sorted(again) == [1, 2, 3]
-    assert _deterministic(again[3]) == _deterministic(rows[3])
+    assert deterministic(again[3]) == deterministic(rows[3])

@@ -124,3 +124,18 @@ def run_watched(cmd: list[str], out: Path, stall: float = 300, cap: float = 1200
             raise AssertionError(f"{e}:\n" + (so.read() + se.read())[-3000:]) from None
         so.seek(0), se.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, so.read(), se.read())
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    """True once ``pid`` no longer runs (exited, or a zombie its parent has not reaped yet)."""
+    import psutil
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False

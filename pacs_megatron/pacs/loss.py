@@ -142,7 +142,7 @@ def pacs_loss(
     weights = class_weights(scores, group_size, config.weight_mode, keep).to(psi.dtype)
     if is_weights is not None:
         weights = weights * is_weights.reshape(-1).to(psi.dtype).detach()
-    kept = kept_rows(len(psi), is_weights, psi.device).sum().clamp(min=1).to(psi.dtype)
+    kept = keep.sum().clamp(min=1).to(psi.dtype) if keep is not None else psi.new_tensor(float(len(psi)))
     loss = F.binary_cross_entropy_with_logits(psi, target, weight=weights, reduction="sum") / kept
     metrics = {"pacs/loss": loss.detach()} | classifier_metrics(psi, r, scores, group_size, keep)
     return loss, metrics

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _runs import gone_within
 
 from pacs_megatron.config import ConfigError
 from pacs_megatron.launch.slurm import EXIT_REQUEUE, apply_srun_env, plan, srun_exit_code
@@ -93,20 +94,6 @@ _NATIVE = textwrap.dedent(
 )
 
 
-def _gone(pid: int, timeout: float = 5.0) -> bool:
-    import psutil
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 # (child mode, signal, exit code, the first signal's line, the second's), the second signal to end it
 NATIVE_CASES = {
     "train_sigterm": ("train", signal.SIGTERM, EXIT_PREEMPTED, "will checkpoint after the current step", NOT_SAVED),
@@ -141,7 +128,7 @@ def test_a_second_signal_stops_a_long_native_call_at_once(case):
     assert f"received {name}: {first}" in err, err
     lines = [x for x in err.splitlines() if x.startswith(f"second {name}")]
     assert len(lines) == 1 and lines[0].startswith(f"second {name}: exiting now with code {code}; {second}"), err
-    assert _gone(int(helper)), "the helper process survived"
+    assert gone_within(int(helper), 5.0), "the helper process survived"
 
 
 def test_srun_env_and_plan(monkeypatch):

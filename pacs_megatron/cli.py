@@ -5,7 +5,7 @@ Each subcommand lives in its own module, which defines ``add_arguments(parser)``
 and a GPU-only dependency never breaks an unrelated subcommand.
 
 Every subcommand runs inside one error boundary (launch/errors.py): a bad path, file, model or
-setting, raised by the command or by a shared validator (utils/paths.py, utils/model_dir.py,
+setting, raised by the command or by a shared validator (utils/paths.py, launch/model_dir.py,
 launch/preflight.py), becomes one line naming it and the fix, and exit code 2. Flags may stand
 between ``a.b=c`` overrides (``train --config c.yaml a=1 --resume never b=2``).
 """

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pacs_megatron.pacs.advantage import group_advantage
-from pacs_megatron.pacs.implicit_reward import implicit_reward
+from pacs_megatron.pacs.implicit import implicit_reward
 from pacs_megatron.pacs.loss import pacs_loss
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@ the config (dataset, actor, engine, reward scorer, weight sync), with their save
 
 ``setup`` runs first on every rank: process groups, output dir, the model directory (written for
 the tiny synthetic model, imported for a GGUF file), seeds, and the checkpoint to resume from
-(validated, model unchanged; see utils/resume.py), before any heavy piece is built.
+(validated, model unchanged; see run/resume.py), before any heavy piece is built.
 ``build_components`` then builds the heavy pieces in data-flow order. Checkpoints hold the actor
 (model, optimizer, scheduler, RNG; megatron dist_checkpointing) and the trainer's own state (step,
 data position, resolved config, model shape) as ``extra_state``.
@@ -23,9 +23,10 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from pacs_megatron.config import ConfigError, RunConfig
-from pacs_megatron.utils.launch_info import write_launch_json
+from pacs_megatron.run.launch_info import write_launch_json
+from pacs_megatron.run.layout import StepLayout
+from pacs_megatron.run.resume import ResumePlan, check_tiny_model_dir, model_shape, plan_resume
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.resume import ResumePlan, check_tiny_model_dir, model_shape, plan_resume
 from pacs_megatron.utils.shared_fs import missing_on, require_shared
 
 logger = get_logger(__name__)
@@ -46,7 +47,7 @@ class Runtime:
     resume: ResumePlan | None = None
     """The checkpoint this launch continues (None: a fresh run)."""
     run_dir: Any = None
-    """utils/run_dir.RunDir: the lock on output_dir, held by rank 0 until teardown."""
+    """run/run_dir.RunDir: the lock on output_dir, held by rank 0 until teardown."""
 
     @property
     def is_rank0(self) -> bool:
@@ -77,7 +78,7 @@ def check_shared_dirs(cfg: RunConfig, output_dir: Path, model_dir: Path) -> None
 
 def setup(cfg: RunConfig) -> Runtime:
     """Process groups, output dir, model dir, seeds, resume plan. Collective. The run's config files
-    are written later, once the run has really started (utils/run_record.py)."""
+    are written later, once the run has really started (run/run_record.py)."""
     from pacs_megatron.parallel import init_distributed
 
     init_logging(cfg.logging.level)
@@ -93,8 +94,8 @@ def setup(cfg: RunConfig) -> Runtime:
 
 
 def claim_run_dir(cfg: RunConfig):
-    """Collective: rank 0 takes the output dir's lock (utils/run_dir.py); every rank raises its refusal."""
-    from pacs_megatron.utils.run_dir import RunDir, RunDirError
+    """Collective: rank 0 takes the output dir's lock (run/run_dir.py); every rank raises its refusal."""
+    from pacs_megatron.run.run_dir import RunDir, RunDirError
 
     run_dir = RunDir.from_config(cfg)
     problem = None
@@ -195,13 +196,13 @@ class Components:
             extra["reference_reset_step"] = self.actor.reference.reset_step
         self.actor.save_checkpoint(str(directory), extra)
         if self.critic is not None:
-            self.critic.save_checkpoint(str(directory / "critic"), {"step": step})
+            self.critic.save_checkpoint(str(StepLayout(directory).critic), {"step": step})
         if self.cfg.trainer.export_hf:
             self.export_hf(directory)
 
     def export_hf(self, directory: Path) -> None:
         """Collective: HF safetensors + config + tokenizer of the current weights into ``directory/hf``."""
-        self.actor.save_hf(str(Path(directory) / "hf"))
+        self.actor.save_hf(str(StepLayout(Path(directory)).hf))
 
     def restore(self, plan: ResumePlan | None) -> int:
         """Load the checkpoint of ``plan`` (None: fresh run) and return the last completed step."""
@@ -209,7 +210,7 @@ class Components:
             return 0
         extra = self.actor.load_checkpoint(str(plan.path))
         if self.critic is not None:
-            self.critic.load_checkpoint(str(plan.path / "critic"))
+            self.critic.load_checkpoint(str(StepLayout(plan.path).critic))
         self.dataset.load_state_dict(extra["dataset"])
         ref = self.actor.reference
         if ref is not None:  # a reference not in the checkpoint is the resumed policy: its age starts now

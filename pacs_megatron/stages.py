@@ -7,7 +7,6 @@ trains on its own contiguous share of whole prompt groups.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -279,13 +278,6 @@ def validate(cfg: RunConfig, c: Components, step: int) -> dict:
     """pass@k on the validation sets with the (just synced) engine; collective."""
     metrics, _ = evaluate(c.engine, c.val_sets, val_sampling(cfg), cfg.trainer.val_k, c.scorer, sharded=True, step=step)
     return metrics
-
-
-def save_samples(rt: Runtime, samples: list[dict]) -> None:
-    """Append a few of the step's rollouts to OUTPUT_DIR/rollouts.jsonl (rank 0)."""
-    if rt.is_rank0 and samples:
-        with (rt.output_dir / "rollouts.jsonl").open("a") as fh:
-            fh.writelines(json.dumps(x) + "\n" for x in samples)
 
 
 def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict]:

@@ -23,13 +23,14 @@ import psutil
 from pacs_megatron import async_stages, critic_stages, sampling_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.config.training import stop_deadline
+from pacs_megatron.run.checkpoint import CheckpointManager
+from pacs_megatron.run.layout import StepLayout
+from pacs_megatron.run.metrics import MetricsWriter, PhaseTimer, Progress, format_metrics
+from pacs_megatron.run.run_record import RunRecord
 from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
-from pacs_megatron.utils.checkpoint import CheckpointManager
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.memory import StepMemory
-from pacs_megatron.utils.metrics import MetricsWriter, PhaseTimer, Progress, format_metrics
 from pacs_megatron.utils.preemption import PreemptionFlag
-from pacs_megatron.utils.run_record import RunRecord
 from pacs_megatron.weight_sync import WeightSyncError
 
 logger = get_logger(__name__)
@@ -53,7 +54,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     record = RunRecord(cfg, rt.output_dir, rt.is_rank0, rt.resume)
     start = c.restore(rt.resume)  # step to start from; 0 for a fresh run
     if start and start >= cfg.trainer.total_steps:  # nothing left to train
-        if cfg.trainer.export_hf and not (rt.resume.path / "hf" / "config.json").is_file():
+        if cfg.trainer.export_hf and not (StepLayout(rt.resume.path).hf / "config.json").is_file():
             c.export_hf(rt.resume.path)
         record.finish(start, rt.resume.path, status="already_complete")
         return 0
@@ -176,11 +177,11 @@ def _synced(run: _Run, step: int | None, sync: Callable[..., T], *args: Any) -> 
 
 def _end_step(run: _Run, step: int, metrics: dict, samples: list, timer: PhaseTimer, t0: float) -> int | None:
     """Log the step, checkpoint when due; the exit code when a signal or the time budget stops the run."""
-    cfg, rt, c = run.cfg, run.rt, run.c
+    cfg, c = run.cfg, run.c
     metrics |= timer.times | {"timing/step_s": time.perf_counter() - t0} | run.memory.metrics()
     metrics["perf/tokens_per_s"] = metrics["data/tokens"] / metrics["timing/step_s"]
     run.writer.log(step, metrics)
-    stages.save_samples(rt, samples)
+    run.writer.log_samples(samples)
     run.progress.update(step, metrics)
     stop = run.flag.should_stop()
     if stop or step == cfg.trainer.total_steps or (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0):

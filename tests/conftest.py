@@ -5,6 +5,7 @@ import importlib.util
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,19 +13,57 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/_dist.py for spawned children
+import _tiers  # noqa: E402 - tests/ is on the path now
+
 if "PACS_DATA_ROOT" not in os.environ:
     from pacs_megatron.config import DataConfig
 
     os.environ["PACS_DATA_ROOT"] = str(DataConfig().resolved_root())
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_configure(config):
+    _tiers.install()  # a test that starts a process must carry a marker that says so (tests/_tiers.py)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """The fast tier runs first (a stable sort: each tier keeps pytest's order), so a whole-suite run gives
+    the quick verdict before the slow one; with $PACS_FAIL_FAST_TIER (CI) a failure there ends the run."""
+    items.sort(key=lambda item: not _tiers.is_fast(item))
+    config._pacs_tier = {"fast_failed": 0, "start": None, "announced": False}
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # not item.keywords: a checkout dir named gpu matches it
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    tier = item.config._pacs_tier
+    tier["start"] = tier["start"] or time.monotonic()
+    if not _tiers.is_fast(item) and not tier["announced"]:
+        tier["announced"] = True
+        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+        took = time.monotonic() - tier["start"]
+        if reporter is not None:
+            failed = tier["fast_failed"]
+            reporter.write_line(f"\nfast tier done in {took:.0f} s ({failed} failed); the slow tier follows")
+        if tier["fast_failed"] and os.environ.get(_tiers.FAIL_FAST_ENV):
+            pytest.exit(f"{tier['fast_failed']} fast-tier test(s) failed: the slow tier is skipped", returncode=1)
+    _tiers.set_current(item)
+    yield
+    _tiers.set_current(None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    _tiers.violation_report(item, report)
+    if report.failed and _tiers.is_fast(item):
+        item.config._pacs_tier["fast_failed"] += 1
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """Every subcommand turns a bad path, file, model or setting into one line naming it and the fix, exit 2,
 before any heavy work (cli.py's error boundary, launch/errors.py; the validators in utils/paths.py,
-utils/model_dir.py, launch/preflight.py).
+launch/model_dir.py, launch/preflight.py).
 
 One table per subcommand, run in this process (each case fails before a rank, a model or a sampler
 starts, so the whole table takes seconds). The user's tries from issue 29 are marked with their item
@@ -230,3 +230,28 @@ def test_the_tables_cover_every_subcommand():
 
     tested = {"train", "eval"} | {argv[0] for _, argv, _ in OTHERS}
     assert tested == set(COMMANDS), "a new subcommand needs its table of bad inputs here"
+
+
+@pytest.mark.subprocess
+def test_every_subcommands_help_imports_no_torch():
+    """``--help`` is fast: no subcommand's module imports torch, transformers, vllm or megatron at the top
+    (a second each on a laptop). One fresh interpreter runs every command's help and names the modules."""
+    import subprocess
+    import sys
+
+    from pacs_megatron.cli import COMMANDS
+
+    code = (
+        "import contextlib, io, sys\n"
+        "from pacs_megatron.cli import run\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try: run(sys.argv[1], ['--help'])\n"
+        "    except SystemExit: pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'megatron') if m in sys.modules))\n"
+    )
+    heavy = {}
+    for name in COMMANDS:
+        out = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, check=True).stdout
+        if out.strip() != "[]":
+            heavy[name] = out.strip()
+    assert not heavy, heavy

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 CONTRACTS = 4  # megatron, vllm, pacs/ pure torch, the layers
 
@@ -22,6 +24,7 @@ def _lint(cwd: Path, pythonpath: Path | None = None) -> tuple[int, str]:
     return run.returncode, " ".join(run.stdout.split())  # rich wraps long lines
 
 
+@pytest.mark.subprocess
 def test_the_import_contracts_hold():
     code, out = _lint(REPO)
     assert code == 0, out
@@ -33,6 +36,7 @@ def _plant(path: Path, body: str) -> None:
     path.write_text(path.read_text() + f"\n\ndef _planted():\n    {body}\n")
 
 
+@pytest.mark.subprocess
 def test_planted_violations_inside_functions_fail_the_lint(tmp_path):
     skip = shutil.ignore_patterns("__pycache__", "*.so")
     shutil.copytree(REPO / "pacs_megatron", tmp_path / "pacs_megatron", ignore=skip)

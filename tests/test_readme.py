@@ -20,7 +20,7 @@ def logged_keys() -> set[str]:
     for path in (REPO / "pacs_megatron").rglob("*.py"):
         keys |= set(KEY.findall(path.read_text()))
     keys = {k for k in keys if not k.endswith("_")}  # prefixes ("pacs/post_") are expanded below
-    keys -= {"critic/megatron"}  # a checkpoint folder (utils/checkpoint_check.py), not a metric
+    keys -= {"critic/megatron"}  # a checkpoint folder (run/checkpoint_check.py), not a metric
     from pacs_megatron.diagnostics import POST_PREFIX
 
     keys |= {POST_PREFIX + k.split("/", 1)[1] for k in keys if k.startswith("pacs/") and "post" not in k}

@@ -10,11 +10,13 @@ from _runs import run_watched, wait_until
 TICKS = "import sys, time\nfor i in range({n}):\n    print(i, flush=True); time.sleep(0.5)\n"
 
 
+@pytest.mark.subprocess
 def test_run_watched_waits_for_a_run_that_keeps_moving_and_returns_its_output(tmp_path):
     run = run_watched([sys.executable, "-c", TICKS.format(n=8)], tmp_path, stall=2)  # 4 s in all, never 2 s silent
     assert run.returncode == 0 and run.stdout.split() == [str(i) for i in range(8)]
 
 
+@pytest.mark.subprocess
 def test_run_watched_fails_a_silent_run_at_its_stall_limit(tmp_path):
     start = time.monotonic()
     script = "import sys, time\nprint('started', flush=True)\ntime.sleep(60)\n"
@@ -23,6 +25,7 @@ def test_run_watched_fails_a_silent_run_at_its_stall_limit(tmp_path):
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.subprocess
 def test_run_watched_counts_files_under_out_as_progress(tmp_path):
     script = (
         "import pathlib, time\nfor i in range(6):\n    pathlib.Path({d!r}, str(i)).write_text('x'); time.sleep(0.5)\n"

@@ -26,3 +26,37 @@ def test_mypy_passes_and_is_strict_on_pacs(tmp_path):
     shadow.write_text(loss.read_text() + "\n\ndef _untyped(x):\n    return x\n")
     out, status = _mypy("--shadow-file", str(loss), str(shadow))
     assert status == 1 and "loss.py:" in out and "Function is missing a type annotation" in out, out
+
+
+# The baseline of 2026-11-27 (issue 41): modules whose mypy errors are silenced. It may only shrink; a module
+# that leaves it (typed) is deleted here too. The run wing (run/*) left it when it moved under the strict list.
+BASELINE_2026_11_27 = frozenset(
+    {
+        *(f"pacs_megatron.actor.{m}" for m in ("convert", "forward", "hf_io", "train_step")),
+        *(f"pacs_megatron.bench.{m}" for m in ("batching", "logprob", "memory", "rl_step", "rollout")),
+        *(f"pacs_megatron.data.{m}" for m in ("batching", "factory", "prompts", "routing", "sources")),
+        *(f"pacs_megatron.launch.{m}" for m in ("engine_rank", "local", "ray_rank")),
+        *(
+            f"pacs_megatron.rollout.{m}"
+            for m in ("collect", "hf_engine", "remote", "server", "vllm_engine", "vllm_reload")
+        ),
+        *(f"pacs_megatron.tools.{m}" for m in ("doctor", "selftest", "selftest_checks")),
+        *(f"pacs_megatron.weight_sync.{m}" for m in ("quantize", "remote", "sync")),
+        *(
+            f"pacs_megatron.{m}"
+            for m in ("critic_stages", "diagnostics", "rollout", "sampling_stages", "stages", "train")
+        ),
+        "pacs_megatron.parallel.cpu_patches",
+        "pacs_megatron.utils.logging",
+    }
+)
+
+
+def test_the_baseline_only_shrinks_and_the_run_wing_is_strict():
+    import tomllib
+
+    overrides = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]["overrides"]
+    baseline = {m for o in overrides if o.get("ignore_errors") for m in o["module"]}
+    strict = {m for o in overrides if o.get("disallow_untyped_defs") for m in o["module"]}
+    assert baseline <= BASELINE_2026_11_27, f"new modules silenced: {sorted(baseline - BASELINE_2026_11_27)}"
+    assert {"pacs_megatron.pacs.*", "pacs_megatron.config.*", "pacs_megatron.run.*"} <= strict

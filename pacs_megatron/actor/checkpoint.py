@@ -27,12 +27,12 @@ import torch.distributed as dist
 
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.parallel import ParallelGroups
+from pacs_megatron.run.layout import StepLayout
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.proc import helper_process
 
 logger = get_logger(__name__)
 
-MEGATRON_DIR = "megatron"
 # Distributed optimizer: "fully_reshardable" (loads at any TP/PP/DP) in its memory-efficient variant.
 # Without the flag megatron all-gathers every rank's fp32 param + exp_avg + exp_avg_sq of its whole TP x PP
 # shard into host memory on EVERY rank (~46 GB per rank for 7B at TP=2); with it the shards are gathered
@@ -42,7 +42,6 @@ DISTRIB_OPTIM_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "distrib_optim_fully_reshardable_mem_efficient": True,
 }
-EXTRA_STATE = "extra_state.json"
 
 
 def _shield_writer_queue() -> None:
@@ -111,11 +110,11 @@ def save_actor_checkpoint(actor, path: str | os.PathLike, extra_state: dict) -> 
     from megatron.core import dist_checkpointing
 
     g = actor.groups
-    root = Path(path)
-    target = root / MEGATRON_DIR
+    step = StepLayout(Path(path))
+    target = step.megatron.path
     if g.rank == 0:
         target.mkdir(parents=True, exist_ok=True)
-        (root / EXTRA_STATE).write_text(json.dumps(extra_state, indent=2, sort_keys=True))
+        step.extra_state.write_text(json.dumps(extra_state, indent=2, sort_keys=True))
     dist.barrier()
     sd = _sharded_state(actor, is_loading=False, with_rng=True)
     sd.update(
@@ -139,9 +138,9 @@ def load_actor_checkpoint(actor, path: str | os.PathLike) -> dict:
     from megatron.core import dist_checkpointing
 
     g = actor.groups
-    root = Path(path)
-    target = root / MEGATRON_DIR
-    if not (target / "metadata.json").is_file():
+    step = StepLayout(Path(path))
+    target = step.megatron.path
+    if not step.megatron.metadata_json.is_file():
         raise FileNotFoundError(f"{target} is not a megatron dist checkpoint (no metadata.json)")
     common = dist_checkpointing.load_common_state_dict(str(target))
     same_layout = common.get("layout") == _layout(g)
@@ -159,7 +158,7 @@ def load_actor_checkpoint(actor, path: str | os.PathLike) -> dict:
         _set_rng_state(loaded["rng_state"])
     else:
         logger.info("checkpoint layout %s differs from %s: RNG states not restored", common.get("layout"), _layout(g))
-    extra_file = root / EXTRA_STATE
+    extra_file = step.extra_state
     extra = json.loads(extra_file.read_text()) if extra_file.is_file() else {}
     dist.barrier()
     logger.info("actor checkpoint loaded from %s (iteration %d)", target, actor.iteration)
@@ -195,6 +194,6 @@ def load_model_weights(chunks: list, path: str | os.PathLike) -> None:
 
     keys = _model_keys(len(chunks))
     sharded = {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}
-    loaded = dist_checkpointing.load(sharded, str(Path(path) / MEGATRON_DIR))
+    loaded = dist_checkpointing.load(sharded, str(StepLayout(Path(path)).megatron.path))
     for k, c in zip(keys, chunks):
         c.load_state_dict(loaded[k])

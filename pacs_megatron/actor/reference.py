@@ -46,11 +46,10 @@ from pacs_megatron.actor.logit_rows import set_fused_head
 from pacs_megatron.actor.model import build_model_chunks, transformer_config
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.data.batching import TrainBatch
+from pacs_megatron.run.layout import StepLayout
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-REFERENCE_DIR = "reference"
 
 
 class ReferencePolicy:
@@ -152,7 +151,7 @@ class ReferencePolicy:
         from megatron.core import dist_checkpointing
 
         self.ensure_ready(actor)
-        target = Path(path) / REFERENCE_DIR
+        target = StepLayout(Path(path)).reference.path
         if self.groups.rank == 0:
             target.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -168,8 +167,9 @@ class ReferencePolicy:
         from the actor at its next use (the resumed policy), with a warning."""
         from megatron.core import dist_checkpointing
 
-        target = Path(path) / REFERENCE_DIR
-        if not (target / "metadata.json").is_file():
+        reference = StepLayout(Path(path)).reference
+        target = reference.path
+        if not reference.metadata_json.is_file():
             logger.warning(
                 "checkpoint %s holds no reference policy (algorithm.kl_loss_coef was 0 when it was written): the "
                 "KL term's reference is the resumed policy",

@@ -3,6 +3,8 @@
     python -m pacs_megatron.bench.rl_step --model HF_DIR                       # fp32 and bf16, both trainers
     python -m pacs_megatron.bench.rl_step --model HF_DIR --dtypes bfloat16 --rounds 3 --json rl_step.json
     python -m pacs_megatron.bench.rl_step --model HF_DIR --trainers ours --ours parallel.dp=2   # a layout
+    python -m pacs_megatron.bench.rl_step --model HF_DIR --trainers ours \
+        --arm fused:model.fused_lm_head=true --arm unfused:model.fused_lm_head=false   # a switch, before/after
 
 The work (issue 27): ``--prompts`` prompts x ``--n`` samples, at most ``--max-tokens`` new tokens at T=1,
 lr ``--lr``, one optimizer update per step, the same raw prompts (two-digit sums with the PACS instruction, no
@@ -67,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="runs of every variant, in alternating order")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads of a whole run")
     p.add_argument("--ours", nargs="*", default=[], help="extra a.b=c overrides of our trainer's config")
+    p.add_argument(
+        "--arm",
+        action="append",
+        default=[],
+        metavar="LABEL:a.b=c[,a.b=c]",
+        help="our trainer once more per arm, with these overrides on top of --ours (repeatable); the arms run "
+        "in the same alternating rounds, so a switch is measured before/after side by side",
+    )
     p.add_argument("--floor-tokens", type=int, default=2048, help="rows of the floor's GEMMs")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary directory)")
@@ -150,6 +160,24 @@ def _layout(overrides: list[str]) -> dict[str, int]:
     return out
 
 
+def parse_arms(specs: list[str]) -> dict[str, list[str]]:
+    """``--arm`` values as {"ours/LABEL": overrides}; no arm gives the plain trainer.
+
+    Example:
+        >>> parse_arms(["fused:model.fused_lm_head=true,rollout.n=4"])
+        {'ours/fused': ['model.fused_lm_head=true', 'rollout.n=4']}
+        >>> parse_arms([])
+        {'ours': []}
+    """
+    arms: dict[str, list[str]] = {}
+    for spec in specs:
+        label, sep, overrides = spec.partition(":")
+        if not sep or not label or "=" not in overrides:
+            raise SystemExit(f"--arm {spec!r}: give LABEL:a.b=c[,a.b=c] (e.g. fused:model.fused_lm_head=true)")
+        arms[f"ours/{label}"] = overrides.split(",")
+    return arms or {"ours": []}
+
+
 def _ours_config(args, dtype: str, prompts_file: Path, out: Path) -> dict:
     rows = args.prompts * args.n // _layout(args.ours)["dp"]  # one micro-batch per rank
     return {
@@ -176,14 +204,16 @@ def _env(threads: int) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
 
 
-def run_ours(args, dtype: str, work: Path, prompts_file: Path) -> list[dict]:
-    """Our trainer's steps (``pacs-megatron train``, local ranks), from its metrics.jsonl."""
+def run_ours(args, dtype: str, work: Path, prompts_file: Path, arm: list[str] = ()) -> list[dict]:
+    """Our trainer's steps (``pacs-megatron train``, local ranks, ``--ours`` then the arm's overrides), from
+    its metrics.jsonl."""
     import yaml
 
     out = work / "out"
     cfg = work / "config.yaml"
     cfg.write_text(yaml.safe_dump(_ours_config(args, dtype, prompts_file, out)))
     cmd = [sys.executable, "-m", "pacs_megatron", "train", "--config", str(cfg), "--resume", "never", *args.ours]
+    cmd += list(arm)
     world = 1
     for size in _layout(args.ours).values():
         world *= size
@@ -248,7 +278,7 @@ def summarize(records: list[dict], trainer: str, dtype: str, flops_of, floor: fl
         "steps": len(records),
         "step_s": step,
         "step_cpu_s": med("step_cpu_s"),
-        "stages_s": {s: med(f"{s}_s") for s in STAGES[trainer]},
+        "stages_s": {s: med(f"{s}_s") for s in STAGES[trainer.split("/")[0]]},
         "tokens": tokens,
         "tokens_per_s": statistics.median(r["tokens"] / r["step_s"] for r in records),
         "model_tflop": flops / 1e12,
@@ -297,7 +327,8 @@ def main(args: argparse.Namespace) -> int:
 
     if not args.model or not Path(args.model, "config.json").is_file():
         raise SystemExit(f"--model {args.model!r}: give a Hugging Face model directory (config.json, weights)")
-    trainers = args.trainers.split(",")
+    arms = parse_arms(args.arm)
+    trainers = [a for t in args.trainers.split(",") for a in (arms if t == "ours" else [t])]
     dtypes = args.dtypes.split(",")
     if "trl" in trainers:
         try:
@@ -322,11 +353,13 @@ def main(args: argparse.Namespace) -> int:
     results: dict[tuple[str, str], list[dict]] = {v: [] for v in variants}
     for rnd in range(args.rounds):
         for trainer, dtype in variants if rnd % 2 == 0 else variants[::-1]:
-            work = root / f"round{rnd}_{trainer}_{dtype}"
+            work = root / f"round{rnd}_{trainer.replace('/', '_')}_{dtype}"
             work.mkdir(parents=True, exist_ok=True)
             logger.info("round %d: %s %s", rnd, trainer, dtype)
-            run = run_ours if trainer == "ours" else run_trl
-            records = run(args, dtype, work, rows_file)
+            if trainer == "trl":
+                records = run_trl(args, dtype, work, rows_file)
+            else:
+                records = run_ours(args, dtype, work, rows_file, arms[trainer])
             results[(trainer, dtype)] += [r for r in records if r["step"] > 1]  # step 1: warm-up
     prompt_tokens = statistics.median(per_step[1:] or per_step)  # the counted steps' distinct prompts
     flops_of = lambda tokens: step_flops(p_mm, tokens, prompt_tokens, args.n)  # noqa: E731

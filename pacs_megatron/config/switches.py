@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pacs_megatron.config.base import ConfigError, _choice, _positive
-from pacs_megatron.pacs.group_filter import FILTER_MODES
-from pacs_megatron.pacs.regularizers import KL_TYPES
+from pacs_megatron.pacs.config import FILTER_MODES, KL_TYPES
 
 if TYPE_CHECKING:
     from pacs_megatron.config.run import RunConfig

@@ -244,7 +244,7 @@ class TrainerConfig:
     """"auto" (latest complete checkpoint in output_dir, if any), "never", or a checkpoint path."""
     overwrite: bool = False
     """With resume=never: move an old run found in output_dir aside (to OUTPUT_DIR.old-<time>) instead of
-    refusing to start; with a named older checkpoint: move the newer ones aside (utils/run_dir.py)."""
+    refusing to start; with a named older checkpoint: move the newer ones aside (run/run_dir.py)."""
     seed: int = 42
     """Seed of everything not seeded elsewhere."""
     export_hf: bool = False

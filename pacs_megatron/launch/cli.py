@@ -92,10 +92,11 @@ def finished_run(cfg: RunConfig) -> bool:
     under ``--resume auto``): log its summary as "already complete" (final.json, rank 0) without spawning
     ranks or loading the checkpoint (which took 42 s on a loaded 2-core box to say "nothing to train").
     False when there is work left, or an export (``trainer.export_hf``) still to write, which needs the ranks."""
-    from pacs_megatron.utils.checkpoint import CheckpointManager
-    from pacs_megatron.utils.checkpoint_check import checkpoint_problem
-    from pacs_megatron.utils.resume import ResumePlan
-    from pacs_megatron.utils.run_record import RunRecord
+    from pacs_megatron.run.checkpoint import CheckpointManager
+    from pacs_megatron.run.checkpoint_check import checkpoint_problem
+    from pacs_megatron.run.layout import StepLayout
+    from pacs_megatron.run.resume import ResumePlan
+    from pacs_megatron.run.run_record import RunRecord
 
     t = cfg.trainer
     if t.resume != "auto" or t.overwrite:
@@ -104,7 +105,7 @@ def finished_run(cfg: RunConfig) -> bool:
     if not valid or valid[0][0] < t.total_steps:
         return False
     step, path = valid[0]
-    if t.export_hf and not (path / "hf" / "config.json").is_file():
+    if t.export_hf and not (StepLayout(path).hf / "config.json").is_file():
         return False
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
     RunRecord(cfg, Path(t.output_dir), is_rank0, ResumePlan(path, step)).finish(step, path, status="already_complete")

@@ -2,7 +2,7 @@
 
 ``pacs_megatron/cli.py`` runs every subcommand inside :func:`boundary`, so no command needs its own
 ``try: ... except: log; return 2``. A command (or a validator it calls: utils/paths.py,
-utils/model_dir.py, launch/preflight.py) raises; the boundary decides:
+launch/model_dir.py, launch/preflight.py) raises; the boundary decides:
 
 - a **user error** (:func:`user_message` returns its line): a bad setting or flag (``ConfigError``), a
   malformed data row (``DataFormatError``), a reward function that cannot be used, a checkpoint that
@@ -33,7 +33,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from pacs_megatron.config import ConfigError
     from pacs_megatron.data.records import DataFormatError
     from pacs_megatron.reward import RewardFailureError, RewardFunctionError
-    from pacs_megatron.utils.checkpoint import CheckpointWriteError
+    from pacs_megatron.run.checkpoint import CheckpointWriteError
 
     errors = ConfigError, DataFormatError, RewardFunctionError, RewardFailureError, FileNotFoundError
     return (*errors, CheckpointWriteError)

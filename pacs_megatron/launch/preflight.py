@@ -16,16 +16,16 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
 - ``reward.fn``: importable, callable, and its signature takes ``(prompt, response, ground_truth, extra)``;
 - ``trainer.resume`` (``--resume``): a named checkpoint directory exists, and the checkpoint a resume
   would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
-  shape (``utils/resume.py``);
+  shape (``run/resume.py``);
 - ``rollout.engine=vllm`` without vllm installed (device_checks.py), and every other package a setting
   imports (``logging.wandb_project`` -> wandb, ``reward.backend=ray`` / ``launcher.kind=ray`` -> ray,
   ``logging.tensorboard`` -> tensorboard, ...): launch/optional_deps.py, one line with the pip command;
 - ``trainer.output_dir``: writable (not read-only, not a file: ``utils/paths.py``), not locked by a
   running run (a ``--dry-run``, which takes no lock, may look beside one), a fresh start does not land
-  on an old run (``utils/run_dir.py``), and its disk has room for a checkpoint (the last one's size, or
+  on an old run (``run/run_dir.py``), and its disk has room for a checkpoint (the last one's size, or
   an estimate from the model's size before the first);
   checked by the launcher and rank 0 only, since rank 0 takes the lock;
-- every model path, with the check every command shares (``utils/model_dir.py``): ``model.path`` holds a
+- every model path, with the check every command shares (``launch/model_dir.py``): ``model.path`` holds a
   ``config.json`` that parses (and, for ``init=pretrained`` and ``gguf``, readable safetensors weights that
   agree with it), or for ``init=gguf`` without one, ``model.gguf`` is a GGUF file of an architecture
   transformers reads (an existing ``model.path`` must come from that same file), ``model.tokenizer`` (or
@@ -50,7 +50,8 @@ from pathlib import Path
 from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.launch.device_checks import check_device
 from pacs_megatron.launch.optional_deps import check_optional_deps
-from pacs_megatron.utils.resume import preflight_resume
+from pacs_megatron.run.layout import RunLayout
+from pacs_megatron.run.resume import preflight_resume
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -93,15 +94,15 @@ def check_resume(cfg: RunConfig) -> None:
         return
     raise ConfigError(
         f"trainer.resume={resume!r} (--resume): no such checkpoint directory; give an existing "
-        f"{Path(cfg.trainer.output_dir) / 'checkpoints'}/step_N, or 'auto' / 'never'"
+        f"{RunLayout(Path(cfg.trainer.output_dir)).step_example}, or 'auto' / 'never'"
     )
 
 
 def check_run_dir(cfg: RunConfig) -> None:
     """trainer.output_dir: no live lock, and no old run under a fresh start (the other ranks of a job skip
     it: by the time they look, their own rank 0 may hold the lock)."""
+    from pacs_megatron.run.run_dir import RunDir
     from pacs_megatron.utils.paths import check_writable_dir
-    from pacs_megatron.utils.run_dir import RunDir
 
     if int(os.environ.get("RANK", "0")) != 0:
         return
@@ -139,8 +140,8 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
 
 def check_checkpoint_space(cfg: RunConfig) -> None:
     """trainer.output_dir's disk holds the next checkpoint (the last one's size, or before the first an
-    estimate from the model: utils/checkpoint.py), so a full disk is found at launch, not after training."""
-    from pacs_megatron.utils.checkpoint import CheckpointManager
+    estimate from the model: run/checkpoint.py), so a full disk is found at launch, not after training."""
+    from pacs_megatron.run.checkpoint import CheckpointManager
 
     problem = CheckpointManager(cfg.trainer.output_dir, first_size=checkpoint_bytes(cfg)).space_problem()
     if problem:
@@ -166,12 +167,12 @@ def check_data(cfg: RunConfig) -> None:
 
 
 def check_model_paths(cfg: RunConfig) -> None:
-    """model.path, model.tokenizer, critic.init: utils/model_dir.py's one check, before any rank loads them.
+    """model.path, model.tokenizer, critic.init: launch/model_dir.py's one check, before any rank loads them.
 
     ``init=pretrained`` needs readable weights that agree with config.json; ``init=random`` the config
     only; ``init=tiny`` nothing until the run has written its model directory."""
     from pacs_megatron.config.critic import critic_enabled
-    from pacs_megatron.utils.model_dir import check_model_dir, check_tokenizer
+    from pacs_megatron.launch.model_dir import check_model_dir, check_tokenizer
 
     m = cfg.model
     to_write = m.written_by_run and not (Path(m.path) / "config.json").is_file()
@@ -233,7 +234,7 @@ def unused_critic_settings(cfg: RunConfig) -> list[str]:
     from dataclasses import asdict
 
     from pacs_megatron.config.critic import CriticConfig, critic_enabled
-    from pacs_megatron.utils.resume import config_changes
+    from pacs_megatron.run.resume import config_changes
 
     if critic_enabled(cfg):
         return []
@@ -259,7 +260,7 @@ def check_vllm_context(cfg: RunConfig) -> None:
     if cfg.rollout.engine != "vllm":
         return
     if (Path(cfg.model.path) / "config.json").is_file():
-        from pacs_megatron.utils.model_dir import read_hf_config
+        from pacs_megatron.launch.model_dir import read_hf_config
 
         limit = read_hf_config("model.path", cfg.model.path).get("max_position_embeddings")
     elif cfg.model.init == "tiny":

@@ -11,6 +11,11 @@ ADV_ESTIMATORS = ("rloo", "grpo", "naive")
 POLICY_ADV_ESTIMATORS = ("auto", "grpo", "rloo", "gae")
 WEIGHT_MODES = (None, "question", "only_positive", "only_negative")
 ANCHORS = ("old", "reference")
+FILTER_MODES = ("none", "mixed")
+"""algorithm.filter_groups: train every group, or only those whose rewards differ (pacs/group_filter.py)."""
+KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "k3+", "low_var_kl+")
+"""algorithm.kl_loss_type: the per-token KL estimators of pacs/regularizers.py (choices live here, torch-free,
+so the config layer reads them without importing torch)."""
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 

@@ -29,8 +29,7 @@ from __future__ import annotations
 import torch
 
 from pacs_megatron.pacs.advantage import check_groups
-
-FILTER_MODES = ("none", "mixed")
+from pacs_megatron.pacs.config import FILTER_MODES
 
 
 def keep_groups(scores: torch.Tensor, group_size: int, mode: str) -> torch.Tensor:

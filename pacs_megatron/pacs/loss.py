@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from pacs_megatron.pacs.advantage import check_groups, group_advantage
 from pacs_megatron.pacs.config import PACSConfig
-from pacs_megatron.pacs.implicit_reward import implicit_reward
+from pacs_megatron.pacs.implicit import implicit_reward
 from pacs_megatron.pacs.rollout_correction import kept_rows
 
 

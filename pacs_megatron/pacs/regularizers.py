@@ -35,11 +35,10 @@ from typing import Any
 
 import torch
 
+from pacs_megatron.pacs.config import KL_TYPES
 from pacs_megatron.pacs.policy_loss import aggregate
 from pacs_megatron.pacs.registry import LossInputs, LossSpec
 from pacs_megatron.pacs.rollout_correction import kept_mask
-
-KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "k3+", "low_var_kl+")
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:

@@ -11,22 +11,22 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from pacs_megatron.rollout.base import RolloutEngine
 from pacs_megatron.rollout.types import Response, SamplingParams
 
-if TYPE_CHECKING:
-    from pacs_megatron.config import RunConfig
+if TYPE_CHECKING:  # torch is imported by the engines, not here: eval's --help reads rollout.types only
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    from pacs_megatron.config import RunConfig
+    from pacs_megatron.rollout.base import RolloutEngine
 
 
 def engine_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     """``model.dtype``, with "auto" meaning float32 on CPU and bfloat16 on accelerators."""
+    import torch
+
     if cfg.model.dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[cfg.model.dtype]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
 
 
 def build_engine(
@@ -43,6 +43,8 @@ def build_engine(
     ``pacs_megatron.rollout.vllm_engine``; ``fp8_config`` describes the FP8 weights the sync will send
     (weight_sync/quantize.py ``vllm_fp8_config``; None without FP8 rollouts).
     """
+    import torch
+
     device = torch.device(device)
     if cfg.rollout.engine == "hf":
         from pacs_megatron.rollout.hf_engine import HFEngine
@@ -67,6 +69,15 @@ def build_engine(
 
         return VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tokenizer, device=device, fp8_config=fp8_config)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: use 'hf' or 'vllm'")
+
+
+def __getattr__(name: str) -> object:
+    """``RolloutEngine`` (rollout/base.py, which imports torch) on first use."""
+    if name == "RolloutEngine":
+        from pacs_megatron.rollout.base import RolloutEngine
+
+        return RolloutEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["RolloutEngine", "Response", "SamplingParams", "build_engine", "engine_dtype"]

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+from pacs_megatron.rollout import vllm_quiet
 from pacs_megatron.rollout.base import NamedTensors
 from pacs_megatron.rollout.stop_tokens import resolve_stop_token_ids
 from pacs_megatron.rollout.types import Response, SamplingParams
@@ -223,8 +224,10 @@ class VLLMEngine:
             )
         # (num_layers, MoE layers) of the model: the layout routed_experts_from_vllm checks and fills
         self._routing_layers = moe_layer_indices(model_dir) if self._record_routing else None
-        set_vllm_log_level(cfg.rollout.vllm.log_level)  # before the import: vLLM reads it once
+        level = set_vllm_log_level(cfg.rollout.vllm.log_level)  # before the import: vLLM reads it once
+        vllm_quiet.before_import(level)
         vllm = _import_vllm()
+        vllm_quiet.quiet_vllm(level)  # its known-harmless warnings, each named with why (rollout/vllm_quiet.py)
         if not vllm.__version__.startswith(VLLM_VERSION.rsplit(".", 1)[0]):
             logger.warning("vllm %s installed; this engine was written against %s", vllm.__version__, VLLM_VERSION)
         missing = [k for k in _LAUNCHER_ENV if k not in os.environ]

@@ -104,6 +104,7 @@ def llm_kwargs(
         "logprobs_mode": "processed_logprobs",
         "generation_config": "vllm",  # stop only on what we pass, as the HF engine does
         "enable_prefix_caching": True,  # n samples share their prompt's KV; reset after every weight update
+        "use_tqdm_on_load": False,  # no progress bar of a 1-shard load in the run's console
     }
     if cpu:
         kwargs["kv_cache_memory_bytes"] = int(v.cpu_kv_cache_gib * 2**30)

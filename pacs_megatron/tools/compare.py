@@ -51,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.tools.compare_report import (
     FINAL_DEFINITION,
     find_val_key,
@@ -207,7 +208,7 @@ class Runner:
     def run_all(self, specs: list[Spec]) -> dict[Spec, list[dict] | None]:
         """Run every spec not yet done; return each spec's metrics rows (None when it failed)."""
         specs = list(dict.fromkeys(Spec(*s) for s in specs))
-        todo = [s for s in specs if not (self.run_dir(*s) / "final.json").is_file()]
+        todo = [s for s in specs if not RunLayout(self.run_dir(*s)).final.is_file()]
         self.total += len(specs)
         self.done += len(specs) - len(todo)
         running: dict[Spec, tuple[subprocess.Popen, object]] = {}
@@ -219,7 +220,7 @@ class Runner:
         out = {}
         for spec in specs:
             d = self.run_dir(*spec)
-            out[spec] = None if spec in failed or not (d / "metrics.jsonl").is_file() else read_metrics(d)
+            out[spec] = None if spec in failed or not RunLayout(d).metrics.is_file() else read_metrics(d)
         return out
 
     def _run(self, todo: list, running: dict, failed: set) -> None:

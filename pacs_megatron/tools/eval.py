@@ -18,7 +18,7 @@ Prompts are built as for training: the PACS instruction in one user turn under `
 model directory).
 
 Before anything is sampled, every flag is checked (``--out`` writable, ``--reward`` loadable, ``--device``
-present, the model directory's weights, config and tokenizer: utils/model_dir.py); a problem is one
+present, the model directory's weights, config and tokenizer: launch/model_dir.py); a problem is one
 line and exit 2 (the CLI's error boundary).
 """
 
@@ -40,8 +40,8 @@ from pacs_megatron.eval.runner import (
     write_metrics,
     write_rollouts,
 )
+from pacs_megatron.launch.model_dir import check_model_dir
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.model_dir import check_model_dir
 from pacs_megatron.utils.paths import check_writable_dir
 from pacs_megatron.utils.preemption import unwind_on_signals
 
@@ -148,6 +148,21 @@ def _check_device(device: str) -> None:
         raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
+def progress_chunk(engine: str, batch_size: int, total: int) -> int:
+    """Problems per generate call, so that a long eval prints ~20 progress lines.
+
+    vLLM takes a twentieth of the problems a call (at least ``--batch-size``: its batches are cheap). The HF
+    engine takes a twentieth too but never more than its ``--batch-size``: 64 problems x 16 samples on a CPU
+    were minutes without a line (issue 42).
+
+    Example:
+        >>> progress_chunk("hf", 64, 500), progress_chunk("vllm", 64, 500), progress_chunk("hf", 64, 30)
+        (25, 64, 2)
+    """
+    twentieth = -(-total // 20)
+    return min(batch_size, twentieth) if engine == "hf" else max(batch_size, twentieth)
+
+
 def main(args: argparse.Namespace) -> int:
     init_logging(args.log_level)
     # SIGTERM stops eval as Ctrl-C does; a second one ends it at once, even inside a long generate
@@ -178,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         if changed and not args.resample:
             logger.info("sampling anew: %s was sampled with other settings (%s)", rollout_path, "; ".join(changed))
-        # weights readable and agreeing with config.json, a tokenizer: utils/model_dir.py, as every command
+        # weights readable and agreeing with config.json, a tokenizer: launch/model_dir.py, as every command
         check_model_dir("--model", model_dir, tokenizer_key="--tokenizer", tokenizer_dir=args.tokenizer)
         metrics, rows = _sample_and_score(args, ks, model_dir, data_cfg)
         write_rollouts(rollout_path, rows)
@@ -306,7 +321,7 @@ def _sample_with(engine, args: argparse.Namespace, ks: list[int], datasets: dict
         "sampling %d x %d responses (%s) with %s on %s", total, args.n, ", ".join(datasets), args.engine, device
     )
     reward_cfg = RewardConfig(fn=args.reward, num_workers=args.reward_workers, timeout_s=args.reward_timeout)
-    chunk = args.batch_size if args.engine == "hf" else max(args.batch_size, -(-total // 20))
+    chunk = progress_chunk(args.engine, args.batch_size, total)
     try:
         with RewardScorer(reward_cfg) as scorer, EvalProgress(total, "problems", chunk) as progress:
             flat, rows = evaluate(engine, datasets, sampling, ks, scorer, prefix="", progress=progress)

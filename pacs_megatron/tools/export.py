@@ -6,8 +6,8 @@ Writes ``OUT_DIR/config.json``, ``model*.safetensors`` and the tokenizer files, 
 transformers (``AutoModelForCausalLM.from_pretrained``) and by ``pacs-megatron eval --model``.
 
 Design: the arguments are validated first, before any rank starts: the checkpoint (complete and
-undamaged, utils/checkpoint_check.py), OUT_DIR writable (utils/paths.py), the model directory's
-config and tokenizer (utils/model_dir.py) and the layout (``--tp/--pp`` against the heads and layers);
+undamaged, run/checkpoint_check.py), OUT_DIR writable (utils/paths.py), the model directory's
+config and tokenizer (launch/model_dir.py) and the layout (``--tp/--pp`` against the heads and layers);
 each problem is one line and exit 2 (the CLI's error boundary). The model directory and
 shape it was trained with are read from its ``extra_state.json`` (``--model-dir`` overrides, and must
 hold the same shape). Only the model is built and loaded (no DDP buffers, no optimizer: an export
@@ -25,15 +25,14 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from pacs_megatron.config import ConfigError
 from pacs_megatron.launch.local import on_ranks
-from pacs_megatron.utils.checkpoint import MARKER
-from pacs_megatron.utils.checkpoint_check import MEGATRON_DIR, checkpoint_problem, parameter_dtype, read_extra_state
-from pacs_megatron.utils.checkpoint_data import TRUST, load_common
+from pacs_megatron.launch.model_dir import check_model_dir
+from pacs_megatron.run.checkpoint import MARKER
+from pacs_megatron.run.checkpoint_check import MEGATRON_DIR, checkpoint_problem, parameter_dtype, read_extra_state
+from pacs_megatron.run.checkpoint_data import TRUST, load_common
+from pacs_megatron.run.layout import RunLayout, StepLayout
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.model_dir import check_model_dir
 from pacs_megatron.utils.paths import check_writable_dir
 
 logger = get_logger(__name__)
@@ -101,15 +100,15 @@ def clear_weights(out: Path) -> list[str]:
 def _checkpoint_dir(path: str) -> Path:
     """CHECKPOINT_DIR as given: a complete, undamaged step directory, or ConfigError with the fix."""
     ckpt = Path(path)
-    runs = ckpt / "checkpoints"
-    if runs.is_dir():  # a run's output dir: name its newest checkpoint
-        steps = sorted(p for p in runs.glob("step_*") if (p / MARKER).is_file())
-        example = steps[-1] if steps else runs / "step_XXXXXXXX"
+    run = RunLayout(ckpt)
+    if run.checkpoints.is_dir():  # a run's output dir: name its newest checkpoint
+        steps = run.checkpoint_steps()
+        example = steps[-1][1].path if steps else run.step_example
         raise ConfigError(f"CHECKPOINT_DIR {ckpt} is a run's output dir: give one of its checkpoints, e.g. {example}")
     if not ckpt.is_dir():
         what = "is a file" if ckpt.exists() else "does not exist"
         raise ConfigError(f"CHECKPOINT_DIR {ckpt} {what}: give a checkpoint directory (OUTPUT_DIR/checkpoints/step_N)")
-    if not (ckpt / MARKER).is_file():
+    if not StepLayout(ckpt).is_complete():
         raise ConfigError(
             f"CHECKPOINT_DIR {ckpt} is not a complete checkpoint (no {MARKER} marker; one being written or left by "
             "a crash): give a step_XXXXXXXX directory that holds it"
@@ -124,7 +123,7 @@ def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
     """(model dir, tokenizer dir, tp, pp) for this checkpoint; ConfigError naming the argument and the fix."""
     from pacs_megatron.config import ParallelConfig
     from pacs_megatron.parallel import check_layout
-    from pacs_megatron.utils.resume import check_model_unchanged
+    from pacs_megatron.run.resume import check_model_unchanged
 
     for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
         if value < 0:
@@ -154,6 +153,7 @@ def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
 
 def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, pp: int) -> int:
     """One rank's work: build the model chunks, load their weights, write the HF files (collective)."""
+    import torch  # here, not at the top: `export --help` imports no torch
     import torch.distributed as dist
     from transformers import AutoConfig
 

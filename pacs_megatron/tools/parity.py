@@ -22,12 +22,13 @@ import json
 import math
 import sys
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from pacs_megatron.launch.local import on_ranks
 from pacs_megatron.utils.logging import get_logger, init_logging
+
+if TYPE_CHECKING:
+    import torch
 
 logger = get_logger(__name__)
 
@@ -80,6 +81,8 @@ def load_samples(path: str | None, vocab_size: int) -> list[tuple[list[int], lis
         if not rows:
             raise DataFormatError(f"--data {path} has no rows")
         return rows
+    import torch  # here, not at the top: `parity --help` imports no torch
+
     g = torch.Generator().manual_seed(BUILTIN_SEED)
     lengths = [(3, 5), (8, 12), (5, 1), (16, 20), (2, 9), (11, 7)]
     return [
@@ -93,6 +96,7 @@ def load_samples(path: str | None, vocab_size: int) -> list[tuple[list[int], lis
 
 def hf_token_logprobs(model_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` fp32 log-probs from transformers (column 0 = 0), right padding needs no mask."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -161,6 +165,9 @@ def min_dp(tp: int, ep: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """One rank's work (under a launcher)."""
+    import torch
+    import torch.distributed as dist
+
     from pacs_megatron.actor.actor import MegatronActor
     from pacs_megatron.config import ModelConfig, ParallelConfig, RunConfig
     from pacs_megatron.data.batching import build_train_batch
@@ -192,8 +199,8 @@ def run(args: argparse.Namespace) -> int:
 def check_args(args: argparse.Namespace) -> None:
     """Every argument, before any rank starts or any model loads; ConfigError naming the flag and the fix."""
     from pacs_megatron.config import ConfigError, ParallelConfig
+    from pacs_megatron.launch.model_dir import check_model_dir
     from pacs_megatron.parallel import check_layout
-    from pacs_megatron.utils.model_dir import check_model_dir
     from pacs_megatron.utils.paths import check_readable_file, check_writable_file
 
     for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep)):

@@ -18,6 +18,7 @@ import json
 import math
 from pathlib import Path
 
+from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.utils.logging import get_logger, init_logging
 
 logger = get_logger(__name__)
@@ -45,7 +46,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     from pacs_megatron.config import ConfigError
     from pacs_megatron.data.records import DataFormatError
 
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunLayout(Path(run_dir)).metrics
     if not path.is_file():
         what = "does not exist" if not Path(run_dir).exists() else "has no metrics.jsonl"
         raise ConfigError(f"run {run_dir} {what}: pass the trainer.output_dir of a run that has logged a step")
@@ -191,7 +192,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--labels has {len(labels)} names for {len(args.runs)} runs")
     if len(args.runs) > 1 and not args.out:
         raise ConfigError("several runs: pass --out FILE.png")
-    out = Path(args.out) if args.out else Path(args.runs[0]) / "plots" / "curves.png"
+    out = Path(args.out) if args.out else RunLayout(Path(args.runs[0])).plots / "curves.png"
     runs = {label: read_metrics(r) for label, r in zip(labels, args.runs)}
     check_writable_file("--out", out)
     keys = [k for k in args.keys.split(",") if k]

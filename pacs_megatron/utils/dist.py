@@ -10,8 +10,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 T = TypeVar("T")
 
 
@@ -70,6 +68,8 @@ def free_port() -> int:
 
 
 def rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist  # here: the launcher imports this module and no torch
+
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -87,6 +87,8 @@ def all_gather_objects(obj: Any) -> list[Any]:
     rank, world = rank_and_world()
     if world == 1:
         return [obj]
+    import torch.distributed as dist
+
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj)
     return out

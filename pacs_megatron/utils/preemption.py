@@ -53,8 +53,6 @@ import time
 from collections.abc import Callable
 
 import psutil
-import torch
-import torch.distributed as dist
 
 from pacs_megatron.utils.early_signals import early_signal, install_early_handlers  # noqa: F401 - re-exported
 from pacs_megatron.utils.logging import get_logger
@@ -256,6 +254,9 @@ class PreemptionFlag:
 
     def should_stop(self) -> bool:
         """Collective: True on every rank when any rank got a signal or ran out of time."""
+        import torch  # here, not at the top: the launcher and the tools' --help import no torch
+        import torch.distributed as dist
+
         code = self._local_code()
         wants_requeue = self._budget_hit or self.signum == signal.SIGUSR1
         # [exit code, some rank wants a requeue, some rank got SIGTERM]; MAX over ranks for each.
@@ -278,6 +279,8 @@ class PreemptionFlag:
         it (``$PACS_REQUEUE_MARKER``), rank 0 writes ``{"step", "reason", "job_id"}`` there; every
         rank waits for it, so no rank's exit can get rank 0 killed before the marker exists. Nothing
         when ``step`` was the last one (``total_steps``): there is nothing left to continue."""
+        import torch.distributed as dist
+
         path = os.environ.get(REQUEUE_MARKER_ENV)
         if not (self.requeue and path) or (total_steps and step >= total_steps):
             return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 from _actor_helpers import hf_config, hf_logprobs, make_qwen2, run_config, sample_batch, valid_positions
 from _dist import run_distributed
@@ -40,6 +41,7 @@ def _body(rank, world, model_dir):  # noqa: ARG001
     return out
 
 
+@pytest.mark.distributed
 def test_bf16_actor_on_cpu(tmp_path):
     model_dir = make_qwen2(tmp_path / "m", vocab=VOCAB, tie=True)
     r = run_distributed(_body, 1, model_dir)[0]

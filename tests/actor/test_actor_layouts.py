@@ -99,6 +99,7 @@ def _gather_dp(results, key):
     return torch.cat([by_dp[k] for k in sorted(by_dp)])
 
 
+@pytest.mark.distributed
 def test_single_process_matches_hf(reference, model_dir):
     batch = sample_batch(VOCAB)
     valid = valid_positions(batch)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import pytest
 import torch
 from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
@@ -69,6 +70,7 @@ def _body(rank, world, model_dir):
     return out
 
 
+@pytest.mark.distributed
 def test_offload_is_bit_identical_and_nan_steps_are_skipped(tmp_path):
     model_dir = make_qwen2(tmp_path / "m", vocab=VOCAB, layers=2)
     results = run_distributed(_body, 2, model_dir)

@@ -151,6 +151,7 @@ def _thd_body(rank, world, model_dir):
     return out
 
 
+@pytest.mark.distributed
 def test_thd_matches_padded(model_dir):
     """THD-packed micro-batches (the CPU default with dynamic batching: SDPA core attention; on GPU
     Transformer Engine's) give the padded path's log-probs, entropy, loss and update."""

@@ -140,6 +140,7 @@ def test_kl_and_entropy_match_plain_torch(layout, model_dir, tmp_path):
         assert h["m2"]["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
 
 
+@pytest.mark.distributed
 def test_switched_off_builds_and_computes_nothing(model_dir):
     """kl_loss_coef = entropy_coeff = 0: no reference model, no reference pass, no entropy in the training
     forward; the memory plan counts no reference (and counts one with the switch on)."""

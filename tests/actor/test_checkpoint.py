@@ -124,11 +124,11 @@ def test_resume_same_layout_is_exact(saved):
     assert all(torch.equal(r["w_next"][k], s["w_next"][k]) for k in s["w_next"])
 
 
-# Reads every pickle of the checkpoint as data (utils/checkpoint_data.py) in a process that never imported
+# Reads every pickle of the checkpoint as data (run/checkpoint_data.py) in a process that never imported
 # megatron, as the launcher does: megatron's own allow-list (registered on import) must not be needed.
 _CHECK_AS_DATA = """
 import sys
-from pacs_megatron.utils.checkpoint_data import check_objects, load_common, read_metadata
+from pacs_megatron.run.checkpoint_data import check_objects, load_common, read_metadata
 meg = sys.argv[1] + "/megatron"
 common = load_common(meg)
 check_objects(meg, read_metadata(meg))

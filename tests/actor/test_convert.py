@@ -175,6 +175,7 @@ def _one_process_body(rank, world, llama_dir, qwen_dir):
     return out
 
 
+@pytest.mark.distributed
 def test_llama3_and_random_init(tmp_path):
     from transformers import LlamaForCausalLM
 

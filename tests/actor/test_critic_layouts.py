@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
@@ -42,6 +43,7 @@ def _body(rank, world, model_dir, tp):  # noqa: ARG001
     return out
 
 
+@pytest.mark.distributed
 def test_value_head_tp2_equals_tp1(tmp_path):
     model_dir = make_qwen2(tmp_path / "m", vocab=VOCAB, layers=2)
     (one,) = run_distributed(_body, 1, model_dir, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from _actor_helpers import hf_config, hf_logprobs, run_config, valid_positions
 from _dist import run_distributed
@@ -24,6 +25,7 @@ def _body(rank, world, model_dir, gguf, batch):
     return actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0).token_logp
 
 
+@pytest.mark.distributed
 def test_init_gguf_actor_holds_the_imported_weights(tmp_path):
     src = write_gguf(tiny_llama(layers=2), tmp_path / "tiny.gguf")
     model_dir = import_gguf(src, tmp_path / "model")

@@ -97,6 +97,7 @@ def model_dir(tmp_path_factory):
     return make_qwen2(tmp_path_factory.mktemp("qwen2_rows") / "m", vocab=VOCAB, tie=True)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.distributed)])
 def test_response_logits_equal_full_logits(world, model_dir):
     cases = [k for k, c in CASES.items() if c[0] == world]

@@ -8,6 +8,7 @@ need no optimizer to show the dtypes.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _actor_helpers import hf_config, make_qwen2, run_config
 from _dist import run_distributed
@@ -26,6 +27,7 @@ def _dtypes_body(rank, world, model_dir):
     return {name: p.dtype for name, p in chunk.named_parameters()}
 
 
+@pytest.mark.distributed
 def test_bf16_chunks_hold_only_bf16_parameters(tmp_path):
     dtypes = run_distributed(_dtypes_body, 1, make_qwen2(tmp_path / "m", layers=2))[0]
     assert any("layernorm" in n or "norm" in n for n in dtypes)  # the norms are among them

@@ -84,3 +84,19 @@ def test_summary_and_report(capsys):
     assert "ours" in out and "trl" in out and "100 GFLOP/s" in out
     assert f"{rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}" in out
     json.dumps(rows)  # the --json report is plain data
+
+
+def test_arms_name_our_trainer_once_per_switch_and_bad_arms_get_one_line():
+    arms = rl_step.parse_arms(["fused:model.fused_lm_head=true", "unfused:model.fused_lm_head=false,rollout.n=4"])
+    assert arms == {
+        "ours/fused": ["model.fused_lm_head=true"],
+        "ours/unfused": ["model.fused_lm_head=false", "rollout.n=4"],
+    }
+    assert rl_step.parse_arms([]) == {"ours": []}
+    with pytest.raises(SystemExit, match="LABEL:a.b=c"):
+        rl_step.parse_arms(["model.fused_lm_head=true"])  # the label is missing
+    # an arm's row is summarized with our trainer's stages
+    r = {"step": 2, "tokens": 100, "rank_tokens": 100, "step_s": 4.0, "step_cpu_s": 8.0}
+    r |= {f"{s}_s": 1.0 for s in rl_step.STAGES["ours"]} | {"peak_rss_gb": [2.0], "step_rss_gb": 1.0}
+    row = rl_step.summarize([r], "ours/fused", "float32", lambda t: 1e9, 1e11)
+    assert set(row["stages_s"]) == set(rl_step.STAGES["ours"])

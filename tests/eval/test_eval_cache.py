@@ -3,6 +3,8 @@
 import argparse
 import logging
 
+import pytest
+
 from pacs_megatron.config import ArithTaskConfig, RewardConfig
 from pacs_megatron.data.synthetic import arith_problems, arith_records, build_arith_tokenizer
 from pacs_megatron.eval.cache import cache_key, differences, model_fingerprint
@@ -52,6 +54,7 @@ class _Engine:
         return [[Response((5,), "1", "stop")] * sampling.n for _ in prompt_token_ids]
 
 
+@pytest.mark.subprocess
 def test_progress_chunks_generation_and_logs_plain_lines(caplog):
     tok = build_arith_tokenizer()
     recs = arith_records(arith_problems(ArithTaskConfig(max_operand=2, modulo=0)), tok)  # 9 problems

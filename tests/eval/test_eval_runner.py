@@ -24,6 +24,7 @@ class ScriptedEngine:
         return out
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("sharded", [False, True])
 def test_evaluate_metrics_and_rows(sharded):
     tok = build_arith_tokenizer()
@@ -46,6 +47,7 @@ def test_evaluate_metrics_and_rows(sharded):
         evaluate(engine, {"x": recs}, sampling, [4], scorer)
 
 
+@pytest.mark.subprocess
 def test_a_long_validation_shows_progress_and_one_result_line_per_set(monkeypatch, capsys):
     """Fails on the old code: the training loop's (sharded) validation printed nothing until the run's summary."""
     import pacs_megatron.eval.runner as runner

@@ -27,6 +27,7 @@ def _hadolint() -> str | None:
     return shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
 
 
+@pytest.mark.subprocess
 def test_dockerfile_lints_clean():
     exe = _hadolint()
     if exe is None:

@@ -54,6 +54,7 @@ def test_preflight_runs_the_check(monkeypatch):
         preflight(cfg)
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_wandb_project_without_wandb_is_one_line_before_any_rank(tmp_path):
     """The user's command as filed (FAIL 1), as a dry run: exit 2 and one error line, where the old code

@@ -29,6 +29,7 @@ def test_rloo_and_grpo_need_two_responses_per_prompt():
     assert cfg.rollout.n == 1  # the naive estimator does not compare within a group
 
 
+@pytest.mark.slow
 def test_launcher_refuses_early_with_one_line(tmp_path):
     out = tmp_path / "run"
     bad_first_row = tmp_path / "bad.jsonl"

@@ -14,7 +14,7 @@ import pytest
 
 from pacs_megatron.config import ConfigError
 from pacs_megatron.launch.slurm import apply_srun_env, job_port, tasks_per_node
-from pacs_megatron.utils.launch_info import cuda_ordinal
+from pacs_megatron.run.launch_info import cuda_ordinal
 
 
 def test_tasks_per_node_and_job_port():
@@ -83,6 +83,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 def test_stop_decision_and_requeue_marker(tmp_path):
     marker = tmp_path / ".requeue-1"
     res = subprocess.run([sys.executable, "-c", _CHILD, str(marker)], capture_output=True, text=True, timeout=120)

@@ -20,7 +20,7 @@ from torch.utils import cpp_extension
 REPO = Path(__file__).resolve().parents[2]
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
 
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+pytestmark = [pytest.mark.skipif(NVCC is None, reason="nvcc not found"), pytest.mark.slow]  # nvcc: minutes
 
 
 def _nvcc(src: Path, out: Path, mode: str = "-c") -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ import torch
 from pacs_megatron.pacs import PACSConfig, PolicyLossConfig, clipped_policy_loss, pacs_loss
 from pacs_megatron.pacs.config import RolloutCorrectionConfig
 from pacs_megatron.pacs.decoupled import decoupled_old_logp, staleness, staleness_metrics
-from pacs_megatron.pacs.implicit_reward import implicit_reward
+from pacs_megatron.pacs.implicit import implicit_reward
 
 B, T, N = 8, 6, 4
 

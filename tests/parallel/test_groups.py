@@ -77,6 +77,7 @@ def test_tp2_pp2_groups():
     assert all(r["patched"] == (True, True, "cpu") and r["cuda_noop"] and r["destroyed"] for r in results)
 
 
+@pytest.mark.distributed
 def test_single_process_without_launcher():
     code = (
         "from pacs_megatron.config import ParallelConfig\n"

@@ -19,6 +19,7 @@ import pacs_megatron.reward.verifiers
         pacs_megatron.reward.verifiers,
     ],
 )
+@pytest.mark.subprocess
 def test_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -10,6 +10,7 @@ from pacs_megatron.config import ConfigError, RewardConfig
 from pacs_megatron.reward import RewardScorer
 
 
+@pytest.mark.distributed
 def test_ray_backend_matches_local_pool_with_raising_and_hanging_rewards(ray_cluster, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
     responses = ["3", "raise", "hang", "4", "3", "5"]

@@ -15,6 +15,7 @@ def _score(scorer, responses, step=False):
     return score_rollouts(scorer, ["p"] * n, responses, ["a"] * n, [None] * n, sharded=False, step=step)
 
 
+@pytest.mark.subprocess
 def test_default_mode_times_out_a_hang_and_keeps_order():
     """num_workers=0 (the CPU default) is one worker with deadlines: a response that spins forever
     costs one timeout; the others keep their place, across chunk boundaries."""
@@ -33,6 +34,7 @@ def test_default_mode_times_out_a_hang_and_keeps_order():
     assert scores == [float(i % 7 == 3) for i in range(500)]
 
 
+@pytest.mark.subprocess
 def test_all_failed_steps_stop_with_the_function_and_its_error():
     with RewardScorer(RewardConfig(fn="reward_user_fns:raising", num_workers=0, max_failure_steps=2)) as s:
         _score(s, ["raise", "raise"], step=True)
@@ -48,6 +50,7 @@ def test_all_failed_steps_stop_with_the_function_and_its_error():
         RewardConfig(max_failure_steps=-1)
 
 
+@pytest.mark.subprocess
 def test_stop_signal_abandons_a_hung_batch():
     """After SIGTERM a batch gets timeout_s more; then it is abandoned and the step raises
     RewardInterrupted (exit code 143, nothing checkpointed) instead of waiting out every timeout."""

@@ -13,6 +13,7 @@ def _score(scorer, responses, answers=None, extras=None):
     return scorer.score(["p"] * len(responses), responses, answers, extras)
 
 
+@pytest.mark.subprocess
 def test_inline_scores_and_counts_errors():
     with RewardScorer(RewardConfig(fn="reward_user_fns:raising", num_workers=0)) as s:
         scores, m = _score(s, ["ok", "raise", "ok"])
@@ -20,6 +21,7 @@ def test_inline_scores_and_counts_errors():
     assert m["reward/errors"] == 1.0 and m["reward/timeouts"] == 0.0
 
 
+@pytest.mark.subprocess
 def test_inline_wrong_return_type_raises():
     with RewardScorer(RewardConfig(fn="reward_user_fns:returns_str", num_workers=0)) as s:
         with pytest.raises(RewardFunctionError, match="returned str"):
@@ -31,12 +33,14 @@ def test_bad_spec_fails_at_construction():
         RewardScorer(RewardConfig(fn="reward_user_fns:nope", num_workers=2))
 
 
+@pytest.mark.subprocess
 def test_length_mismatch_is_named():
     with RewardScorer(RewardConfig(fn="arith", num_workers=0)) as s:
         with pytest.raises(ValueError, match="ground_truths has 1 entries for 2 responses"):
             s.score(["p", "p"], ["1", "2"], ["1"])
 
 
+@pytest.mark.subprocess
 def test_pool_math_and_user_extras():
     """The math reward and a user function run in spawned workers; results keep input order."""
     with RewardScorer(RewardConfig(fn="math", num_workers=2, timeout_s=30)) as s:
@@ -50,6 +54,7 @@ def test_pool_math_and_user_extras():
     assert scores == [1.0, 0.25]
 
 
+@pytest.mark.subprocess
 def test_pool_timeout_error_hang_and_crash_never_stop_the_batch():
     """A sleeping sample times out, a raising one errors, and the scorer still finishes quickly and
     keeps working afterwards with replaced workers."""
@@ -88,6 +93,7 @@ def test_pool_timeout_error_hang_and_crash_never_stop_the_batch():
         assert scores == [0.0, 1.0, 0.0] and m["reward/errors"] == 2.0
 
 
+@pytest.mark.subprocess
 def test_nan_and_inf_scores_are_counted_reward_errors():
     with RewardScorer(RewardConfig(fn="reward_user_fns:nan_on", num_workers=1)) as s:
         scores, m = _score(s, ["nan", "ok", "inf"])
@@ -95,6 +101,7 @@ def test_nan_and_inf_scores_are_counted_reward_errors():
         assert "returned inf: a reward must be finite" in s.last_error
 
 
+@pytest.mark.subprocess
 def test_a_hanging_reward_costs_one_timeout_per_batch_not_one_per_response():
     for workers, budget in ((2, 4.0), (1, 7.0)):  # one worker: the first timeout may be one bad answer
         with RewardScorer(RewardConfig(fn="reward_user_fns:sleepy", num_workers=workers, timeout_s=1.0)) as s:
@@ -107,12 +114,14 @@ def test_a_hanging_reward_costs_one_timeout_per_batch_not_one_per_response():
             assert _score(s, ["ok"] * 2)[0] == [1.0, 1.0]  # replaced workers serve the next batch
 
 
+@pytest.mark.subprocess
 def test_pool_wrong_return_type_raises():
     with RewardScorer(RewardConfig(fn="reward_user_fns:returns_str", num_workers=1)) as s:
         with pytest.raises(RewardFunctionError, match="returned str"):
             _score(s, ["x"])
 
 
+@pytest.mark.subprocess
 def test_pool_works_whatever_the_parents_main_is():
     """Workers are fresh interpreters: a parent run as ``python -`` (no importable __main__, which
     multiprocessing's spawn would re-import) still scores, and user modules resolve via sys.path."""

@@ -23,7 +23,7 @@ from pacs_megatron.rollout.hf_engine import sampling_logits
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.weight_sync import iter_buckets
 
-pytestmark = needs_vllm
+pytestmark = [needs_vllm, pytest.mark.slow]  # an engine starts: the slow tier
 SEQS = [[1, 5, 7, 9, 3, 4, 6, 12, 2], [2, 8, 8, 3], [6, 13, 8, 14, 5, 5, 10, 11, 9, 3, 4, 1]]
 
 
@@ -33,6 +33,7 @@ def engines(tmp_path_factory):
         yield pair
 
 
+@pytest.mark.subprocess
 def test_engine_start_logs_no_chat_template_traceback(tmp_path):
     """vLLM 0.32's LLM() warms up the model's chat template, which fails without a tokenizer
     (skip_tokenizer_init) and logged a 15-line traceback at every start of an instruct model's engine

@@ -18,9 +18,10 @@ from pacs_megatron.config import TinyModelConfig
 from pacs_megatron.data.synthetic import tiny_qwen2_config
 from pacs_megatron.tools import eval as cli
 
-pytestmark = needs_vllm
+pytestmark = [needs_vllm, pytest.mark.slow]  # an engine starts: the slow tier
 
 
+@pytest.mark.slow
 def test_eval_engine_vllm_matches_the_hf_engine(data_root, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

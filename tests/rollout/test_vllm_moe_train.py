@@ -14,7 +14,7 @@ import pytest
 from _runs import SHORT, metrics_rows, train_cmd
 from _vllm import needs_vllm
 
-pytestmark = needs_vllm
+pytestmark = [needs_vllm, pytest.mark.slow]  # an engine starts: the slow tier
 MOE = [
     "model.tiny.architecture=qwen3_moe",
     "model.tiny.num_experts=4",

@@ -15,7 +15,7 @@ from _vllm import checkpoint_state, cpu_engine, moved_state, needs_vllm, saved_m
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.weight_sync import iter_buckets
 
-pytestmark = needs_vllm
+pytestmark = [needs_vllm, pytest.mark.slow]  # an engine starts: the slow tier
 SEQS = [[1, 5, 7, 9, 3, 4, 6, 12, 2], [6, 13, 8, 14, 5, 5, 10, 11, 9, 3, 4, 1]]
 
 

@@ -10,7 +10,7 @@ from _vllm import cpu_engine, moved_state, needs_vllm, saved_model, worst
 
 from pacs_megatron.weight_sync import iter_buckets
 
-pytestmark = needs_vllm
+pytestmark = [needs_vllm, pytest.mark.slow]  # an engine starts: the slow tier
 SEQS = [[1, 5, 7, 9, 3, 4, 6, 12, 2], [6, 13, 8, 14, 5, 5, 10, 11, 9, 3, 4, 1]]
 
 

@@ -189,6 +189,7 @@ def _slow_runs(tmp_path, step_s: float, count: int = 2) -> dict:
     return running
 
 
+@pytest.mark.subprocess
 def test_stopping_waits_for_every_run_to_finish_its_step(tmp_path, monkeypatch):
     """A stopped run checkpoints after its current step, however long it takes: the old fixed 120 s
     grace killed a SmolLM2 run whose step under load took 165 s (here: a clock that jumps 200 s a
@@ -203,6 +204,7 @@ def test_stopping_waits_for_every_run_to_finish_its_step(tmp_path, monkeypatch):
     assert [p.returncode for p in procs] == [143, 143] and not running
 
 
+@pytest.mark.subprocess
 def test_a_second_signal_kills_the_runs_at_once(tmp_path):
     import os
     import signal

@@ -31,6 +31,7 @@ def qwen_tiny_dir(tmp_path_factory, data_root):
     return path
 
 
+@pytest.mark.subprocess
 def test_eval_cli_end_to_end_and_recompute(qwen_tiny_dir, data_root, tmp_path, capsys):
     out = tmp_path / "out"
     tokenizer = data_root / "tokenizers" / "qwen2.5"
@@ -112,3 +113,13 @@ def test_a_mistyped_set_is_named_before_the_model_or_the_cache(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "--data 'math501': neither a known name nor an existing file; did you mean math500?" in err
     assert "no_model" not in err and "sampling anew" not in err
+
+
+def test_the_hf_engine_reports_progress_at_least_every_twentieth():
+    """Issue 42: eval with the HF engine generated 64 problems x n a call, minutes between progress lines."""
+    from pacs_megatron.tools.eval import progress_chunk
+
+    assert progress_chunk("hf", 64, 500) == 25  # 20 calls, 20 lines
+    assert progress_chunk("hf", 8, 500) == 8  # never above --batch-size
+    assert progress_chunk("vllm", 64, 500) == 64 and progress_chunk("vllm", 64, 4000) == 200
+    assert progress_chunk("hf", 64, 1) == 1

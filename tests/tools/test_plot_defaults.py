@@ -1,8 +1,8 @@
 """``pacs-megatron plot`` by default: validation pass@k drawn, curves constant by construction dropped."""
 
 from pacs_megatron.cli import main as cli_main
+from pacs_megatron.run.metrics import MetricsWriter
 from pacs_megatron.tools.plot import DEFAULT_KEYS, read_metrics, select_keys
-from pacs_megatron.utils.metrics import MetricsWriter
 
 
 def test_default_keys_draw_pass_at_k_and_drop_constant_curves(tmp_path, capsys):

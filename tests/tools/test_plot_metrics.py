@@ -6,8 +6,8 @@ import pytest
 
 from pacs_megatron.cli import main as cli_main
 from pacs_megatron.config import ConfigError
+from pacs_megatron.run.metrics import MetricsWriter
 from pacs_megatron.tools.plot import read_metrics
-from pacs_megatron.utils.metrics import MetricsWriter
 
 
 def test_writer_truncates_on_resume_and_plot(tmp_path):

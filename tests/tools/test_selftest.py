@@ -10,11 +10,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pacs_megatron.tools import selftest, selftest_checks
 
 
+@pytest.mark.slow
 def test_selftest_quick_on_this_machine(tmp_path):
     out = tmp_path / "st"
     res = subprocess.run(

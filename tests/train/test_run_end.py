@@ -44,7 +44,7 @@ def test_final_validation_finished_run_and_dry_run_beside_a_live_lock(tmp_path):
     assert "local ranks" not in again.stderr and "resuming from" not in again.stderr  # fails on the old code
     assert json.loads((out / "final.json").read_text())["status"] == "already_complete"
 
-    from pacs_megatron.utils.run_dir import LOCK, this_process
+    from pacs_megatron.run.run_dir import LOCK, this_process
 
     (out / LOCK).write_text(json.dumps(asdict(this_process())))  # this live process holds the run
     dry = _train(out, "trainer.total_steps=5", "--dry-run")

@@ -33,6 +33,7 @@ def test_map_sharded_two_ranks():
         assert grouped == [x + 100 for x in range(7)]
 
 
+@pytest.mark.subprocess
 def test_spawn_local_reports_failure(tmp_path, monkeypatch):
     code = spawn_local(["pacs_megatron.utils._spawn_probe_missing_module"], 2)
     assert code != 0

@@ -21,6 +21,7 @@ def _one_step(rank, world_size):
     return reset_dropped, mem.metrics(), reset_peak_rss()
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the high-water-mark reset is Linux's")
 def test_step_peak_is_the_steps_own():
     # In a fresh process: in pytest's own, memory freed by earlier tests stays resident and a new

@@ -61,6 +61,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_twice_stops_at_once_but_a_duplicate_does_not():
     proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
@@ -101,6 +102,7 @@ NATIVE_CASES = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", NATIVE_CASES)
 def test_a_second_signal_stops_a_long_native_call_at_once(case):
     """The second signal acts from a helper thread while the main thread is in one long native call (a
@@ -175,6 +177,7 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path):
     assert "received SIGINT" in log and "a rank exited" not in log
 
 
+@pytest.mark.subprocess
 def test_a_warning_while_a_finished_rank_exits_does_not_kill_it():
     """A rank whose run is done exits 0 although SIGUSR1 keeps arriving until it is gone: Python resets
     the handlers it installed at shutdown, so without run_rank's ignore the rank died of the signal

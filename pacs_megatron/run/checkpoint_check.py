@@ -8,7 +8,7 @@ shard (a copy cut short, a full disk) and a missing ``.metadata``; it cannot cat
 inside a shard (that would take reading every shard, i.e. a full load). The small files (the common
 state ``common.pt``, ``metadata.json``, the trainer's ``extra_state.json``) are parsed in full, and so
 are the small pickled objects inside the shards (RNG states): every pickle is read as data only
-(utils/checkpoint_data.py), so a tampered checkpoint is refused, with one line, before megatron loads it.
+(run/checkpoint_data.py), so a tampered checkpoint is refused, with one line, before megatron loads it.
 A critic or a KL reference policy saved beside the actor (:data:`OPTIONAL_DIRS`) is checked the same way.
 
 Kept free of megatron imports, so the launcher can run it before any rank starts.
@@ -18,19 +18,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from pacs_megatron.utils.checkpoint_data import UnsafeCheckpoint, check_objects, load_common, read_metadata
+from pacs_megatron.run.checkpoint_data import UnsafeCheckpoint, check_objects, load_common, read_metadata
+from pacs_megatron.run.layout import DistLayout, StepLayout
 
-MEGATRON_DIR = "megatron"
-EXTRA_STATE = "extra_state.json"
+MEGATRON_DIR = StepLayout(Path()).megatron.path.name
+"""The actor's dist checkpoint's directory name, as the problems below name it (run/layout.py spells it)."""
+EXTRA_STATE = StepLayout(Path()).extra_state.name
 EXTRA_KEYS = ("step", "dataset")
-OPTIONAL_DIRS = ("critic/megatron", "reference")
-"""Other dist checkpoints a step may hold, loaded on resume when present: a PPO run's critic
-(runtime.py) and the KL term's frozen reference policy (actor/reference.py)."""
+
+
+def _optional(step: StepLayout) -> dict[str, DistLayout]:
+    """Other dist checkpoints a step may hold, loaded on resume when present: a PPO run's critic
+    (runtime.py) and the KL term's frozen reference policy (actor/reference.py)."""
+    return {step.critic.name: StepLayout(step.critic).megatron, step.reference.path.name: step.reference}
 
 
 def _shard_problem(megatron_dir: Path) -> str | None:
-    if not (megatron_dir / ".metadata").is_file():
+    if not DistLayout(megatron_dir).index.is_file():
         return f"{MEGATRON_DIR}/.metadata is missing"
     try:
         metadata = read_metadata(megatron_dir)
@@ -60,11 +66,12 @@ def _shard_problem(megatron_dir: Path) -> str | None:
 
 
 def _common_problem(megatron_dir: Path) -> str | None:
-    for name in ("metadata.json", "common.pt"):
-        if not (megatron_dir / name).is_file():
-            return f"{MEGATRON_DIR}/{name} is missing"
+    dist = DistLayout(megatron_dir)
+    for path in (dist.metadata_json, dist.common):
+        if not path.is_file():
+            return f"{MEGATRON_DIR}/{path.name} is missing"
     try:
-        json.loads((megatron_dir / "metadata.json").read_text())
+        json.loads(dist.metadata_json.read_text())
         load_common(megatron_dir)
     except UnsafeCheckpoint as e:
         return str(e)
@@ -75,11 +82,11 @@ def _common_problem(megatron_dir: Path) -> str | None:
 
 def read_extra_state(path: str | Path) -> dict:
     """The trainer's state saved with a checkpoint (step, data position, config, model shape)."""
-    return json.loads((Path(path) / EXTRA_STATE).read_text())
+    return json.loads(StepLayout(Path(path)).extra_state.read_text())
 
 
 def _extra_problem(root: Path) -> str | None:
-    if not (root / EXTRA_STATE).is_file():
+    if not StepLayout(root).extra_state.is_file():
         return f"{EXTRA_STATE} is missing"
     try:
         extra = read_extra_state(root)
@@ -97,15 +104,16 @@ def checkpoint_problem(path: str | Path) -> str | None:
         'the directory does not exist'
     """
     root = Path(path)
+    step = StepLayout(root)
     if not root.is_dir():
         return "the directory does not exist"
-    if not (root / MEGATRON_DIR).is_dir():
+    if not step.megatron.path.is_dir():
         return f"{MEGATRON_DIR}/ is missing"
-    problem = _extra_problem(root) or _megatron_problem(root / MEGATRON_DIR)
-    for name in OPTIONAL_DIRS:
-        if problem is None and (root / name).is_dir():
-            problem = _megatron_problem(root / name)
-            problem = problem and f"{name.split('/')[0]}: {problem}"
+    problem = _extra_problem(root) or _megatron_problem(step.megatron.path)
+    for name, dist in _optional(step).items():
+        if problem is None and dist.path.is_dir():
+            problem = _megatron_problem(dist.path)
+            problem = problem and f"{name}: {problem}"
     return problem
 
 
@@ -113,9 +121,9 @@ def _megatron_problem(megatron_dir: Path) -> str | None:
     return _common_problem(megatron_dir) or _shard_problem(megatron_dir)
 
 
-def parameter_dtype(path: str | Path):
+def parameter_dtype(path: str | Path) -> Any:
     """The dtype the model weights were saved in (read from ``.metadata``, no shard is opened)."""
-    metadata = read_metadata(Path(path) / MEGATRON_DIR)
+    metadata = read_metadata(StepLayout(Path(path)).megatron.path)
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith(("embedding.", "decoder.")) and hasattr(meta, "properties"):
             return meta.properties.dtype

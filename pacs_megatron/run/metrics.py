@@ -17,12 +17,14 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -66,7 +68,7 @@ class PhaseTimer:
         self.times: dict[str, float] = {}
 
     @contextmanager
-    def __call__(self, name: str):
+    def __call__(self, name: str) -> Iterator[None]:
         start, cpu = time.perf_counter(), time.process_time()
         try:
             yield
@@ -79,7 +81,8 @@ class PhaseTimer:
 
 
 class MetricsWriter:
-    """Appends one JSON line per step and mirrors it to TensorBoard / wandb (rank 0 only)."""
+    """The one writer of the run's per-step logs (rank 0 only): a JSON line per step in ``metrics.jsonl``,
+    mirrored to TensorBoard / wandb, and a few of the step's samples in ``rollouts.jsonl``."""
 
     def __init__(
         self,
@@ -92,10 +95,12 @@ class MetricsWriter:
     ) -> None:
         self.enabled = enabled
         self._tb = self._wandb = None
-        self.path = Path(output_dir) / "metrics.jsonl"
-        self.side_logs = [Path(output_dir) / "rollouts.jsonl"]
+        layout = RunLayout(Path(output_dir))
+        self.path = layout.metrics
+        self.side_logs = [p for p in layout.jsonl_logs if p != self.path]
         """Other per-step JSONL files (rows with a "step" key), trimmed with metrics.jsonl."""
-        self._tb_dir = Path(output_dir) / "tb" if tensorboard else None
+        self.rollouts = layout.rollouts
+        self._tb_dir = layout.tensorboard if tensorboard else None
         self._purge_step: int | None = None
         if not enabled:
             return
@@ -138,7 +143,7 @@ class MetricsWriter:
                     continue
                 path.write_text("".join(ln + "\n" for ln in rows if json.loads(ln).get("step", 0) <= step))
 
-    def _tensorboard(self):
+    def _tensorboard(self) -> Any:
         """The SummaryWriter, opened at the first log (after truncate_after set the purge step)."""
         if self._tb is None and self._tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
@@ -149,17 +154,18 @@ class MetricsWriter:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        row = {"step": step}
+        row: dict[str, Any] = {"step": step}
         for k, v in sorted(metrics.items()):
             f = to_float(v)
             row[k] = f if math.isfinite(f) else str(f)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
-        if self._tensorboard() is not None:
+        tb = self._tensorboard()
+        if tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, float):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+                    tb.add_scalar(k, v, step)
+            tb.flush()
         if self._wandb is not None:
             self._wandb.log(row, step=step)
         parts = [
@@ -167,7 +173,14 @@ class MetricsWriter:
             for k in SUMMARY_KEYS
             if isinstance(row.get(k), float)
         ]
-        logger.info("step %d | %s", step, " ".join(parts))
+        if parts:  # a validation-only row (step 0) has its own per-set lines: no empty "step 0 |"
+            logger.info("step %d | %s", step, " ".join(parts))
+
+    def log_samples(self, samples: list[dict]) -> None:
+        """Append a few of the step's rollouts (rows with their "step") to ``rollouts.jsonl``."""
+        if self.enabled and samples:
+            with self.rollouts.open("a") as fh:
+                fh.writelines(json.dumps(x) + "\n" for x in samples)
 
     def close(self) -> None:
         if self._tb is not None:

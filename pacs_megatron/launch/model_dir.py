@@ -30,6 +30,7 @@ import re
 from pathlib import Path
 
 from pacs_megatron.config.base import ConfigError
+from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.utils.paths import named
 
 SINGLE = "model.safetensors"
@@ -67,14 +68,14 @@ def missing_dir_hint(directory: str | Path) -> str:
 
 def run_dir_hint(directory: str | Path) -> str:
     """For a training run's output dir given as a model: how to make a model of it ('' otherwise)."""
-    d = Path(directory)
-    if not ((d / "metrics.jsonl").is_file() or (d / "checkpoints").is_dir()):
+    run = RunLayout(Path(directory))
+    if not run.has_run():
         return ""
-    if (d / "hf" / "config.json").is_file():
-        return f"; this is a training run's output dir: its exported model is {d / 'hf'}"
-    ckpts = sorted(p for p in (d / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file())
-    step = ckpts[-1] if ckpts else d / "checkpoints" / "step_XXXXXXXX"
-    return f"; this is a training run's output dir: export a model first (pacs-megatron export {step} {d / 'hf'})"
+    if (run.export / "config.json").is_file():
+        return f"; this is a training run's output dir: its exported model is {run.export}"
+    ckpts = run.checkpoint_steps()
+    step = ckpts[-1][1].path if ckpts else run.step_example
+    return f"; this is a training run's output dir: export a model first (pacs-megatron export {step} {run.export})"
 
 
 def read_hf_config(key: str, directory: str | Path) -> dict:

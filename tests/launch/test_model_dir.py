@@ -1,4 +1,4 @@
-"""The one model-directory check every command uses (utils/model_dir.py): each damage a user's copy of a
+"""The one model-directory check every command uses (launch/model_dir.py): each damage a user's copy of a
 model can have is one ConfigError naming the key and the fix, found from the files' headers alone."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from _bad_inputs import broken_models, make_hf_model
 
 from pacs_megatron.config import ConfigError
-from pacs_megatron.utils.model_dir import check_model_dir, shape_mismatches
+from pacs_megatron.launch.model_dir import check_model_dir, shape_mismatches
 
 
 @pytest.fixture(scope="module")

@@ -37,22 +37,23 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-import torch.distributed as dist
-
-from pacs_megatron.utils.checkpoint_check import checkpoint_problem
+from pacs_megatron.run.checkpoint_check import checkpoint_problem
+from pacs_megatron.run.layout import RunLayout, StepLayout
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+MARKER = StepLayout(Path()).marker.name
+"""The marker's file name (run/layout.py spells it)."""
 
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, quota, permissions): one line naming the directory."""
 
 
+T = TypeVar("T")
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")
 _FULL = 1 << 20
 """Free bytes below which a failed write is taken for a full disk when the writer gave no errno."""
@@ -71,9 +72,11 @@ def _write_errno(exc: BaseException | None) -> int | None:
         if isinstance(failures, dict):
             for failure in failures.values():
                 found = _write_errno(failure) if isinstance(failure, BaseException) else None
-                m = found or _ERRNO_TEXT.search(str(failure))
+                if found:
+                    return found
+                m = _ERRNO_TEXT.search(str(failure))
                 if m:
-                    return found or int(m.group(1))
+                    return int(m.group(1))
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
@@ -101,16 +104,22 @@ def _gib(n: int) -> str:
 
 
 def _barrier() -> None:
+    import torch.distributed as dist  # here, not at the top: export's --help imports no torch
+
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
 def _rank() -> int:
+    import torch.distributed as dist
+
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _from_rank0(value):
+def _from_rank0(value: T) -> T:
     """Rank 0's ``value`` on every rank (one decision, even while rank 0 moves directories)."""
+    import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()):
         return value
     box = [value]
@@ -129,7 +138,8 @@ class CheckpointManager:
         disk_free: Callable[[Path], int] = _disk_free,
         first_size: int = 0,
     ) -> None:
-        self.root = Path(output_dir) / "checkpoints"
+        self.layout = RunLayout(Path(output_dir))
+        self.root = self.layout.checkpoints
         self.keep_last = keep_last
         """Valid checkpoints kept by pruning (0: all)."""
         self.validate = validate
@@ -140,18 +150,11 @@ class CheckpointManager:
         """Estimated bytes of a checkpoint while none exists yet (0: no check before the first save)."""
 
     def step_dir(self, step: int) -> Path:
-        return self.root / f"step_{step:08d}"
+        return self.layout.step_dir(step).path
 
     def complete(self) -> list[tuple[int, Path]]:
         """Complete checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for p in self.root.iterdir():
-            m = _STEP_DIR.match(p.name)
-            if m and (p / MARKER).is_file():
-                found.append((int(m.group(1)), p))
-        return sorted(found)
+        return [(step, s.path) for step, s in self.layout.checkpoint_steps()]
 
     def latest(self) -> Path | None:
         done = self.complete()
@@ -179,7 +182,7 @@ class CheckpointManager:
         if resume == "auto":
             return self.latest_valid()
         path = Path(resume)
-        if not (path / MARKER).is_file():
+        if not StepLayout(path).is_complete():
             raise FileNotFoundError(
                 f"trainer.resume={resume!r} is not a complete checkpoint (no {MARKER} marker): use a "
                 f"step_XXXXXXXX directory under {self.root}, 'auto' or 'never'"
@@ -194,11 +197,10 @@ class CheckpointManager:
 
     def _move_aside(self, path: Path, problem: str, then: str) -> Path:
         """Rename a damaged checkpoint to ``corrupt_step_N`` (never deleted: the user may salvage it)."""
-        target = self.root / path.name.replace("step_", "corrupt_step_", 1)
-        n = 1
+        n, target = 0, self.layout.corrupt_dir(path.name)
         while target.exists():
-            target = self.root / f"{path.name.replace('step_', 'corrupt_step_', 1)}.{n}"
             n += 1
+            target = self.layout.corrupt_dir(path.name, n)
         os.replace(path, target)
         logger.warning("checkpoint %s is damaged: %s; moved to %s; %s", path, problem, target, then)
         return target
@@ -225,12 +227,12 @@ class CheckpointManager:
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """Collective: ``write(tmp_dir)`` on every rank, then rank 0 marks and renames atomically."""
         final = self.step_dir(step)
-        tmp = self.root / f".tmp_step_{step:08d}"
+        tmp = self.layout.staging_dir(step)
         problem = None
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            for p in self.root.glob(".tmp_step_*"):  # a failed save's leftovers take space too
+            for p in self.layout.staging_dirs():  # a failed save's leftovers take space too
                 shutil.rmtree(p, ignore_errors=True)
             problem = self.space_problem()
             if problem is None:
@@ -259,11 +261,11 @@ class CheckpointManager:
             raise CheckpointWriteError(
                 code or errno.EIO,
                 f"checkpoint step {step} could not be written to {tmp}: {why}; {_gib(free)} was free there; "
-                f"the steps so far are logged in {self.root.parent / 'metrics.jsonl'}",
+                f"the steps so far are logged in {self.layout.metrics}",
             ) from None
         _barrier()
         if _rank() == 0:
-            (tmp / MARKER).write_text(json.dumps({"step": step, "time": time.time()}))
+            StepLayout(tmp).marker.write_text(json.dumps({"step": step, "time": time.time()}))
             if final.exists():  # re-saving a step (e.g. pre-empted right after a periodic save)
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -276,7 +278,7 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
-        for p in self.root.glob(".tmp_step_*"):
+        for p in self.layout.staging_dirs():
             shutil.rmtree(p, ignore_errors=True)
         valid = 0
         for _, p in reversed(self.complete()):

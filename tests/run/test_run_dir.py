@@ -1,4 +1,4 @@
-"""One run per run directory (utils/run_dir.py): the lock, and fresh start vs resume vs overwrite."""
+"""One run per run directory (run/run_dir.py): the lock, and fresh start vs resume vs overwrite."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import psutil
 import pytest
 
-from pacs_megatron.utils.checkpoint import MARKER
-from pacs_megatron.utils.run_dir import LOCK, RunDir, RunDirError
+from pacs_megatron.run.checkpoint import MARKER
+from pacs_megatron.run.run_dir import LOCK, RunDir, RunDirError
 
 
 def _lock(path, host, pid, start):
@@ -26,6 +26,7 @@ def _checkpoint(run, step):
     return d
 
 
+@pytest.mark.subprocess
 def test_second_launch_refused_naming_the_running_one_and_stale_locks_taken_over(tmp_path):
     run = tmp_path / "run"
     first = RunDir(run, resume="never")

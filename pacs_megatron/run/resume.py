@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from pacs_megatron.config import ConfigError, RunConfig
-from pacs_megatron.utils.checkpoint import CheckpointManager
-from pacs_megatron.utils.checkpoint_check import read_extra_state
+from pacs_megatron.run.checkpoint import CheckpointManager
+from pacs_megatron.run.checkpoint_check import read_extra_state
 
 # HF config keys that fix the weights' shapes (max_position_embeddings does not: RoPE has no table).
 SHAPE_KEYS = (

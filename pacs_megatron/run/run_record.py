@@ -25,9 +25,10 @@ from pathlib import Path
 import psutil
 
 from pacs_megatron.config import RunConfig, to_yaml
+from pacs_megatron.run.layout import RunLayout
+from pacs_megatron.run.metrics import format_duration
+from pacs_megatron.run.resume import ResumePlan
 from pacs_megatron.utils.logging import get_logger
-from pacs_megatron.utils.metrics import format_duration
-from pacs_megatron.utils.resume import ResumePlan
 
 logger = get_logger(__name__)
 
@@ -39,15 +40,15 @@ class RunRecord:
 
     def __init__(self, cfg: RunConfig, output_dir: Path, is_rank0: bool, resume: ResumePlan | None) -> None:
         self.cfg, self.output_dir, self.is_rank0, self.resume = cfg, Path(output_dir), is_rank0, resume
+        self.layout = RunLayout(self.output_dir)
         self._t0 = psutil.Process().create_time()  # this launch's wall time includes start-up and loading
 
     def write_launch(self) -> Path | None:
         """``configs/launch_NNN.yaml`` (NNN = launches so far) and ``config.yaml`` (the latest)."""
         if not self.is_rank0:
             return None
-        configs = self.output_dir / "configs"
-        configs.mkdir(parents=True, exist_ok=True)
-        index = len(list(configs.glob("launch_*.yaml")))
+        self.layout.configs.mkdir(parents=True, exist_ok=True)
+        index = len(self.layout.launch_configs())
         header = [f"# launch {index}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"]
         if self.resume is None:
             header.append("# fresh run")
@@ -55,14 +56,14 @@ class RunRecord:
             header.append(f"# resumed from {self.resume.path} (step {self.resume.step}); changed since then:")
             header += [f"#   {c}" for c in self.resume.changes] or ["#   (nothing)"]
         text = "\n".join(header) + "\n" + to_yaml(self.cfg)
-        path = configs / f"launch_{index:03d}.yaml"
+        path = self.layout.launch_config(index)
         path.write_text(text)
-        (self.output_dir / "config.yaml").write_text(text)
+        self.layout.config.write_text(text)
         return path
 
     def summary(self, last_step: int, last_checkpoint: Path | None, status: str) -> dict:
         """The run's summary (also final.json), from metrics.jsonl."""
-        rows = _read_rows(self.output_dir / "metrics.jsonl")
+        rows = _read_rows(self.layout.metrics)
         rewards = [(r["step"], r["reward/mean"]) for r in rows if isinstance(r.get("reward/mean"), float)]
         updates = [r["actor/updates"] for r in rows if "actor/updates" in r]
         if status == "complete" and updates and sum(updates) == 0:
@@ -76,8 +77,8 @@ class RunRecord:
                     last[key] = {"set": m.group(1), "metric": m.group(2), "value": value, "step": r["step"]}
                     if key not in best or value > best[key]["value"]:
                         best[key] = last[key]
-        launches = len(list((self.output_dir / "configs").glob("launch_*.yaml")))
-        hf_dir = self.output_dir / "hf"
+        launches = len(self.layout.launch_configs())
+        hf_dir = self.layout.export
         ckpt = str(last_checkpoint) if last_checkpoint else None
         return {
             "status": status,
@@ -134,7 +135,7 @@ class RunRecord:
             named["arith_val"] = splits["val"]
         out = []
         for name, problems in named.items():
-            path = self.output_dir / "eval_sets" / f"{name}.jsonl"
+            path = self.layout.eval_set(name)
             if self.is_rank0 and not path.is_file():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 rows = [
@@ -151,7 +152,7 @@ class RunRecord:
         if not self.is_rank0:
             return {}
         s = self.summary(last_step, last_checkpoint, status)
-        (self.output_dir / "final.json").write_text(json.dumps(s, indent=2) + "\n")
+        self.layout.final.write_text(json.dumps(s, indent=2) + "\n")
         logger.info("%s", format_summary(s))
         return s
 

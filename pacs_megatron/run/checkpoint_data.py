@@ -20,7 +20,7 @@ resolves only torch.distributed.checkpoint's metadata classes.
 The trust boundary: megatron's own load (``dist_checkpointing.load``, torch 2.13) unpickles
 ``.metadata`` with ``pickle.load`` and the byte items with ``torch.load(weights_only=False)``, and
 Transformer Engine unpickles the bytes of an FP8 layer's ``_extra_state`` itself. The project checks
-the first two (:func:`~pacs_megatron.utils.checkpoint_check.checkpoint_problem`) before every resume
+the first two (:func:`~pacs_megatron.run.checkpoint_check.checkpoint_problem`) before every resume
 and export, so a checkpoint that passes holds data there; a file changed between the check and the
 load, and TE's FP8 state, are not covered: load only checkpoints you trust.
 """
@@ -31,16 +31,18 @@ import functools
 import io
 import pathlib
 import pickle
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+
+from pacs_megatron.run.layout import DistLayout
 
 try:
     from numpy._core.multiarray import _reconstruct
 except ImportError:  # numpy < 2
-    from numpy.core.multiarray import _reconstruct
+    from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
 
 DATA_GLOBALS = [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)), io.BytesIO]
 """Allowed beyond torch's defaults in ``common.pt`` and byte items: numpy's RNG state (an array of
@@ -52,7 +54,7 @@ class UnsafeCheckpoint(ValueError):
     """A checkpoint file names code where data belongs; the message is one line."""
 
 
-def _refuse(what: str, names) -> UnsafeCheckpoint:
+def _refuse(what: str, names: Iterable[str]) -> UnsafeCheckpoint:
     listed = ", ".join(sorted(names))
     return UnsafeCheckpoint(f"{what} holds pickled code ({listed}), not data: refused ({TRUST})")
 
@@ -60,6 +62,8 @@ def _refuse(what: str, names) -> UnsafeCheckpoint:
 def load_data(f: Path | io.BytesIO, what: str) -> Any:
     """``torch.load`` of a ``torch.save`` file or buffer that may hold only data; raises
     :class:`UnsafeCheckpoint` naming the globals it has beyond the allow-list."""
+    import torch  # here, not at the top: export's --help and the checks of a run directory import no torch
+
     with torch.serialization.safe_globals(DATA_GLOBALS):
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(f)  # a static scan: runs nothing
         if unsafe:
@@ -74,11 +78,13 @@ def load_data(f: Path | io.BytesIO, what: str) -> Any:
 
 def load_common(megatron_dir: str | Path) -> dict:
     """``megatron/common.pt`` (layout, scheduler, counters) as data."""
-    return load_data(Path(megatron_dir) / "common.pt", "megatron/common.pt")
+    common = DistLayout(Path(megatron_dir)).common
+    return load_data(common, f"{common.parent.name}/{common.name}")
 
 
 @functools.cache
 def _metadata_globals() -> dict[tuple[str, str], Any]:
+    import torch
     from torch.distributed.checkpoint import filesystem, metadata, planner
 
     names = {
@@ -105,14 +111,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         return found
 
 
-def read_metadata(megatron_dir: str | Path):
+def read_metadata(megatron_dir: str | Path) -> Any:
     """torch.distributed.checkpoint's ``Metadata`` from ``megatron/.metadata``, unpickled as data
     (what ``FileSystemReader.read_metadata`` returns, without its ``pickle.load``)."""
-    with open(Path(megatron_dir) / ".metadata", "rb") as f:
+    with open(DistLayout(Path(megatron_dir)).index, "rb") as f:
         return _MetadataUnpickler(f).load()
 
 
-def check_objects(megatron_dir: str | Path, metadata) -> None:
+def check_objects(megatron_dir: str | Path, metadata: Any) -> None:
     """Load every byte item (megatron's ShardedObjects) listed in ``metadata`` as data; raises
     :class:`UnsafeCheckpoint` for the first that is not. The shards must be present and long enough."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata

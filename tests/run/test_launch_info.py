@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pacs_megatron.utils.launch_info import launcher_kind, write_launch_json
+from pacs_megatron.run.launch_info import launcher_kind, write_launch_json
 
 _VARS = ("PACS_LAUNCHER_KIND", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "RANK", "PACS_RAY_NODE_ID")
 

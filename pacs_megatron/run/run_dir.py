@@ -37,17 +37,21 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from pacs_megatron.config.base import ConfigError
+from pacs_megatron.run.layout import RunLayout, StepLayout
 from pacs_megatron.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from pacs_megatron.config import RunConfig
 
 logger = get_logger(__name__)
 
-LOCK = ".lock"
-RUN_FILES = ("metrics.jsonl", "final.json", "configs", "rollouts.jsonl")
-"""Entries whose presence means a run has written here (checkpoints are checked separately)."""
+LOCK = RunLayout(Path()).lock.name
+"""The lock's file name (run/layout.py spells it)."""
 
 
 class RunDirError(ConfigError):
@@ -106,7 +110,7 @@ def this_process() -> LockInfo:
 
 
 def _checkpoint_steps(root: Path) -> list[int]:
-    from pacs_megatron.utils.checkpoint import CheckpointManager
+    from pacs_megatron.run.checkpoint import CheckpointManager
 
     return [step for step, _ in CheckpointManager(root).complete()]
 
@@ -123,6 +127,7 @@ class RunDir:
 
     def __init__(self, path: str | os.PathLike, resume: str = "auto", overwrite: bool = False, keep: tuple = ()):
         self.path = Path(path)
+        self.layout = RunLayout(self.path)
         self.resume = resume
         """trainer.resume: "auto", "never" or a checkpoint directory."""
         self.overwrite = overwrite
@@ -132,12 +137,12 @@ class RunDir:
         self._held: LockInfo | None = None
 
     @classmethod
-    def from_config(cls, cfg) -> RunDir:
+    def from_config(cls, cfg: RunConfig) -> RunDir:
         return cls(cfg.trainer.output_dir, cfg.trainer.resume, cfg.trainer.overwrite, keep=(cfg.model.path,))
 
     @property
     def lock_path(self) -> Path:
-        return self.path / LOCK
+        return self.layout.lock
 
     def holder(self) -> LockInfo | None:
         """The lock's holder, or None when there is no lock (an unreadable lock counts as stale)."""
@@ -194,14 +199,13 @@ class RunDir:
     def _named_step(self) -> int | None:
         """The step of a ``--resume step_N`` directory of this run (None: elsewhere, or not a step dir)."""
         named = Path(self.resume)
-        if named.resolve().parent != (self.path / "checkpoints").resolve():
+        if named.resolve().parent != self.layout.checkpoints.resolve():
             return None
-        digits = named.name.removeprefix("step_")
-        return int(digits) if named.name.startswith("step_") and digits.isdigit() else None
+        return StepLayout(named).step
 
     def old_run(self) -> list[str]:
         """What of an earlier run this directory holds (empty: nothing)."""
-        found = [name for name in RUN_FILES if (self.path / name).exists()]
+        found = [p.name for p in self.layout.run_files if p.exists()]
         steps = _checkpoint_steps(self.path)
         if steps:
             found.append(f"checkpoints up to step {max(steps)}")
@@ -246,10 +250,11 @@ class RunDir:
             return
         if not self.old_run() or (self.resume == "auto" and _checkpoint_steps(self.path)):
             return
-        target = self.path.with_name(f"{self.path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        target = self.layout.moved_aside(time.strftime("%Y%m%d-%H%M%S"))
         target.mkdir()
         for entry in self.path.iterdir():
-            if entry.name == LOCK or any(entry.resolve() == k or entry.resolve() in k.parents for k in self.keep):
+            kept = any(entry.resolve() == k or entry.resolve() in k.parents for k in self.keep)
+            if entry == self.layout.lock or kept:
                 continue
             os.replace(entry, target / entry.name)
         logger.warning("--overwrite: moved the old run of %s to %s (delete it when unneeded)", self.path, target)
@@ -258,11 +263,10 @@ class RunDir:
         named = self._named_step()
         if named is None:
             return
-        root = self.path / "checkpoints"
         for step in _checkpoint_steps(self.path):
             if step > named:
-                src = root / f"step_{step:08d}"
-                os.replace(src, root / f"superseded_step_{step:08d}")
+                src = self.layout.step_dir(step).path
+                os.replace(src, self.layout.superseded_dir(step))
                 logger.warning("--overwrite: moved %s aside (resuming from the older %s)", src, self.resume)
 
     def release(self) -> None:

@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from pacs_megatron.utils.checkpoint import MARKER, CheckpointManager
-from pacs_megatron.utils.checkpoint_check import checkpoint_problem, parameter_dtype
+from pacs_megatron.run.checkpoint import MARKER, CheckpointManager
+from pacs_megatron.run.checkpoint_check import checkpoint_problem, parameter_dtype
 
 
 def _write_checkpoint(d, step: int, common: dict | None = None, objects: dict | None = None, meg: str = "megatron"):
@@ -147,7 +147,7 @@ def test_tampered_checkpoint_is_refused_and_runs_nothing(tmp_path, caplog, where
         with pytest.raises(ValueError, match="builtins.exec"):
             parameter_dtype(tampered)
     if where == "common.pt":  # export's layout lookup reads common.pt itself
-        from pacs_megatron.utils.checkpoint_data import load_common
+        from pacs_megatron.run.checkpoint_data import load_common
 
         with pytest.raises(ValueError, match="builtins.exec"):
             load_common(tampered / "megatron")
@@ -157,6 +157,7 @@ def test_tampered_checkpoint_is_refused_and_runs_nothing(tmp_path, caplog, where
     assert not marker.exists(), f"unpickling {where} ran its code"
 
 
+@pytest.mark.subprocess
 def test_export_refuses_a_tampered_checkpoint_in_one_line(tmp_path):
     mgr, marker = _tampered(tmp_path, "common.pt")
     cmd = [sys.executable, "-m", "pacs_megatron", "export", str(mgr.step_dir(2)), str(tmp_path / "hf")]

@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
+from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.utils.dist import all_gather_objects, rank_and_world
 
 
@@ -65,10 +67,10 @@ def write_launch_json(output_dir: Path) -> None:
     rank, world = rank_and_world()
     if rank == 0:
         info = {"kind": launcher_kind(), "world_size": world, "ranks": ranks}
-        (Path(output_dir) / "launch.json").write_text(json.dumps(info, indent=2) + "\n")
+        RunLayout(Path(output_dir)).launch.write_text(json.dumps(info, indent=2) + "\n")
 
 
-def gpu_bound_per_task(environ: dict | None = None, visible: int | None = None) -> bool:
+def gpu_bound_per_task(environ: Mapping[str, str] | None = None, visible: int | None = None) -> bool:
     """Whether the launcher gave this task its own GPU(s) (Slurm ``--gpus-per-task`` or ``--gpu-bind``
     other than none, or fewer visible devices than ranks on the node), so that ``LOCAL_RANK`` is no
     index into what the task sees."""

@@ -3,7 +3,7 @@ these checkpoints hold text files; tests/utils/test_checkpoint_check.py writes r
 
 import pytest
 
-from pacs_megatron.utils.checkpoint import MARKER, CheckpointManager
+from pacs_megatron.run.checkpoint import MARKER, CheckpointManager
 
 
 def test_save_latest_prune_and_half_written(tmp_path):
@@ -40,7 +40,7 @@ def test_failed_write_leaves_no_complete_checkpoint(tmp_path):
 def test_a_full_disk_is_named_in_one_line_and_checked_before_saving(tmp_path):
     import errno
 
-    from pacs_megatron.utils.checkpoint import CheckpointWriteError
+    from pacs_megatron.run.checkpoint import CheckpointWriteError
 
     mgr = CheckpointManager(tmp_path, validate=lambda p: None)
 
@@ -72,7 +72,7 @@ def test_a_full_disk_inside_torch_distributed_checkpoint_is_one_line_too(tmp_pat
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from pacs_megatron.utils.checkpoint import CheckpointWriteError
+    from pacs_megatron.run.checkpoint import CheckpointWriteError
 
     mgr = CheckpointManager(tmp_path, validate=lambda p: None)
     enospc = RuntimeError("Worker failure: [Errno 28] No space left on device")

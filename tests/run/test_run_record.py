@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from pacs_megatron.config import ConfigError, load_config
-from pacs_megatron.utils.metrics import MetricsWriter, Progress
-from pacs_megatron.utils.resume import (
+from pacs_megatron.run.metrics import MetricsWriter, Progress
+from pacs_megatron.run.resume import (
     ResumePlan,
     check_model_unchanged,
     check_tiny_model_dir,
@@ -16,7 +16,7 @@ from pacs_megatron.utils.resume import (
     model_shape,
     preflight_resume,
 )
-from pacs_megatron.utils.run_record import RunRecord, format_summary
+from pacs_megatron.run.run_record import RunRecord, format_summary
 
 HF = {"model_type": "qwen2", "vocab_size": 16, "hidden_size": 128, "num_hidden_layers": 2, "tie_word_embeddings": True}
 
@@ -155,7 +155,7 @@ def test_plain_progress_line_with_eta(caplog):
 def test_doctests():
     import doctest
 
-    from pacs_megatron.utils import checkpoint_check, metrics, resume
+    from pacs_megatron.run import checkpoint_check, metrics, resume
 
     for module in (checkpoint_check, metrics, resume):
         assert doctest.testmod(module).failed == 0, module.__name__

@@ -1,0 +1,50 @@
+"""tests/_tiers.py: an unmarked test that starts a process fails and names the marker; a marked one passes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import _tiers
+import pytest
+
+
+class _Item:
+    def __init__(self, nodeid: str, marks: tuple[str, ...]) -> None:
+        self.nodeid, self._marks = nodeid, marks
+
+    def get_closest_marker(self, name: str):
+        return name if name in self._marks else None
+
+
+def _run_as(item, start) -> SimpleNamespace:
+    """``start()`` as if ``item`` were running, then its call report through the guard."""
+    real = _tiers._current[0]
+    _tiers.set_current(item)
+    try:
+        start()
+    finally:
+        _tiers.set_current(real)
+    report = SimpleNamespace(passed=True, outcome="passed", longrepr=None)
+    _tiers.violation_report(item, report)
+    return report
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("door", ["popen", "multiprocessing"])
+def test_an_unmarked_test_that_starts_a_process_fails_with_the_fix(door):
+    def start():
+        if door == "popen":
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+        else:
+            p = multiprocessing.get_context("spawn").Process(target=int)
+            p.start()
+            p.join()
+
+    report = _run_as(_Item("t.py::unmarked", ()), start)
+    assert report.outcome == "failed" and "@pytest.mark.distributed" in report.longrepr
+    for mark in ("slow", "distributed", "subprocess"):
+        assert _run_as(_Item(f"t.py::{mark}", (mark,)), start).outcome == "passed"
+    assert _run_as(_Item("t.py::quiet", ()), lambda: None).outcome == "passed"  # no process, no marker needed

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CONTRACTS = 4  # megatron, vllm, pacs/ pure torch, the layers
+CONTRACTS = 5  # megatron, vllm, pacs/ pure torch, no actor <-> reference circle, the layers
 
 
 def _lint(cwd: Path, pythonpath: Path | None = None) -> tuple[int, str]:
@@ -46,6 +46,7 @@ def test_planted_violations_inside_functions_fail_the_lint(tmp_path):
     _plant(pkg / "pacs" / "advantage.py", "import torch.distributed  # noqa")
     _plant(pkg / "rollout" / "types.py", "from megatron.core import parallel_state  # noqa")
     _plant(pkg / "config" / "data.py", "from pacs_megatron.launch import preflight  # noqa")
+    _plant(pkg / "actor" / "reference.py", "from pacs_megatron.actor.actor import MegatronActor  # noqa")
     (pkg / "newfolder").mkdir()  # a folder the layers do not place
     (pkg / "newfolder" / "__init__.py").write_text("")
     code, out = _lint(tmp_path, pythonpath=tmp_path)  # the copy, not the installed package
@@ -56,6 +57,7 @@ def test_planted_violations_inside_functions_fail_the_lint(tmp_path):
         "pacs_megatron.pacs.advantage -> torch.distributed",
         "pacs_megatron.rollout.types -> megatron",
         "pacs_megatron.config.data -> pacs_megatron.launch.preflight",
+        "pacs_megatron.actor.reference -> pacs_megatron.actor.actor",
         "pacs_megatron.newfolder",
     ]:
         assert planted in out, (planted, out)

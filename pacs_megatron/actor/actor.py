@@ -23,7 +23,7 @@ import torch
 from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, gather_rows, run_schedule
 from pacs_megatron.actor.logit_rows import set_fused_head
-from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
+from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, seed_for_init, transformer_config
 from pacs_megatron.actor.moe import MoeStats
 from pacs_megatron.actor.moe_aux import MoeAuxLoss
 from pacs_megatron.actor.offload import ActorOffload
@@ -84,16 +84,6 @@ def resolve_dtype(name: str, on_gpu: bool) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def _seed_for_init(seed: int, on_gpu: bool) -> None:
-    from megatron.core import tensor_parallel
-
-    torch.manual_seed(seed)
-    if on_gpu:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    else:  # model_parallel_cuda_manual_seed needs CUDA; CPU init draws from torch's default generator
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
 class MegatronActor:
     """The trainable policy (see module docstring)."""
 
@@ -129,7 +119,7 @@ class MegatronActor:
         )
         # A fixed seed for initialisation only; the caller's RNG streams are left as they were.
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
-            _seed_for_init(cfg.model.seed, on_gpu)
+            seed_for_init(cfg.model.seed, on_gpu)
             chunks = build_model_chunks(self.spec, self.config, groups)
         if cfg.model.loads_weights:
             load_hf_weights(chunks, self.spec, self.model_dir, groups)

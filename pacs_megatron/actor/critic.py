@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pacs_megatron.actor.actor import MegatronActor, _seed_for_init
+from pacs_megatron.actor.actor import MegatronActor
 from pacs_megatron.actor.forward import run_schedule
-from pacs_megatron.actor.model import build_model_chunks, transformer_config
+from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
 from pacs_megatron.actor.offload import ActorOffload
 from pacs_megatron.actor.optimizer import (
     apply_lr_config,
@@ -104,7 +104,7 @@ class MegatronCritic(MegatronActor):
         )
         on_gpu = groups.device.type == "cuda"
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
-            _seed_for_init(cfg.model.seed, on_gpu)
+            seed_for_init(cfg.model.seed, on_gpu)
             chunks = build_model_chunks(self.spec, self.config, groups)
         for chunk in chunks:
             model = unwrap(chunk)

@@ -268,6 +268,18 @@ def llama3_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def seed_for_init(seed: int, on_gpu: bool) -> None:
+    """Seed the generators a model's initialisation draws from (torch's, and megatron's TP tracker), so that
+    the actor, the critic, the reference and export build the same random weights from one seed."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    if on_gpu:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:  # model_parallel_cuda_manual_seed needs CUDA; CPU init draws from torch's default generator
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
 def build_model_chunks(spec: ModelSpec, config, groups: ParallelGroups) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage), on ``groups.device``."""
     from megatron.core.models.gpt import GPTModel

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from pacs_megatron.actor.forward import forward_logprobs
 from pacs_megatron.actor.logit_rows import set_fused_head
-from pacs_megatron.actor.model import build_model_chunks, transformer_config
+from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.data.batching import TrainBatch
 from pacs_megatron.run.layout import StepLayout
@@ -56,7 +56,6 @@ class ReferencePolicy:
     """Frozen copy of the policy at the start of RL, on the actor's layout (see the module docstring)."""
 
     def __init__(self, actor) -> None:
-        from pacs_megatron.actor.actor import _seed_for_init
 
         cfg, groups = actor.cfg, actor.groups
         self.groups, self.spec = groups, actor.spec
@@ -70,7 +69,7 @@ class ReferencePolicy:
         )
         on_gpu = groups.device.type == "cuda"
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):  # the caller's RNG is untouched
-            _seed_for_init(cfg.model.seed, on_gpu)
+            seed_for_init(cfg.model.seed, on_gpu)
             self.chunks = build_model_chunks(actor.spec, self.config, groups)
         set_fused_head(self.chunks, cfg.model.use_fused_lm_head(on_gpu))  # as the actor's (ops/head.py)
         for c in self.chunks:

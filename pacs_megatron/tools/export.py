@@ -157,9 +157,9 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from pacs_megatron.actor.actor import _seed_for_init, resolve_dtype
+    from pacs_megatron.actor.actor import resolve_dtype
     from pacs_megatron.actor.checkpoint import load_model_weights
-    from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
+    from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, seed_for_init, transformer_config
     from pacs_megatron.actor.weights import save_hf
     from pacs_megatron.config import ParallelConfig
     from pacs_megatron.parallel import destroy_parallel, init_distributed, initialize_parallel
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
         dtype = parameter_dtype(ckpt)
         config = transformer_config(spec, groups, dtype, sequence_parallel=False, recompute=False)
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
-            _seed_for_init(0, on_gpu)  # the weights are overwritten by the load
+            seed_for_init(0, on_gpu)  # the weights are overwritten by the load
             chunks = build_model_chunks(spec, config, groups)
         load_model_weights(chunks, ckpt)  # model only: optimizer state stays
         out_dtype = None if args.dtype == "auto" else resolve_dtype(args.dtype, on_gpu)

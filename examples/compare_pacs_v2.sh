@@ -2,8 +2,9 @@
 # The comparison of issue 39 on the real model: PACS v1 in its own regime (4 mini-batches per rollout batch),
 # PACS v2 (reference anchor, resets every 10 steps), GRPO with the same mini-batching, and the control, PACS
 # with one update per batch (= class-weighted REINFORCE). Each method's lr is chosen on the validation split
-# (a grid of 3 at 2 tuning seeds), then S seeds at the chosen lr are scored on the held-out split, pass@1/4/16
-# with 95% intervals (OUT/summary.md, OUT/curves.png). TASK=2digit runs the harder task.
+# (a grid of 3 at 2 tuning seeds, reaching the paper's 1e-6: at 1e-5 four updates per batch collapsed SmolLM2's
+# entropy in 3 steps, docs/results/smollm2_pacs_v1_v2_cpu/), then S seeds at the chosen lr are scored on the
+# held-out split, pass@1/4/16 with 95% intervals (OUT/summary.md, OUT/curves.png). TASK=2digit: the harder task.
 #   examples/compare_pacs_v2.sh                 # today's task, 3 seeds, 20 steps
 #   SEEDS=5 STEPS=40 OUT=/tmp/cmp examples/compare_pacs_v2.sh
 # Cost: 4 methods x (3 lrs x 2 tuning seeds + S seeds) runs; on the 2-core CPU a 20-step run with its
@@ -13,6 +14,6 @@ cd "$(dirname "$0")/.."
 CONFIG=examples/configs/cpu_smollm2_pacs_v1.yaml
 [ "${TASK:-sums}" = 2digit ] && CONFIG=examples/configs/cpu_smollm2_2digit.yaml
 exec pacs-megatron compare --config "$CONFIG" --out "${OUT:-outputs/compare_pacs_v2_${TASK:-sums}}" \
-  --methods pacs,pacs_v2,grpo,reinforce --seeds "${SEEDS:-3}" --tune-seeds 2 --lrs "${LRS:-5e-6,1e-5,2e-5}" \
+  --methods pacs,pacs_v2,grpo,reinforce --seeds "${SEEDS:-3}" --tune-seeds 2 --lrs "${LRS:-1e-6,3e-6,1e-5}" \
   --steps "${STEPS:-20}" --tune-key val/arith_val/pass@1 --val-key val/arith_heldout/pass@1 ${JOBS:+--jobs $JOBS} \
   trainer.test_freq=10 "$@"

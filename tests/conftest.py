@@ -67,6 +67,18 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(autouse=True)
+def _environ_restored():
+    """Each test leaves os.environ as it found it: code run in process (a single-rank init, an engine) sets
+    launcher variables, and the full suite's fast-tier-first order let a LOCAL_WORLD_SIZE from one of those
+    reach a later Slurm test's srun (the stop of 2026-11-28)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _package_logger_restored():
     """Each test starts with the package logger as the previous one found it: ``init_logging`` (any CLI run in
     process) turns propagation off, and a library's ``dictConfig`` disables existing loggers; either broke

@@ -92,6 +92,9 @@ def before_import(level: str) -> None:
 
 
 CONFIG_ENV = "VLLM_LOGGING_CONFIG_PATH"
+OURS_ENV = "PACS_VLLM_LOGGING_CONFIG"
+"""The file :func:`quiet_vllm` wrote, so that a later call (this process or a child that inherited both) tells
+it from a user's own and may replace or drop it."""
 
 
 def quiet_vllm(level: str) -> Path | None:
@@ -102,7 +105,13 @@ def quiet_vllm(level: str) -> Path | None:
     Why a file: vLLM applies its logging config (``configure_logging``: ``dictConfig``, new handlers) when an
     engine starts, and again in every engine process; the file is its documented way to keep a setting through
     all of them, and engine processes inherit the variable."""
-    if not _quiet(level) or os.environ.get(CONFIG_ENV):
+    current = os.environ.get(CONFIG_ENV)
+    if current and current != os.environ.get(OURS_ENV):
+        return None  # the user's own logging config
+    if not _quiet(level):
+        if current:  # ours, inherited or from an earlier engine: INFO / DEBUG asked to see everything
+            os.environ.pop(CONFIG_ENV)
+            os.environ.pop(OURS_ENV, None)
         return None
     import vllm.logger  # its default config (importing it configures nothing)
 
@@ -115,5 +124,5 @@ def quiet_vllm(level: str) -> Path | None:
         config["loggers"][name]["level"] = level.upper()
     path = Path(tempfile.mkdtemp(prefix="pacs-vllm-logging-")) / "logging.json"
     path.write_text(json.dumps(config))
-    os.environ[CONFIG_ENV] = str(path)
+    os.environ[CONFIG_ENV] = os.environ[OURS_ENV] = str(path)
     return path

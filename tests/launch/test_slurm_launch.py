@@ -179,7 +179,8 @@ def test_sbatch_scancel_cancels_without_requeue(slurm, tmp_path):
 
 
 def test_srun_two_tasks_per_node_doctor_distributed(slurm, tmp_path):
-    env = {k: v for k, v in slurm.env.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+    env = {k: v for k, v in slurm.env.items() if k not in launcher}  # srun's tasks get theirs from Slurm
     env |= {"OMP_NUM_THREADS": "1"}
     cmd = f"srun {sys.executable} -m pacs_megatron doctor --distributed --dir {tmp_path}/shared"
     res = subprocess.run(

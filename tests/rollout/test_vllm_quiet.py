@@ -33,14 +33,31 @@ def test_the_harmless_lines_go_and_the_others_stay():
 
 def test_info_or_a_users_own_config_installs_nothing(monkeypatch):
     monkeypatch.delenv(vllm_quiet.CONFIG_ENV, raising=False)
+    monkeypatch.delenv(vllm_quiet.OURS_ENV, raising=False)
     assert vllm_quiet.quiet_vllm("INFO") is None
     monkeypatch.setenv(vllm_quiet.CONFIG_ENV, "/my/logging.json")
-    assert vllm_quiet.quiet_vllm("WARNING") is None
+    assert vllm_quiet.quiet_vllm("WARNING") is None and vllm_quiet.quiet_vllm("INFO") is None
+    assert vllm_quiet.CONFIG_ENV in __import__("os").environ  # the user's is never dropped
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_ours_inherited_is_dropped_when_info_is_asked(monkeypatch):
+    """A child of a quiet process inherits our file; asking for INFO there (VLLM_LOGGING_LEVEL=INFO) must show
+    vLLM's lines (the full suite's failure of test_vllm_cpu's engine-start check, before this)."""
+    import os
+
+    monkeypatch.delenv(vllm_quiet.CONFIG_ENV, raising=False)
+    path = vllm_quiet.quiet_vllm("WARNING")
+    assert os.environ[vllm_quiet.CONFIG_ENV] == str(path) == os.environ[vllm_quiet.OURS_ENV]
+    assert vllm_quiet.quiet_vllm("WARNING") is not None  # ours: rewritten, not mistaken for the user's
+    assert vllm_quiet.quiet_vllm("INFO") is None
+    assert vllm_quiet.CONFIG_ENV not in os.environ and vllm_quiet.OURS_ENV not in os.environ
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_the_filter_survives_vllms_own_configure_logging(monkeypatch, capfd):
     monkeypatch.delenv(vllm_quiet.CONFIG_ENV, raising=False)
+    monkeypatch.delenv(vllm_quiet.OURS_ENV, raising=False)
     path = vllm_quiet.quiet_vllm("WARNING")
     config = json.loads(path.read_text())
     assert all(h["filters"] == ["pacs_harmless"] for h in config["handlers"].values())

@@ -122,7 +122,8 @@ def quiet_vllm(level: str) -> Path | None:
         handler["filters"] = ["pacs_harmless"]
     for name in config["loggers"]:
         config["loggers"][name]["level"] = level.upper()
-    path = Path(tempfile.mkdtemp(prefix="pacs-vllm-logging-")) / "logging.json"
+    # ours already (an earlier engine in this process, or inherited): rewritten in place, not a new file per start
+    path = Path(current) if current else Path(tempfile.mkdtemp(prefix="pacs-vllm-logging-")) / "logging.json"
     path.write_text(json.dumps(config))
     os.environ[CONFIG_ENV] = os.environ[OURS_ENV] = str(path)
     return path

@@ -110,9 +110,7 @@ def this_process() -> LockInfo:
 
 
 def _checkpoint_steps(root: Path) -> list[int]:
-    from pacs_megatron.run.checkpoint import CheckpointManager
-
-    return [step for step, _ in CheckpointManager(root).complete()]
+    return [step for step, _ in RunLayout(root).checkpoint_steps()]
 
 
 class RunDir:

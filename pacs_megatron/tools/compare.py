@@ -162,6 +162,7 @@ class Runner:
         self.done = 0
         self.total = 0
         self._dirs: dict[tuple, Path] = {}
+        self._builds_model: dict[tuple, bool] = {}
         # The cores are split between the runs going at once: torch's default (every core per process)
         # oversubscribes them, and OpenMP's spinning threads then cost several times the work (measured:
         # 2 runs x 2 threads on 2 cores ran 5x slower per step than one). The shell's value wins.
@@ -190,20 +191,18 @@ class Runner:
 
         spec = Spec(method, lr, seed, critic_lr)
         if spec not in self._dirs:
-            resolved = to_yaml(load_config(self.args.config, self.settings(*spec)))
-            key = hashlib.sha256(resolved.encode()).hexdigest()[:10]
+            cfg = load_config(self.args.config, self.settings(*spec))
+            key = hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:10]
             self._dirs[spec] = self.out / "runs" / f"{run_name(*spec)}-{key}"
+            self._builds_model[spec] = cfg.model.init != "pretrained"
         return self._dirs[spec]
 
     def command(self, *spec) -> list[str]:
         d = self.run_dir(*spec)
-        return [
-            *TRAIN,
-            f"--config={self.args.config}",
-            *self.settings(*spec),
-            f"trainer.output_dir={d}",
-            f"model.path={d}/model",
-        ]
+        # A model the run builds (tiny, random, a GGUF import) goes into the run's own directory, so
+        # concurrent runs never write one path; a pretrained model is read where the user put it.
+        own_model = [f"model.path={d}/model"] if self._builds_model[Spec(*spec)] else []
+        return [*TRAIN, f"--config={self.args.config}", *self.settings(*spec), f"trainer.output_dir={d}", *own_model]
 
     def run_all(self, specs: list[Spec]) -> dict[Spec, list[dict] | None]:
         """Run every spec not yet done; return each spec's metrics rows (None when it failed)."""

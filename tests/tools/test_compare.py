@@ -126,6 +126,24 @@ def test_runs_are_keyed_on_their_resolved_settings(tmp_path):
     assert runner(4).run_dir("pacs", 1e-3, 1) != four
 
 
+def test_a_pretrained_model_path_is_kept_and_a_built_model_goes_in_the_run_dir(tmp_path):
+    """A run that builds its model (tiny / random / a GGUF import) writes it into its own directory; a
+    run of a pretrained model loads the user's model.path, which compare must not redirect (it did: every
+    `model.init=pretrained model.path=DIR` run failed with "no such directory" in its run dir)."""
+    import argparse
+
+    def command(*extra):
+        args = argparse.Namespace(config=str(GENERALIZE), out=str(tmp_path), steps=4, overrides=[*SMALL, *extra])
+        runner = Runner(args)
+        paths = [a for a in runner.command("pacs", 1e-3, 0) if a.startswith("model.path=")]
+        return paths[-1], runner.run_dir("pacs", 1e-3, 0)
+
+    built, run_dir = command()
+    assert built == f"model.path={run_dir}/model"
+    kept, _ = command("model.init=pretrained", f"model.path={tmp_path / 'hf'}")
+    assert kept == f"model.path={tmp_path / 'hf'}"
+
+
 def test_compare_refuses_before_any_run_when_nothing_validates(tmp_path, capfd):
     from pacs_megatron.cli import main
 

@@ -1,7 +1,8 @@
 """PACS v2's hard reset of the reference policy (algorithm.reference_reset_every), in the Megatron actor.
 
-One launch per layout (single process; TP=2 with the reference and the optimizer state offloaded to host;
-PP=2 with two virtual stages). Actor A trains one PACS step anchored on the reference
+One launch per layout (single process; DP=2 with the distributed optimizer, whose Adam state is sharded over
+the two ranks; TP=2 with the reference and the optimizer state offloaded to host; PP=2 with two virtual
+stages). Actor A trains one PACS step anchored on the reference
 (algorithm.pacs.anchor=reference), writes its weights W1 as a Hugging Face model, resets, and trains a
 second step. Actor B is built fresh from W1 (a fresh optimizer, its reference a copy of W1) and trains the
 same second step. A reset is ProRL's restart from the live policy, so A's second update equals B's bit for
@@ -18,11 +19,18 @@ from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 
 VOCAB = 255
-LAYOUTS = {"single": (1, 1, 1, 1, False), "tp2_offload": (2, 2, 1, 1, True), "pp2_vpp2": (2, 1, 2, 2, False)}
+# layout: (world, tp, pp, vpp, offload); DP is what the world leaves
+LAYOUTS = {
+    "single": (1, 1, 1, 1, False),
+    "dp2_distopt": (2, 1, 1, 1, False),
+    "tp2_offload": (2, 2, 1, 1, True),
+    "pp2_vpp2": (2, 1, 2, 2, False),
+}
 
 
-def _config(model_dir, tp, pp, vpp, offload):
-    cfg = run_config(model_dir, tp=tp, pp=pp, vpp=vpp)
+def _config(model_dir, world, tp, pp, vpp, offload):
+    dp = world // (tp * pp)
+    cfg = run_config(model_dir, tp=tp, pp=pp, dp=dp, vpp=vpp, use_distributed_optimizer="true" if dp > 1 else "auto")
     pacs = replace(cfg.algorithm.pacs, anchor="reference")
     algo = replace(cfg.algorithm, loss="pacs", pacs=pacs, reference_reset_every=1)
     actor = replace(cfg.actor, offload_reference=offload, offload_during_rollout=offload)
@@ -46,11 +54,12 @@ def _body(rank, world, model_dir, tp, pp, vpp, offload, w1_dir):
     import torch.distributed as dist
 
     from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.data.batching import dp_shard
     from pacs_megatron.parallel import initialize_parallel
 
-    cfg = _config(model_dir, tp, pp, vpp, offload)
+    cfg = _config(model_dir, world, tp, pp, vpp, offload)
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-    b1, b2 = sample_batch(VOCAB, seed=1), sample_batch(VOCAB, seed=2)
+    b1, b2 = (dp_shard(sample_batch(VOCAB, seed=s), groups.dp_rank, groups.dp_size) for s in (1, 2))
     a = MegatronActor(cfg, groups, model_dir)
     m1, _, _ = _step(a, b1)
     a.save_hf(w1_dir)

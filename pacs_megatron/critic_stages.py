@@ -3,10 +3,11 @@ no-op for runs without a critic, so ``train.py`` calls them unconditionally.
 
     init_after_warmup  (after the format warm-up)  the critic's trunk re-copied from the actor, so the
                    critic starts from the policy that RL starts from (``critic.init=actor``)
-    attach_values  (old-log-prob stage)  critic values of this DP rank's rows -> GAE per row (outcome
-                   reward on the last response token) -> advantages whitened over all response
-                   tokens of the step (the statistics all-reduced over DP, as the reference whitens
-                   the whole batch) -> this rank's rows get per-token advantages, old values, returns
+    advantages_of  (old-log-prob stage)  the advantage function stages.prepare_local_batch calls on this
+                   DP rank's rows: critic values -> GAE per row (outcome reward on the last response
+                   token) -> advantages whitened over all response tokens of the step (the statistics
+                   all-reduced over DP, as the reference whitens the whole batch) -> per-token
+                   advantages, old values, returns
     update_critic  (beside the actor update)  critic ppo_epochs x mini-batches of the clipped value
                    loss, one critic optimizer step each (before the actor's, as verl)
 
@@ -24,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import TrainBatch, split_mini_batches
+from pacs_megatron.data.batching import Rollouts, TrainRows, split_mini_batches
 from pacs_megatron.pacs import explained_variance, gae_advantages, outcome_token_rewards
 from pacs_megatron.pacs.gae import masked_mean_var
+from pacs_megatron.stages import AdvantageFn, StepAdvantages
 
 if TYPE_CHECKING:
     from pacs_megatron.parallel import ParallelGroups
@@ -45,19 +47,22 @@ def _sum_dp(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
 def init_after_warmup(cfg: RunConfig, c: Components) -> None:
     """After the format warm-up the policy RL starts from is the warmed-up actor: re-copy its trunk
     into the critic (``critic.init=actor``; an HF ``critic.init`` is left as loaded)."""
-    critic = getattr(c, "critic", None)
-    if critic is not None and cfg.critic.init == "actor" and cfg.trainer.sft_warmup_steps:
-        critic.copy_trunk_from(c.actor)
+    if c.critic is not None and cfg.critic.init == "actor" and cfg.trainer.sft_warmup_steps:
+        c.critic.copy_trunk_from(c.actor)
 
 
-def attach_values(cfg: RunConfig, c: Components, local: TrainBatch) -> tuple[TrainBatch, dict]:
-    """``local`` with GAE ``advantages [B, T]``, ``old_values`` and ``returns`` of its own rows filled
-    (collective over DP); unchanged when the run has no critic."""
-    critic = getattr(c, "critic", None)
-    if critic is None:
-        return local, {}
+def advantages_of(cfg: RunConfig, c: Components) -> AdvantageFn | None:
+    """The GAE advantage function of a run with a learned critic (None without one: outcome advantages)."""
+    if c.critic is None:
+        return None
+    return partial(gae_step_advantages, cfg, c)
+
+
+def gae_step_advantages(cfg: RunConfig, c: Components, local: Rollouts) -> StepAdvantages:
+    """GAE ``advantages [B, T]``, ``old_values`` and ``returns`` of this rank's rows (collective over DP)."""
+    assert c.critic is not None
     reduce = partial(_sum_dp, groups=c.rt.groups)
-    values = critic.compute_values(local)
+    values = c.critic.compute_values(local)
     pol = cfg.algorithm.loss_config()
     mask = local.response_mask
     rewards = outcome_token_rewards(local.scores, mask)
@@ -67,15 +72,15 @@ def attach_values(cfg: RunConfig, c: Components, local: TrainBatch) -> tuple[Tra
         "critic/returns_mean": float(masked_mean_var(returns, mask, reduce)[0]),
         "critic/explained_variance": float(explained_variance(values, returns, mask, reduce)),
     }
-    return local.with_(advantages=adv, old_values=values, returns=returns), metrics
+    return StepAdvantages(adv, values, returns, metrics)
 
 
-def update_critic(cfg: RunConfig, c: Components, local: TrainBatch) -> dict:
+def update_critic(cfg: RunConfig, c: Components, local: TrainRows) -> dict:
     """Critic epochs over this rank's mini-batches; metrics averaged over its steps ({} without critic)."""
-    critic = getattr(c, "critic", None)
-    if critic is None:
+    if c.critic is None:
         return {}
     per_rank_prompts = cfg.mini_batch_prompts // c.rt.groups.dp_size
     epochs = cfg.critic.ppo_epochs or cfg.algorithm.ppo_epochs
-    history = [critic.train_step(mini) for _ in range(epochs) for mini in split_mini_batches(local, per_rank_prompts)]
+    minis = split_mini_batches(local, per_rank_prompts)
+    history = [c.critic.train_step(mini) for _ in range(epochs) for mini in minis]
     return {k: sum(h[k] for h in history) / len(history) for k in history[0]}

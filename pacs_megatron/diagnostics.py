@@ -33,7 +33,7 @@ from pacs_megatron.pacs.loss import pacs_loss
 if TYPE_CHECKING:
     from pacs_megatron.actor.actor import MegatronActor
     from pacs_megatron.config import RunConfig
-    from pacs_megatron.data.batching import TrainBatch
+    from pacs_megatron.pacs.batch import TrainBatch
 
 POST_PREFIX = "pacs/post_"
 _SKIP = ("pacs/mixed_group_frac",)  # a property of the rewards, not of the classifier

@@ -16,13 +16,14 @@ resumed run draws what the uninterrupted run drew (tests/test_sampling_stages.py
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from pacs_megatron import stages
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import TrainBatch
+from pacs_megatron.data.batching import Rollouts
 from pacs_megatron.pacs.group_filter import filter_metrics, keep_groups, take_groups
 from pacs_megatron.pacs.overlong import overlong_metrics, overlong_penalty, truncation_weights
 from pacs_megatron.stages import ScoredGroups
@@ -38,7 +39,7 @@ class ShortBatchError(RuntimeError):
     """Dynamic sampling kept too few groups for the configured step (see the message for the fix)."""
 
 
-def collect_step(cfg: RunConfig, c: Components, step: int) -> tuple[TrainBatch, dict, list]:
+def collect_step(cfg: RunConfig, c: Components, step: int) -> tuple[Rollouts, dict, list]:
     """The step's batch (all rows, every rank), its metrics and a few samples; collective."""
     if cfg.algorithm.filter_groups == "none":
         scored, metrics = stages.generate_scored(cfg, c, c.dataset.next_batch(cfg.trainer.train_batch_size), step), {}
@@ -113,7 +114,7 @@ def _select(rounds: list[ScoredGroups], chosen: list[int], n: int) -> ScoredGrou
     )
 
 
-def shape_overlong(cfg: RunConfig, batch: TrainBatch, scored: ScoredGroups) -> tuple[TrainBatch, dict]:
+def shape_overlong(cfg: RunConfig, batch: Rollouts, scored: ScoredGroups) -> tuple[Rollouts, dict]:
     """``algorithm.overlong``: the soft punishment added to the rewards, truncated rows' loss weight set to 0
     (``is_weights``; rollout correction multiplies into it later). Unchanged batch when both are off."""
     over = cfg.algorithm.overlong
@@ -125,8 +126,8 @@ def shape_overlong(cfg: RunConfig, batch: TrainBatch, scored: ScoredGroups) -> t
     penalty = overlong_penalty(lengths, cfg.rollout.max_response_length, over.buffer_len, over.penalty_factor)
     metrics = overlong_metrics(penalty, truncated, over.mask_truncated)
     if over.buffer_len:
-        batch = batch.with_(scores=batch.scores + penalty)
+        batch = replace(batch, scores=batch.scores + penalty)
         metrics["reward/shaped_mean"] = batch.scores.mean()
     if over.mask_truncated:
-        batch = batch.with_(is_weights=truncation_weights(truncated, batch.is_weights))
+        batch = replace(batch, is_weights=truncation_weights(truncated, batch.is_weights))
     return batch, metrics

@@ -1,22 +1,26 @@
 """The named stages of one RL step; ``train.py`` calls them in order and holds no logic itself.
 
 Every function here runs on every rank. Host-side work (sampling, scoring) is sharded over ranks
-and gathered, so every rank holds the step's whole :class:`TrainBatch`; each data-parallel rank then
-trains on its own contiguous share of whole prompt groups.
+and gathered, so every rank holds the step's whole :class:`Rollouts`; each data-parallel rank then
+trains on its own contiguous share of whole prompt groups, as :class:`TrainRows` (advantages added) and
+then :class:`TrainBatch` (pi_old's log-probs added; pacs/batch.py).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import (
+    Rollouts,
     TrainBatch,
-    build_train_batch,
+    TrainRows,
+    build_rollouts,
     dp_shard,
     response_values,
     split_mini_batches,
@@ -25,7 +29,7 @@ from pacs_megatron.data.packing import dp_balanced_shard
 from pacs_megatron.data.routing import RoutedExperts, fetch_routed_experts
 from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.eval.runner import evaluate
-from pacs_megatron.pacs import get_loss, outcome_advantages
+from pacs_megatron.pacs import get_loss, group_advantage, outcome_advantages
 from pacs_megatron.pacs.decoupled import decoupled_old_logp
 from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.reward.verifiers import has_boxed
@@ -116,21 +120,21 @@ def score_groups(c: Components, records, groups: list[list[Response]]) -> Scored
     return ScoredGroups(list(records), groups, scores, reward_metrics)
 
 
-def collect_batch(cfg: RunConfig, c: Components, records, step: int) -> tuple[TrainBatch, dict, list]:
+def collect_batch(cfg: RunConfig, c: Components, records, step: int) -> tuple[Rollouts, dict, list]:
     """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
     return assemble_batch(cfg, c, generate_scored(cfg, c, records, step), step)
 
 
-def assemble_batch(cfg: RunConfig, c: Components, scored: ScoredGroups, step: int) -> tuple[TrainBatch, dict, list]:
+def assemble_batch(cfg: RunConfig, c: Components, scored: ScoredGroups, step: int) -> tuple[Rollouts, dict, list]:
     """Pack scored rollouts into the step's batch, with its metrics and a few samples for rollouts.jsonl."""
     flat, scores, reward_metrics = scored.rows(), scored.scores, scored.reward_metrics
-    batch = build_train_batch(
+    batch = build_rollouts(
         [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8
     )
-    batch = batch.with_(rollout_logp=response_values(batch, [resp.logprobs for _, resp in flat]))
+    batch = replace(batch, rollout_logp=response_values(batch, [resp.logprobs for _, resp in flat]))
     if cfg.actor.routing_replay == "rollout":  # MoE: the actor replays the engine's experts (data/routing.py)
         routed = RoutedExperts.from_records([resp.routed_experts for _, resp in flat], batch.seq_lens)
-        batch = batch.with_(routed_experts=routed)  # this replica's rows only, until prepare_local_batch
+        batch = replace(batch, routed_experts=routed)  # this replica's rows only, until prepare_local_batch
     lengths = torch.tensor([len(resp.token_ids) for _, resp in flat], dtype=torch.float32)
     s = batch.scores.reshape(-1, cfg.rollout.n)
     metrics = {
@@ -161,44 +165,82 @@ def forward_rows(cfg: RunConfig, dp_size: int) -> int:
     return cfg.mini_batch_prompts // dp_size * cfg.rollout.n
 
 
-def prepare_local_batch(
-    cfg: RunConfig, actor: MegatronActor, batch: TrainBatch, dp_rank: int, dp_size: int
-) -> tuple[TrainBatch, dict]:
-    """This DP rank's groups, with outcome advantages (baselines) and old log-probs filled.
+class StepAdvantages(NamedTuple):
+    """What the advantage stage gives this rank's rows: outcome advantages, or the critic's GAE."""
 
-    The first :func:`forward_rows` rows get theirs in :func:`update_actor` (from their training forward):
-    their ``old_logp`` holds NaN until then, so any reader before it fails loudly."""
+    advantages: torch.Tensor
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    metrics: dict | None = None
+
+
+AdvantageFn = Callable[[Rollouts], StepAdvantages]
+"""The advantages of this DP rank's rows (collective); critic_stages gives one for runs with a critic."""
+
+
+def outcome_step_advantages(cfg: RunConfig, rows: Rollouts) -> StepAdvantages:
+    """Advantages from the rows' rewards alone: the loss's estimator for the baselines (GRPO, PPO, GSPO);
+    for PACS, its ``adv_estimator`` of R, the per-row weight of its gradient while psi = 0 (the loss
+    computes its own score from r); 0 for losses that read none (``sft``, a custom loss)."""
     loss_cfg = cfg.algorithm.loss_config()
-    if get_loss(cfg.algorithm.loss).needs_advantages and getattr(loss_cfg, "adv_estimator", "") != "gae":
-        batch = batch.with_(advantages=outcome_advantages(batch.scores, batch.group_size, loss_cfg))
+    if get_loss(cfg.algorithm.loss).needs_advantages:
+        return StepAdvantages(outcome_advantages(rows.scores, rows.group_size, loss_cfg))
+    if cfg.algorithm.loss == "pacs":
+        return StepAdvantages(group_advantage(rows.scores.float(), rows.group_size, loss_cfg.adv_estimator))
+    return StepAdvantages(torch.zeros(len(rows)))
+
+
+@dataclass(frozen=True)
+class OldLogp:
+    """pi_old's log-probs and entropy of this rank's rows ``[first:]``: the first ``first`` rows (the
+    step's first mini-batch, :func:`forward_rows`) take theirs from their own training forward."""
+
+    first: int
+    logp: torch.Tensor
+    entropy: torch.Tensor
+
+
+def prepare_local_batch(
+    cfg: RunConfig,
+    actor: MegatronActor,
+    batch: Rollouts,
+    dp_rank: int,
+    dp_size: int,
+    advantages_of: AdvantageFn | None = None,
+) -> tuple[TrainRows, OldLogp, dict]:
+    """This DP rank's groups with their advantages (``advantages_of``, default
+    :func:`outcome_step_advantages`) and reference log-probs, and pi_old's log-probs of every row but
+    the first :func:`forward_rows` (those come from their training forward in :func:`update_actor`)."""
     if cfg.algorithm.dynamic_batching:  # groups spread by tokens, per mini-batch (data/packing.py)
         local = dp_balanced_shard(batch, dp_rank, dp_size, cfg.mini_batch_prompts)
     else:
         local = dp_shard(batch, dp_rank, dp_size)
     if batch.routed_experts is not None:  # the routing records of this rank's rows, from their holders
-        local = local.with_(routed_experts=fetch_routed_experts(batch.routed_experts, local.routed_experts))
-    if getattr(actor, "reference", None) is not None:  # algorithm.needs_reference (actor/reference.py)
+        assert isinstance(batch.routed_experts, RoutedExperts) and isinstance(local.routed_experts, RoutedExperts)
+        local = replace(local, routed_experts=fetch_routed_experts(batch.routed_experts, local.routed_experts))
+    adv = (advantages_of or (lambda r: outcome_step_advantages(cfg, r)))(local)
+    ref = None
+    if actor.reference is not None:  # algorithm.needs_reference (actor/reference.py)
         ref_mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
         ref = actor.compute_ref_logprobs(
             local, ref_mbs, cfg.rollout.temperature, cfg.mini_batch_prompts // dp_size, response_only=True
         )
-        local = local.with_(ref_logp=ref)
+    rows = TrainRows.of(local, advantages=adv.advantages, ref_logp=ref, old_values=adv.old_values, returns=adv.returns)
     first = forward_rows(cfg, dp_size)
-    old = torch.full(local.input_ids.shape, float("nan"))
-    entropy = torch.full(local.input_ids.shape, float("nan"))
-    if first < len(local):  # mini-batches after the first: the no-grad pass under pi_old
+    old = torch.zeros((len(rows) - first, rows.input_ids.shape[1]))
+    entropy = torch.zeros_like(old)
+    if first < len(rows):  # mini-batches after the first: the no-grad pass under pi_old
         mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
         out = actor.compute_logprobs(
-            local.rows(first, len(local)),
+            rows.rows(first, len(rows)),
             mbs,
             cfg.rollout.temperature,
             with_entropy=True,
             mini_batch_groups=cfg.mini_batch_prompts // dp_size,
             response_only=True,  # the training forward's LM-head rows (actor/logit_rows.py)
         )
-        old[first:], entropy[first:] = out.token_logp, out.entropy
-    local = local.with_(old_logp=old, old_entropy=entropy)
-    return (local, {}) if first else finish_old_logp(cfg, local)
+        old, entropy = out.token_logp, out.entropy
+    return rows, OldLogp(first, old, entropy), dict(adv.metrics or {})
 
 
 def finish_old_logp(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict]:
@@ -210,24 +252,24 @@ def finish_old_logp(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict
     return local, metrics | correction
 
 
-def update_actor(cfg: RunConfig, actor: MegatronActor, local: TrainBatch, dp_size: int) -> dict:
-    """``ppo_epochs`` passes over mini-batches of whole groups, one optimizer step each. The first
-    mini-batch of the first epoch fills its own old log-probs when :func:`forward_rows` says so."""
+def update_actor(cfg: RunConfig, actor: MegatronActor, rows: TrainRows, old: OldLogp, dp_size: int) -> dict:
+    """``ppo_epochs`` passes over mini-batches of whole groups, one optimizer step each. When ``old.first``
+    rows have no old log-probs yet, the first mini-batch of the first epoch trains from its own forward
+    (pi_theta = pi_old there) and its log-probs complete the batch's."""
     per_rank_prompts = cfg.mini_batch_prompts // dp_size
-    first = forward_rows(cfg, dp_size)
     history: list[dict] = []
-    extra: dict = {}
     skipped_before = actor.skipped_steps
-    for _ in range(cfg.algorithm.ppo_epochs):
-        for mini in split_mini_batches(local, per_rank_prompts):
-            if first and not history:
-                metrics, fwd = actor.train_step_from_forward(mini)
-                old, entropy = local.old_logp.clone(), local.old_entropy.clone()
-                old[:first], entropy[:first] = fwd.token_logp, fwd.entropy
-                local, extra = finish_old_logp(cfg, local.with_(old_logp=old, old_entropy=entropy))
-                history.append(metrics)
-            else:
-                history.append(actor.train_step(mini))
+    old_logp, old_entropy = old.logp, old.entropy
+    if old.first:
+        metrics, fwd = actor.train_step_from_forward(rows.rows(0, old.first))
+        history.append(metrics)
+        old_logp, old_entropy = torch.cat([fwd.token_logp, old_logp]), torch.cat([fwd.entropy, old_entropy])
+    local, extra = finish_old_logp(cfg, TrainBatch.of_rows(rows, old_logp=old_logp, old_entropy=old_entropy))
+    for epoch in range(cfg.algorithm.ppo_epochs):
+        for i, mini in enumerate(split_mini_batches(local, per_rank_prompts)):
+            if epoch == 0 and i == 0 and old.first:
+                continue  # trained above, from its own forward
+            history.append(actor.train_step(mini))
     metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0] if k != "actor/max_abs_logratio"}
     # Before any update the policy equals the rollout policy: any non-zero log-ratio here is noise
     # between the old-log-prob pass and the training forward, i.e. noise in PACS's reward.
@@ -268,8 +310,13 @@ def format_warmup(cfg: RunConfig, rt: Runtime, c: Components) -> dict:
     for _ in range(cfg.trainer.sft_warmup_steps):
         picked = [rng.choice(c.dataset.records) for _ in range(rows)]
         pairs = format_warmup_examples(picked, rng, max(lengths), min(lengths))
-        batch = build_train_batch([p for p, _ in pairs], [t for _, t in pairs], [0.0] * rows, 1, c.pad_id, 8)
-        local = dp_shard(batch.with_(old_logp=torch.zeros(batch.input_ids.shape)), rt.groups.dp_rank, rt.groups.dp_size)
+        shard = dp_shard(
+            build_rollouts([p for p, _ in pairs], [t for _, t in pairs], [0.0] * rows, 1, c.pad_id, 8),
+            rt.groups.dp_rank,
+            rt.groups.dp_size,
+        )
+        zeros = torch.zeros(shard.input_ids.shape)  # the sft loss reads no old log-probs and no advantages
+        local = TrainBatch.of_rows(TrainRows.of(shard, advantages=zeros[:, 0]), old_logp=zeros, old_entropy=zeros)
         last = c.actor.train_step(local, loss_name="sft")
     return last
 
@@ -293,4 +340,4 @@ def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dic
         return local, metrics
     if local.is_weights is not None:  # truncated rows already weighted 0 (algorithm.overlong.mask_truncated)
         w = w * local.is_weights
-    return local.with_(is_weights=w), metrics
+    return replace(local, is_weights=w), metrics

@@ -153,12 +153,11 @@ def _update(run: _Run, batch, timer: PhaseTimer, step: int) -> dict:
     """Old (proximal) log-probs, then the critic and actor updates (and the reference's reset when due)."""
     cfg, rt, c = run.cfg, run.rt, run.c
     with timer("old_logprob"):
-        local, metrics = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size)
-        local, m = critic_stages.attach_values(cfg, c, local)  # GAE per row (ppo + learned critic)
-        metrics |= m
+        gae = critic_stages.advantages_of(cfg, c)  # ppo + learned critic: GAE per row; else outcome advantages
+        rows, old, metrics = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size, gae)
     with timer("update"):
-        metrics |= critic_stages.update_critic(cfg, c, local)
-        metrics |= stages.update_actor(cfg, c.actor, local, rt.groups.dp_size)
+        metrics |= critic_stages.update_critic(cfg, c, rows)
+        metrics |= stages.update_actor(cfg, c.actor, rows, old, rt.groups.dp_size)
         metrics |= stages.reset_reference(cfg, c.actor, step)  # algorithm.reference_reset_every
         metrics |= c.actor.offload()  # actor.offload_during_rollout: optimizer state to host until next use
     return metrics

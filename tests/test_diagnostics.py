@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import build_train_batch
+from pacs_megatron.data.batching import as_train_batch, build_rollouts
 from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.pacs.loss import pacs_loss
 
@@ -24,8 +24,8 @@ class _Actor:
 
 def test_post_update_metrics_match_the_loss_on_new_logprobs():
     scores = [1.0, 0.0, 0.0, 1.0]
-    batch = build_train_batch([[1, 2]] * 4, [[3], [4, 5], [6], [7]], scores, group_size=2, pad_id=0)
-    batch = batch.with_(old_logp=torch.full(batch.input_ids.shape, -1.0))
+    batch = build_rollouts([[1, 2]] * 4, [[3], [4, 5], [6], [7]], scores, group_size=2, pad_id=0)
+    batch = as_train_batch(batch, torch.full(batch.input_ids.shape, -1.0))
     shift = torch.tensor([0.3, -0.2, -0.1, 0.4])  # the update raised the correct responses' log-probs
     cfg = RunConfig()
     m = post_update_metrics(cfg, _Actor(shift), batch)

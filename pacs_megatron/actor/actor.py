@@ -2,7 +2,7 @@
 
     actor = MegatronActor(cfg, groups, model_dir)
     old = actor.compute_logprobs(local_batch, micro_batch_size=8, temperature=T)      # no grad
-    metrics = actor.train_step(mini_batch.with_(old_logp=...))                         # one update
+    metrics = actor.train_step(TrainBatch.of_rows(rows, old_logp=..., old_entropy=...))  # one update
     for name, tensor in actor.export_hf_weights(): ...                                  # weight sync
     actor.save_checkpoint(dir, extra_state) / actor.load_checkpoint(dir) / actor.save_hf(dir)
 
@@ -48,7 +48,7 @@ from pacs_megatron.actor.train_step import (
 )
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights
 from pacs_megatron.config import ConfigError, RunConfig
-from pacs_megatron.data.batching import TrainBatch, split_micro_batches
+from pacs_megatron.data.batching import Rollouts, TrainBatch, TrainRows, split_micro_batches
 from pacs_megatron.data.packing import pack_micro_batches, token_budget
 from pacs_megatron.pacs import get_loss, regularize
 from pacs_megatron.parallel import ParallelGroups
@@ -165,7 +165,7 @@ class MegatronActor:
 
     def compute_logprobs(
         self,
-        batch: TrainBatch,
+        batch: Rollouts,
         micro_batch_size: int,
         temperature: float,
         with_entropy: bool = False,
@@ -205,7 +205,7 @@ class MegatronActor:
 
     def compute_ref_logprobs(
         self,
-        batch: TrainBatch,
+        batch: Rollouts,
         micro_batch_size: int,
         temperature: float,
         mini_batch_groups: int = 0,
@@ -235,24 +235,24 @@ class MegatronActor:
         reduced over DP and identical on every rank."""
         return self._train_step(batch, loss_name, old_from_forward=False)[0]
 
-    def train_step_from_forward(self, batch: TrainBatch) -> tuple[dict[str, float], LogprobResult]:
+    def train_step_from_forward(self, batch: TrainRows) -> tuple[dict[str, float], LogprobResult]:
         """:meth:`train_step` where pi_theta = pi_old (the first mini-batch after a rollout): the old
-        log-probs are the training forward's own, detached, so ``batch.old_logp`` is not read and no
-        separate pass is needed. Returns the metrics and those log-probs with their entropy (collective;
+        log-probs are the training forward's own, detached, so the rows need none and no separate pass
+        is needed. Returns the metrics and those log-probs with their entropy (collective;
         the same on every rank of the replica), bit-identical to :meth:`compute_logprobs` before the step."""
         metrics, result = self._train_step(batch, None, old_from_forward=True)
         assert result is not None
         return metrics, result
 
     def _train_step(
-        self, batch: TrainBatch, loss_name: str | None, old_from_forward: bool
+        self, batch: TrainRows, loss_name: str | None, old_from_forward: bool
     ) -> tuple[dict[str, float], LogprobResult | None]:
         name = loss_name or self.cfg.algorithm.loss
         loss = get_loss(name)
         if name == self.cfg.algorithm.loss:  # the RL loss gets the recipe's KL / entropy terms, if any
             a = self.cfg.algorithm
             loss = regularize(loss, a.kl_loss_coef, a.kl_loss_type, a.entropy_coeff)
-        check_train_batch(batch, loss, name, old_from_forward)
+        check_train_batch(batch, old_from_forward)
         mbs = self.cfg.algorithm.micro_batch_size
         packed = self._packed(batch, 0)
         micro, rows = packed or (split_micro_batches(batch, min(mbs, len(batch))), torch.arange(len(batch)))
@@ -281,7 +281,7 @@ class MegatronActor:
         return metrics, LogprobResult(token_logp, seq_logp, entropy)
 
     def _update(
-        self, micro: list[TrainBatch], make, store_out: list | None = None, response_only: bool = False
+        self, micro: list[TrainRows], make, store_out: list | None = None, response_only: bool = False
     ) -> dict[str, float]:
         """Forward/backward of ``micro`` with megatron loss functions from ``make``, then one optimizer
         step; the DP-reduced metrics of the loss functions plus the step's (shared with the critic).
@@ -305,7 +305,7 @@ class MegatronActor:
         metrics.update(self._optimizer_step(metrics))
         return metrics
 
-    def _packed(self, batch: TrainBatch, chunk_groups: int):
+    def _packed(self, batch: Rollouts, chunk_groups: int):
         """Token-budget micro-batches (data/packing.py) when dynamic batching is on, else None. With
         PP every micro-batch of a pass keeps the rows' padded length only up to its own longest row;
         megatron's p2p then sends shapes ahead (run_schedule), see docs/batching.md."""

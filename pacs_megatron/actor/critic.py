@@ -43,7 +43,7 @@ from pacs_megatron.actor.optimizer import (
 from pacs_megatron.actor.train_step import _DENOM, _MAXLR
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.config import RunConfig, critic_enabled, critic_loss_agg
-from pacs_megatron.data.batching import TrainBatch, split_micro_batches
+from pacs_megatron.data.batching import Rollouts, TrainRows, split_micro_batches
 from pacs_megatron.pacs import value_loss
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
@@ -131,7 +131,7 @@ class MegatronCritic(MegatronActor):
     def micro_batch_size(self) -> int:
         return self.cfg.critic.micro_batch_size or self.cfg.algorithm.micro_batch_size
 
-    def compute_values(self, batch: TrainBatch, micro_batch_size: int | None = None) -> torch.Tensor:
+    def compute_values(self, batch: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
         """No-grad ``[B, T]`` float32 values of this DP rank's rows, on every rank of the replica."""
         B, T = batch.input_ids.shape
         micro = split_micro_batches(batch, min(micro_batch_size or self.micro_batch_size, B))
@@ -154,7 +154,7 @@ class MegatronCritic(MegatronActor):
             dist.broadcast(buf, src=self.groups.pp_last_rank, group=self.groups.pp_group)
         return buf.cpu()
 
-    def train_step(self, batch: TrainBatch, loss_name: str | None = None) -> dict[str, float]:  # noqa: ARG002
+    def train_step(self, batch: TrainRows, loss_name: str | None = None) -> dict[str, float]:  # noqa: ARG002
         """One critic optimizer step on this DP rank's share of a mini-batch (clipped value loss)."""
         if batch.old_values is None or batch.returns is None:
             raise ValueError("critic.train_step needs batch.old_values and batch.returns (GAE)")
@@ -180,7 +180,7 @@ class MegatronCritic(MegatronActor):
         self.optimizer.reload_model_params()
 
 
-def _value_loss_func(mb: TrainBatch, ids: torch.Tensor, dummy: bool, clip: float, mode: str, horizon: int):  # noqa: ARG001
+def _value_loss_func(mb: TrainRows, ids: torch.Tensor, dummy: bool, clip: float, mode: str, horizon: int):  # noqa: ARG001
     """megatron ``loss_func`` of one critic micro-batch: the value loss aggregated by ``mode`` (a mean
     over tokens or rows) times that unit count (the train step's gradient convention, see
     train_step.py); a padding micro-batch counts 0."""

@@ -1,4 +1,4 @@
-"""One pass of megatron's pipeline schedule over micro-batches of a TrainBatch.
+"""One pass of megatron's pipeline schedule over micro-batches of rows (pacs/batch.py).
 
     micro-batches (whole groups, one T) --forward_step--> GPTModel chunk(s) --last stage-->
     vocab-parallel logits [b, T, V/tp] --token_logprobs--> token_logp [b, T] --loss_func--> ...
@@ -20,7 +20,7 @@ Input convention (data/batching.py): right-padded rows, positions 0..T-1, causal
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -39,7 +39,7 @@ from pacs_megatron.actor.logit_rows import (
 from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
 from pacs_megatron.actor.moe import padding_mask, set_routing_replay
 from pacs_megatron.actor.thd import ThdBatch, pack_thd
-from pacs_megatron.data.batching import TrainBatch, split_micro_batches
+from pacs_megatron.data.batching import Rollouts, split_micro_batches
 from pacs_megatron.ops import fused_head_logprobs, fused_logprobs
 from pacs_megatron.parallel import ParallelGroups
 
@@ -130,7 +130,7 @@ def interleave_padding(num_micro: int, groups: ParallelGroups) -> int:
 
 def run_schedule(
     chunks: list,
-    micro: list[TrainBatch],
+    micro: Sequence[Rollouts],
     make_loss_func: LossFactory,
     groups: ParallelGroups,
     forward_only: bool,
@@ -212,7 +212,7 @@ def run_schedule(
 
 
 def logprob_loss_func(
-    mb: TrainBatch,
+    mb: Rollouts,
     ids: torch.Tensor,
     dummy: bool,  # noqa: ARG001 - padding outputs are dropped by run_schedule
     spec: ModelSpec,
@@ -236,13 +236,13 @@ def logprob_loss_func(
 
 def forward_logprobs(
     chunks: list,
-    batch: TrainBatch,
+    batch: Rollouts,
     micro_batch_size: int,
     spec: ModelSpec,
     groups: ParallelGroups,
     temperature: float,
     with_entropy: bool,
-    packed: tuple[list[TrainBatch], torch.Tensor] | None = None,
+    packed: tuple[Sequence[Rollouts], torch.Tensor] | None = None,
     thd: bool = False,
     response_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -263,7 +263,7 @@ def forward_logprobs(
 
 
 def gather_rows(
-    micro: list[TrainBatch],
+    micro: Sequence[Rollouts],
     rows: torch.Tensor,
     store: list[dict],
     keys: tuple[str, ...],
@@ -287,7 +287,7 @@ def gather_rows(
     return buf.cpu()
 
 
-def _moe_padding_mask(model, mb: TrainBatch, width: int, packed, dummy: bool, groups: ParallelGroups):
+def _moe_padding_mask(model, mb: Rollouts, width: int, packed, dummy: bool, groups: ParallelGroups):
     """The padding mask MoE routers get (actor/moe.py ``padding_mask``: padding and dummy micro-batches
     stay out of the aux loss and the moe/* metrics); None for a dense model."""
     chunk = _unwrap(model)

@@ -33,12 +33,14 @@ the same coefficient the router gradient here is about L / k times HF's: c = rou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from pacs_megatron.actor.moe import router_valid_tokens, routers
-from pacs_megatron.data.batching import TrainBatch
+from pacs_megatron.data.batching import Rollouts
 from pacs_megatron.parallel import ParallelGroups
 
 
@@ -56,7 +58,7 @@ class MoeAuxLoss:
         for _, router in routers(chunks):
             router.register_forward_hook(self._hook)
 
-    def begin(self, micro: list[TrainBatch], units: float) -> None:
+    def begin(self, micro: Sequence[Rollouts], units: float) -> None:
         """Before a train step over ``micro`` (real micro-batches) whose loss functions return ``units``
         in all: s = coeff * U / T with U and T summed over DP (collective over the DP group)."""
         g = self.groups

@@ -30,8 +30,8 @@ from pacs_megatron.actor.forward import token_logprobs
 from pacs_megatron.actor.logit_rows import LogitRows
 from pacs_megatron.actor.model import ModelSpec
 from pacs_megatron.actor.thd import ThdBatch
-from pacs_megatron.data.batching import TrainBatch
-from pacs_megatron.pacs import LossInputs, LossSpec
+from pacs_megatron.pacs import LossSpec
+from pacs_megatron.pacs.batch import TrainBatch, TrainRows
 from pacs_megatron.parallel import ParallelGroups
 
 _DENOM = "_denominator"
@@ -41,13 +41,14 @@ FORWARD_KEYS = ("_token_logp", "_entropy")
 and entropy (detached), the old log-probs of its rows (private keys: never reduced as metrics)."""
 
 
-def check_train_batch(batch: TrainBatch, loss: LossSpec, loss_name: str, old_from_forward: bool = False) -> None:
-    if batch.old_logp is None and not old_from_forward:
-        raise ValueError(
-            "train_step needs batch.old_logp (fill it with compute_logprobs first; for loss 'sft' pass zeros)"
+def check_train_batch(batch: TrainRows, old_from_forward: bool) -> None:
+    """A mini-batch trains from its own forward's log-probs (TrainRows, the step's first) or from pi_old's
+    given ones (TrainBatch): the types say which, and a wrong pairing fails here, before any forward."""
+    if not old_from_forward and not isinstance(batch, TrainBatch):
+        raise TypeError(
+            f"train_step needs a TrainBatch (pi_old's log-probs filled), got {type(batch).__name__}: build it with "
+            "TrainBatch.of_rows(rows, old_logp=..., old_entropy=...), or train it with train_step_from_forward"
         )
-    if loss.needs_advantages and batch.advantages is None:
-        raise ValueError(f"loss {loss_name!r} needs batch.advantages (pacs.outcome_advantages over whole groups)")
 
 
 def step_loss_config(loss_cfg: Any, max_response_length: int) -> Any:
@@ -61,39 +62,15 @@ def step_loss_config(loss_cfg: Any, max_response_length: int) -> Any:
     return loss_cfg
 
 
-def loss_inputs(
-    mb: TrainBatch, logp: torch.Tensor, old_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None
-) -> LossInputs:
-    """The micro-batch's LossInputs around ``logp`` (on ``logp``'s device); ``old_logp`` replaces
-    ``mb.old_logp`` (the forward's own under ``old_from_forward``)."""
-    dev = logp.device
-    return LossInputs(
-        logp=logp,
-        old_logp=mb.old_logp.to(dev) if old_logp is None else old_logp,
-        response_mask=mb.response_mask.to(dev),
-        scores=mb.scores.to(dev),
-        group_size=mb.group_size,
-        advantages=None if mb.advantages is None else mb.advantages.to(dev),
-        group_ids=mb.group_ids.to(dev),
-        is_weights=None if mb.is_weights is None else mb.is_weights.to(dev),
-        ref_logp=None if mb.ref_logp is None else mb.ref_logp.to(dev),
-        entropy=entropy,
-    )
-
-
-def loss_units(micro: list[TrainBatch], loss: LossSpec, loss_cfg: Any) -> float:
+def loss_units(micro: list[TrainRows], loss: LossSpec, loss_cfg: Any) -> float:
     """The sum of the unit counts the loss functions of ``micro`` will return (``LossSpec.denominator``
-    depends on the masks only, so zeros stand in for the log-probs, which ``old_from_forward`` has
-    not yet): what ``finalize_model_grads`` divides the gradients by on this rank."""
-    total = 0.0
-    for mb in micro:
-        zeros = torch.zeros(mb.response_mask.shape, dtype=torch.float32)
-        total += float(loss.denominator(loss_inputs(mb, zeros, old_logp=zeros), loss_cfg).round())
-    return total
+    reads the masks only, known before the forward): what ``finalize_model_grads`` divides the gradients
+    by on this rank."""
+    return sum(float(loss.denominator(mb, loss_cfg).round()) for mb in micro)
 
 
 def train_loss_func(
-    mb: TrainBatch,
+    mb: TrainRows,
     ids: torch.Tensor,
     dummy: bool,
     spec: ModelSpec,
@@ -108,9 +85,9 @@ def train_loss_func(
     """megatron ``loss_func`` of one micro-batch (runs on the last pipeline stage). A ``dummy``
     (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight.
 
-    ``old_from_forward`` (pi_theta = pi_old, the first mini-batch of a step): the old log-probs are this
-    forward's own, detached, bit-identical to what the no-grad pass gives (same kernel, same micro-batch);
-    they and the entropy are reported under :data:`FORWARD_KEYS`."""
+    ``old_from_forward`` (pi_theta = pi_old, the first mini-batch of a step, given as :class:`TrainRows`):
+    the old log-probs are this forward's own, detached, bit-identical to what the no-grad pass gives (same
+    kernel, same micro-batch); they and the entropy are reported under :data:`FORWARD_KEYS`."""
 
     def loss_func(logits):
         token_logp, entropy = token_logprobs(
@@ -124,10 +101,16 @@ def train_loss_func(
             thd=thd,
             rows=rows,
         )
-        inputs = loss_inputs(mb, token_logp, token_logp.detach() if old_from_forward else None, entropy)
-        mask, old, dev = inputs.response_mask, inputs.old_logp, token_logp.device
-        value, metrics = loss.fn(inputs, loss_cfg)
-        denom = loss.denominator(inputs, loss_cfg)
+        dev = token_logp.device
+        if old_from_forward:  # the forward asked for the entropy (with_entropy above)
+            assert entropy is not None
+            batch = TrainBatch.of_rows(mb.to(dev), old_logp=token_logp.detach(), old_entropy=entropy.detach())
+        else:
+            assert isinstance(batch := mb, TrainBatch)  # check_train_batch said so
+            batch = batch.to(dev)
+        mask, old = batch.response_mask, batch.old_logp
+        value, metrics = loss.fn(batch, token_logp, loss_cfg, entropy)
+        denom = loss.denominator(batch, loss_cfg)
         if dummy:
             denom = torch.zeros_like(denom)
         with torch.no_grad():

@@ -74,7 +74,7 @@ def synthetic_lengths(args) -> tuple[list[int], list[int]]:
 
 
 def _batch(args):
-    from pacs_megatron.data.batching import build_train_batch
+    from pacs_megatron.data.batching import build_rollouts
 
     prompt_lens, response_lens = synthetic_lengths(args)
     g = torch.Generator().manual_seed(args.seed)
@@ -85,7 +85,7 @@ def _batch(args):
             prompts.append(prompt)
             responses.append(torch.randint(1, args.vocab, (response_lens[k * args.n + j],), generator=g).tolist())
     scores = [float(i % 3 == 0) for i in range(len(prompts))]
-    return build_train_batch(prompts, responses, scores, args.n, pad_id=0, pad_to_multiple=8)
+    return build_rollouts(prompts, responses, scores, args.n, pad_id=0, pad_to_multiple=8)
 
 
 def _config(args, workdir: Path, tp: int, dynamic: bool):
@@ -121,7 +121,7 @@ def run_rank(args, workdir: Path, tp: int) -> dict:
 
     from pacs_megatron.actor import MegatronActor
     from pacs_megatron.bench.logprob import _PeakMemory
-    from pacs_megatron.data.batching import split_micro_batches
+    from pacs_megatron.data.batching import as_train_batch, split_micro_batches
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
 
     cfgs = {m: _config(args, workdir, tp, m == "dynamic") for m in MODES}
@@ -154,7 +154,7 @@ def run_rank(args, workdir: Path, tp: int) -> dict:
                 dist.barrier()
                 t1 = time.perf_counter()
                 with _PeakMemory(torch.device("cpu")) as mem:
-                    actor.train_step(batch.with_(old_logp=old.token_logp))
+                    actor.train_step(as_train_batch(batch, old.token_logp))
                     dist.barrier()
                 t2 = time.perf_counter()
                 if i:

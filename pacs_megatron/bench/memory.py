@@ -62,7 +62,7 @@ def _child(args) -> dict:
     from pacs_megatron.bench.logprob import _PeakMemory
     from pacs_megatron.bench.sync import _write_model_dir
     from pacs_megatron.config import load_config
-    from pacs_megatron.data.batching import build_train_batch
+    from pacs_megatron.data.batching import as_train_batch, build_rollouts
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
 
     if args.variant == "sliced":
@@ -91,9 +91,9 @@ def _child(args) -> dict:
         prompts = [torch.randint(1, args.vocab, (32,), generator=gen).tolist() for _ in range(args.rows)]
         responses = [torch.randint(1, args.vocab, (args.seq - 32,), generator=gen).tolist() for _ in range(args.rows)]
         scores = [float(i % 2) for i in range(args.rows)]
-        batch = build_train_batch(prompts, responses, scores, group, pad_id=0)
+        batch = build_rollouts(prompts, responses, scores, group, pad_id=0)
         old = actor.compute_logprobs(batch, micro_batch_size=args.rows, temperature=1.0).token_logp
-        batch = batch.with_(old_logp=old)
+        batch = as_train_batch(batch, old)
         actor.train_step(batch)  # warm-up: Adam state allocated
         with _PeakMemory(groups.device) as mem:
             metrics = actor.train_step(batch)

@@ -5,7 +5,7 @@
 - ``sampler``: :class:`PromptDataset`, a deterministic resumable prompt stream;
 - ``synthetic``: the "a+b=" task, its character tokenizer and tiny-model directory;
 - ``factory``: :func:`build_prompt_dataset`, what the trainer calls;
-- ``batching``: rollouts -> padded :class:`TrainBatch` cut by whole prompt groups.
+- ``batching``: rollouts -> padded :class:`Rollouts` (pacs/batch.py) cut by whole prompt groups.
 """
 
 from pacs_megatron.data.factory import build_prompt_dataset, build_train_dataset, build_val_datasets, load_dataset

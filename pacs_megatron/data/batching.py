@@ -1,122 +1,48 @@
 """Rollouts as padded tensors, and the only ways this project cuts them: by whole prompt groups.
 
-Layout of a :class:`TrainBatch` row b (T = the batch's padded length, fixed for the whole step)::
-
-    input_ids[b]     = [prompt tokens][response tokens][pad ... pad]
-    response_mask[b] = [0 ...      0][1 ...        1][0 ...     0]
-
-``token_logp[b, t]`` everywhere in this project is log pi(input_ids[b, t] | input_ids[b, :t]); position
-0 has no prediction and holds 0. Right padding needs no attention mask beyond the causal one (a pad
-only follows the tokens it could disturb), and a fixed T per step is what makes the old-log-prob and
-the training forward see the same shapes (batch-invariant log-probs).
+The row types (:class:`Rollouts`, then :class:`TrainBatch` once pi_old's log-probs and the advantages are
+filled) and the padded layout are defined in pacs/batch.py, at the bottom of the package, so every layer
+types its arguments with them; this module builds them from token lists and cuts them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 import torch
 
-from pacs_megatron.data.routing import RoutedExperts
-from pacs_megatron.pacs.advantage import check_groups
+from pacs_megatron.pacs.batch import Rollouts, TrainBatch, TrainRows, as_train_batch
+
+__all__ = [
+    "Rollouts",
+    "TrainBatch",
+    "TrainRows",
+    "build_rollouts",
+    "dp_shard",
+    "response_values",
+    "split_micro_batches",
+]
+__all__ += ["as_train_batch", "split_mini_batches"]
+
+R = TypeVar("R", bound=Rollouts)
 
 
-@dataclass(frozen=True)
-class TrainBatch:
-    """A step's rollouts, rows grouped by prompt (rows ``[k*n, (k+1)*n)`` share prompt k).
-
-    Example:
-        >>> b = build_train_batch([[5, 6], [5, 6]], [[7], [8, 9]], [1.0, 0.0], group_size=2, pad_id=0)
-        >>> b.input_ids.tolist(), b.response_mask.int().tolist()
-        ([[5, 6, 7, 0], [5, 6, 8, 9]], [[0, 0, 1, 0], [0, 0, 1, 1]])
-    """
-
-    input_ids: torch.Tensor
-    """``[B, T]`` int64 prompt + response + right padding."""
-    response_mask: torch.Tensor
-    """``[B, T]`` bool, True on response tokens."""
-    seq_lens: torch.Tensor
-    """``[B]`` int64 prompt + response length (the rest is padding)."""
-    scores: torch.Tensor
-    """``[B]`` float32 verifiable rewards."""
-    group_ids: torch.Tensor
-    """``[B]`` int64 prompt index within the step."""
-    group_size: int
-    """n responses per prompt."""
-    old_logp: torch.Tensor | None = None
-    """``[B, T]`` float32 log-probs of the rollout policy (filled by the old-log-prob pass)."""
-    old_entropy: torch.Tensor | None = None
-    """``[B, T]`` float32 entropy of pi_old's predictive distribution at each position (filled with
-    ``old_logp``; the step's ``actor/entropy``)."""
-    advantages: torch.Tensor | None = None
-    """``[B]`` float32 outcome advantages (baselines only), or ``[B, T]`` per-token GAE advantages."""
-    rollout_logp: torch.Tensor | None = None
-    """``[B, T]`` float32 the engine's log-prob of each sampled token (0 off the response; None when the
-    engine gave none): compared with ``old_logp`` every step (pacs/rollout_correction.py)."""
-    is_weights: torch.Tensor | None = None
-    """Rollout-correction importance weights, ``[B, T]`` per token or ``[B, 1]`` per sequence (None: off)."""
-    old_values: torch.Tensor | None = None
-    """``[B, T]`` float32 values of the learned critic before its update (``adv_estimator=gae``)."""
-    returns: torch.Tensor | None = None
-    """``[B, T]`` float32 GAE returns, the critic's regression targets (``adv_estimator=gae``)."""
-    routed_experts: RoutedExperts | None = None
-    """MoE routing replay (actor.routing_replay=rollout): per row, the experts the rollout engine chose
-    for each token, per layer, unpadded and compact (data/routing.py); the actor pads them per
-    micro-batch. Row selections carry them along; ``to(device)`` leaves them on the host."""
-    ref_logp: torch.Tensor | None = None
-    """``[B, T]`` float32 log-probs of the frozen reference policy (algorithm.kl_loss_coef > 0, actor/reference.py)."""
-
-    def __post_init__(self) -> None:
-        check_groups(self.input_ids.shape[0], self.group_size, self.group_ids)
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def num_groups(self) -> int:
-        return len(self) // self.group_size
-
-    def rows(self, start: int, stop: int) -> TrainBatch:
-        """Rows ``[start, stop)``; both must fall on group boundaries."""
-        n = self.group_size
-        if start % n or stop % n:
-            raise ValueError(f"rows {start}:{stop} would split a prompt group of {n}")
-        return self._map(lambda t: t[start:stop], torch.arange(start, stop))
-
-    def take(self, rows: torch.Tensor, length: int | None = None) -> TrainBatch:
-        """Rows ``rows`` (whole groups, each contiguous) cut to the first ``length`` columns (default all)."""
-        T = self.input_ids.shape[1]
-        width = T if length is None else length
-        return self._map(lambda t: t[rows, :width] if t.dim() >= 2 and t.shape[1] == T else t[rows], rows)
-
-    def with_(self, **kw) -> TrainBatch:
-        return replace(self, **kw)
-
-    def to(self, device: torch.device | str) -> TrainBatch:
-        return self._map(lambda t: t.to(device, non_blocking=True))
-
-    def _map(self, fn, rows: torch.Tensor | None = None) -> TrainBatch:
-        """``fn`` applied to every tensor field; ``rows``: the row selection ``fn`` makes, applied to
-        the routing records too."""
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, RoutedExperts):
-                v = v if rows is None else v.take(rows)
-            kw[f.name] = fn(v) if isinstance(v, torch.Tensor) else v
-        return TrainBatch(**kw)
-
-
-def build_train_batch(
+def build_rollouts(
     prompt_ids: Sequence[Sequence[int]],
     response_ids: Sequence[Sequence[int]],
     scores: Sequence[float],
     group_size: int,
     pad_id: int,
     pad_to_multiple: int = 1,
-) -> TrainBatch:
-    """Pack per-row prompt/response token lists (row b's prompt is its group's prompt) into a batch."""
+) -> Rollouts:
+    """Pack per-row prompt/response token lists (row b's prompt is its group's prompt) into padded rows.
+
+    Example:
+        >>> b = build_rollouts([[5, 6], [5, 6]], [[7], [8, 9]], [1.0, 0.0], group_size=2, pad_id=0)
+        >>> b.input_ids.tolist(), b.response_mask.int().tolist()
+        ([[5, 6, 7, 0], [5, 6, 8, 9]], [[0, 0, 1, 0], [0, 0, 1, 1]])
+    """
     if not (len(prompt_ids) == len(response_ids) == len(scores)):
         raise ValueError(f"{len(prompt_ids)} prompts, {len(response_ids)} responses, {len(scores)} scores")
     lens = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
@@ -130,7 +56,7 @@ def build_train_batch(
         if len(r):
             ids[b, len(p) : len(p) + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
             mask[b, len(p) : len(p) + len(r)] = True
-    return TrainBatch(
+    return Rollouts(
         input_ids=ids,
         response_mask=mask,
         seq_lens=torch.as_tensor(lens, dtype=torch.long),
@@ -140,7 +66,7 @@ def build_train_batch(
     )
 
 
-def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
+def split_micro_batches(batch: R, micro_batch_size: int) -> list[R]:
     """Consecutive micro-batches of ``micro_batch_size`` rows, never splitting a group."""
     if micro_batch_size % batch.group_size:
         raise ValueError(
@@ -155,7 +81,7 @@ def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainB
     return [batch.rows(s, s + micro_batch_size) for s in range(0, len(batch), micro_batch_size)]
 
 
-def split_mini_batches(batch: TrainBatch, mini_batch_prompts: int) -> list[TrainBatch]:
+def split_mini_batches(batch: R, mini_batch_prompts: int) -> list[R]:
     """Mini-batches (one optimizer step each) of ``mini_batch_prompts`` whole groups."""
     rows = mini_batch_prompts * batch.group_size
     if len(batch) % rows:
@@ -163,7 +89,7 @@ def split_mini_batches(batch: TrainBatch, mini_batch_prompts: int) -> list[Train
     return [batch.rows(s, s + rows) for s in range(0, len(batch), rows)]
 
 
-def dp_shard(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
+def dp_shard(batch: R, dp_rank: int, dp_size: int) -> R:
     """This data-parallel rank's contiguous share of whole groups."""
     if batch.num_groups % dp_size:
         raise ValueError(f"{batch.num_groups} prompt groups do not split over {dp_size} data-parallel ranks")
@@ -171,12 +97,12 @@ def dp_shard(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
     return batch.rows(dp_rank * per, (dp_rank + 1) * per)
 
 
-def response_values(batch: TrainBatch, values: Sequence[Sequence[float] | None]) -> torch.Tensor | None:
+def response_values(batch: Rollouts, values: Sequence[Sequence[float] | None]) -> torch.Tensor | None:
     """``[B, T]`` float32 holding row b's per-response-token ``values[b]`` at its response positions (0
     elsewhere), e.g. the engine's sampled-token log-probs; None when any row has none.
 
     Example:
-        >>> b = build_train_batch([[5, 6], [5, 6]], [[7], [8, 9]], [1.0, 0.0], group_size=2, pad_id=0)
+        >>> b = build_rollouts([[5, 6], [5, 6]], [[7], [8, 9]], [1.0, 0.0], group_size=2, pad_id=0)
         >>> response_values(b, [[-0.5], [-1.0, -2.0]]).tolist()
         [[0.0, 0.0, -0.5, 0.0], [0.0, 0.0, -1.0, -2.0]]
     """

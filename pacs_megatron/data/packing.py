@@ -25,10 +25,13 @@ and its unit count (train_step.py), which is exact for any partition. Docs: docs
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
-from pacs_megatron.data.batching import TrainBatch
+from pacs_megatron.pacs.batch import Rollouts
+
+R = TypeVar("R", bound=Rollouts)
 
 
 def padded_len(length: int, multiple: int = 8) -> int:
@@ -129,9 +132,7 @@ def _rows_of(groups: Sequence[int], group_size: int) -> torch.Tensor:
     return torch.tensor([r for g in groups for r in range(g * group_size, (g + 1) * group_size)], dtype=torch.long)
 
 
-def dp_balanced_shard(
-    batch: TrainBatch, dp_rank: int, dp_size: int, mini_batch_groups: int, multiple: int = 8
-) -> TrainBatch:
+def dp_balanced_shard(batch: R, dp_rank: int, dp_size: int, mini_batch_groups: int, multiple: int = 8) -> R:
     """This DP rank's groups: each global mini-batch of ``mini_batch_groups`` consecutive groups is
     split over the ranks by tokens (:func:`balance_groups`), the rank's shares kept in mini-batch order.
     """
@@ -149,8 +150,8 @@ def dp_balanced_shard(
 
 
 def pack_micro_batches(
-    batch: TrainBatch, max_tokens: int, chunk_groups: int = 0, same_length: bool = False, multiple: int = 8
-) -> tuple[list[TrainBatch], torch.Tensor]:
+    batch: R, max_tokens: int, chunk_groups: int = 0, same_length: bool = False, multiple: int = 8
+) -> tuple[list[R], torch.Tensor]:
     """Micro-batches of ``batch`` under the token budget, each cut to its own padded length (or, with
     ``same_length``, all to the longest of them), and the row index ``[B]``: micro-batch rows,
     concatenated, came from ``batch`` rows ``index``."""

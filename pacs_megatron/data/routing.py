@@ -64,7 +64,7 @@ class RoutedExperts:
         return len(self.records)
 
     def take(self, rows: torch.Tensor) -> RoutedExperts:
-        """The records of batch positions ``rows`` (a TrainBatch row selection)."""
+        """The records of batch positions ``rows`` (a Rollouts row selection)."""
         idx = rows.tolist()
         return RoutedExperts(self.rows[rows], tuple(self.records[i] for i in idx))
 

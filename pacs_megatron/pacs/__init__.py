@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the checkers see the real names
     from pacs_megatron.pacs.advantage import check_groups, group_advantage
+    from pacs_megatron.pacs.batch import Rollouts, TrainBatch, TrainRows, as_train_batch, loss_batch
     from pacs_megatron.pacs.config import PACSConfig, PolicyLossConfig
     from pacs_megatron.pacs.gae import explained_variance, gae_advantages, outcome_token_rewards, value_loss
     from pacs_megatron.pacs.group_filter import keep_groups, take_groups
@@ -20,16 +21,19 @@ if TYPE_CHECKING:  # the checkers see the real names
     from pacs_megatron.pacs.loss import class_weights, pacs_loss
     from pacs_megatron.pacs.overlong import overlong_penalty, truncation_weights
     from pacs_megatron.pacs.policy_loss import aggregate, clipped_policy_loss, outcome_advantages
-    from pacs_megatron.pacs.registry import LOSSES, LossInputs, LossSpec, get_loss, register_loss
+    from pacs_megatron.pacs.registry import LOSSES, LossSpec, get_loss, register_loss
     from pacs_megatron.pacs.regularizers import kl_estimate, regularize
 
 _HOME = {
     "LOSSES": "registry",
-    "LossInputs": "registry",
     "LossSpec": "registry",
+    "Rollouts": "batch",
+    "TrainBatch": "batch",
+    "TrainRows": "batch",
     "PACSConfig": "config",
     "PolicyLossConfig": "config",
     "aggregate": "policy_loss",
+    "as_train_batch": "batch",
     "check_groups": "advantage",
     "class_weights": "loss",
     "clipped_policy_loss": "policy_loss",
@@ -40,6 +44,7 @@ _HOME = {
     "implicit_reward": "implicit",
     "keep_groups": "group_filter",
     "kl_estimate": "regularizers",
+    "loss_batch": "batch",
     "outcome_advantages": "policy_loss",
     "outcome_token_rewards": "gae",
     "overlong_penalty": "overlong",
@@ -63,11 +68,14 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "LOSSES",
-    "LossInputs",
     "LossSpec",
+    "Rollouts",
+    "TrainBatch",
+    "TrainRows",
     "PACSConfig",
     "PolicyLossConfig",
     "aggregate",
+    "as_train_batch",
     "check_groups",
     "class_weights",
     "explained_variance",
@@ -78,6 +86,7 @@ __all__ = [
     "implicit_reward",
     "keep_groups",
     "kl_estimate",
+    "loss_batch",
     "outcome_advantages",
     "outcome_token_rewards",
     "overlong_penalty",

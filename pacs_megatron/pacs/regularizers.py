@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 
+from pacs_megatron.pacs.batch import TrainBatch
 from pacs_megatron.pacs.config import KL_TYPES
 from pacs_megatron.pacs.policy_loss import aggregate
-from pacs_megatron.pacs.registry import LossInputs, LossSpec
+from pacs_megatron.pacs.registry import LossSpec
 from pacs_megatron.pacs.rollout_correction import kept_mask
 
 
@@ -68,7 +69,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     return value
 
 
-def _aggregate(values: torch.Tensor, x: LossInputs, spec: LossSpec, cfg: Any) -> torch.Tensor:
+def _aggregate(values: torch.Tensor, x: TrainBatch, spec: LossSpec, cfg: Any) -> torch.Tensor:
     """``values [B, T]`` reduced as ``spec``'s loss reduces its own per-token terms (module docstring)."""
     mask = kept_mask(x.response_mask, x.is_weights)
     values = values.masked_fill(~mask, 0.0)  # padding may hold anything; 0 * inf would not be 0
@@ -84,7 +85,7 @@ def _aggregate(values: torch.Tensor, x: LossInputs, spec: LossSpec, cfg: Any) ->
 def regularize(spec: LossSpec, kl_coef: float, kl_type: str, entropy_coeff: float) -> LossSpec:
     """``spec`` with the KL and entropy terms added (module docstring); ``spec`` itself when both are 0.
 
-    The returned loss needs ``LossInputs.ref_logp`` when ``kl_coef`` > 0 and ``LossInputs.entropy`` when
+    The returned loss needs ``TrainBatch.ref_logp`` when ``kl_coef`` > 0 and the policy's entropy when
     ``entropy_coeff`` > 0 (``needs_entropy`` tells the train step); it reports ``actor/kl_loss`` and
     ``actor/entropy_loss``, the aggregated terms before their coefficients.
     """
@@ -93,21 +94,23 @@ def regularize(spec: LossSpec, kl_coef: float, kl_type: str, entropy_coeff: floa
     if kl_coef:
         kl_estimate(torch.zeros(1), torch.zeros(1), kl_type)  # an unknown estimator fails here, not mid-step
 
-    def fn(x: LossInputs, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, metrics = spec.fn(x, cfg)
+    def fn(
+        x: TrainBatch, logp: torch.Tensor, cfg: Any, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, metrics = spec.fn(x, logp, cfg, entropy)
         metrics = dict(metrics)
         if kl_coef:
             if x.ref_logp is None:
-                raise ValueError("algorithm.kl_loss_coef > 0 needs LossInputs.ref_logp (the reference log-probs)")
-            kl = _aggregate(kl_estimate(x.logp, x.ref_logp.to(x.logp.dtype), kl_type), x, spec, cfg)
+                raise ValueError("algorithm.kl_loss_coef > 0 needs TrainBatch.ref_logp (the reference log-probs)")
+            kl = _aggregate(kl_estimate(logp, x.ref_logp.to(logp.dtype), kl_type), x, spec, cfg)
             loss = loss + kl_coef * kl
             metrics["actor/kl_loss"] = kl.detach()
         if entropy_coeff:
-            if x.entropy is None:
-                raise ValueError("algorithm.entropy_coeff > 0 needs LossInputs.entropy (with_entropy in the forward)")
-            entropy = _aggregate(x.entropy, x, spec, cfg)
-            loss = loss - entropy_coeff * entropy
-            metrics["actor/entropy_loss"] = entropy.detach()
+            if entropy is None:
+                raise ValueError("algorithm.entropy_coeff > 0 needs the policy's entropy (with_entropy in the forward)")
+            term = _aggregate(entropy, x, spec, cfg)
+            loss = loss - entropy_coeff * term
+            metrics["actor/entropy_loss"] = term.detach()
         return loss, metrics
 
     return replace(spec, fn=fn, needs_entropy=spec.needs_entropy or bool(entropy_coeff))

@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pacs_megatron.actor.actor import MegatronActor
     from pacs_megatron.config import ModelConfig, ParallelConfig, RunConfig
-    from pacs_megatron.data.batching import build_train_batch
+    from pacs_megatron.data.batching import build_rollouts
     from pacs_megatron.parallel import destroy_parallel, init_distributed, initialize_parallel
 
     hf = json.loads((Path(args.hf_model) / "config.json").read_text())
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         actor = MegatronActor(cfg, groups, args.hf_model)
         rows = load_samples(args.data, actor.spec.vocab_size)
-        batch = build_train_batch([p for p, _ in rows], [r for _, r in rows], [0.0] * len(rows), 1, pad_id=0)
+        batch = build_rollouts([p for p, _ in rows], [r for _, r in rows], [0.0] * len(rows), 1, pad_id=0)
         meg = actor.compute_logprobs(batch, micro_batch_size=len(batch), temperature=1.0).token_logp
         ok = True
         if groups.rank == 0:

@@ -38,7 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pacs_megatron.data.batching import TrainBatch, build_train_batch
+from pacs_megatron.data.batching import Rollouts, build_rollouts
 from pacs_megatron.rollout.base import PROBE_LEN
 from pacs_megatron.rollout.remote import RemoteEngines, broadcast_from_rank0
 from pacs_megatron.rollout.weight_checksum import Recorder
@@ -200,7 +200,7 @@ class RemoteWeightSync(WeightSync):
         self.continuation: list[list[int]] | None = None
         """The latest greedy continuation of the probe's prompts an engine returned (the same on every rank)."""
         self.engines = engines
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, TrainBatch]] = {}
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, Rollouts]] = {}
         """version -> (actor, reference) probe log-probs and the probe, until every engine's Loaded was compared."""
         self.sent: dict[int, dict] = {}
         """Trainer rank 0, sync.verify_bitwise: version -> fingerprints of the tensors sent (as sent)."""
@@ -235,7 +235,7 @@ class RemoteWeightSync(WeightSync):
         if self.probe is not None and self.continuation is not None:
             half = PROBE_LEN // 2
             prompts = [row[:half].tolist() for row in self.probe.input_ids]
-            self.probe = build_train_batch(prompts, self.continuation, [0.0] * len(prompts), 1, pad_id=0)
+            self.probe = build_rollouts(prompts, self.continuation, [0.0] * len(prompts), 1, pad_id=0)
         probe = self.probe_sequences() if self.probe is not None else []
         if self.sender is not None:
             self.engines.send_load(version, layout, probe)

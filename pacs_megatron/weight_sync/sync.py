@@ -37,12 +37,12 @@ second (1e-4 float32, 0.25 bfloat16); the measurements behind the bf16 defaults 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pacs_megatron.config import RolloutConfig, SyncConfig
-from pacs_megatron.data.batching import TrainBatch, build_train_batch
+from pacs_megatron.data.batching import Rollouts, build_rollouts
 from pacs_megatron.rollout.base import PROBE_LEN, RolloutEngine
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.rollout.weight_checksum import Recorder, compare
@@ -116,7 +116,7 @@ def probe_prompts(vocab_size: int, num_sequences: int, seed: int = 1234, length:
     return torch.randint(0, vocab_size, (num_sequences, length), generator=g).tolist()
 
 
-def probe_diffs(engine_lp: list[torch.Tensor], actor_lp: torch.Tensor, probe: TrainBatch) -> tuple[float, float, float]:
+def probe_diffs(engine_lp: list[torch.Tensor], actor_lp: torch.Tensor, probe: Rollouts) -> tuple[float, float, float]:
     """``(max |d|, max |d| / max(1, |logp|) over the prompt tokens, mean |d| over the continuation)`` of the
     per-token differences d between the engine's log-probs (``[len - 1]`` per row) and the actor's ``[B, T]``."""
     abs_max = rel_max = 0.0
@@ -133,14 +133,14 @@ def probe_diffs(engine_lp: list[torch.Tensor], actor_lp: torch.Tensor, probe: Tr
     return abs_max, rel_max, cont_sum / max(cont_n, 1)
 
 
-def random_probe_batch(vocab_size: int, num_sequences: int, seed: int = 1234) -> TrainBatch:
+def random_probe_batch(vocab_size: int, num_sequences: int, seed: int = 1234) -> Rollouts:
     """``PROBE_LEN`` random tokens per sequence, every one bounded relative to max(1, |logp|) (no greedy
     part: its response mask is empty): the probe of engines on other ranks (remote.py), which get the
     sequences with the weights, before they could continue them."""
     ids = probe_prompts(vocab_size, num_sequences, seed, PROBE_LEN)
     half = PROBE_LEN // 2
-    b = build_train_batch([r[:half] for r in ids], [r[half:] for r in ids], [0.0] * num_sequences, 1, pad_id=0)
-    return b.with_(response_mask=torch.zeros_like(b.response_mask))
+    b = build_rollouts([r[:half] for r in ids], [r[half:] for r in ids], [0.0] * num_sequences, 1, pad_id=0)
+    return replace(b, response_mask=torch.zeros_like(b.response_mask))
 
 
 class WeightSync:
@@ -172,7 +172,7 @@ class WeightSync:
         )
         """Bound of the mean difference over the greedy continuation."""
         self.prompts = probe_prompts(vocab_size, cfg.probe_sequences) if cfg.probe_sequences else None
-        self.probe: TrainBatch | None = None
+        self.probe: Rollouts | None = None
         """A fixed probe, for engines on other ranks (remote.py: :func:`random_probe_batch`); the colocated
         sync builds its probe each time (:meth:`probe_batch`, with the engine's greedy continuation)."""
         # Buckets and the cast serve a transport; an engine that copies each tensor into place as it
@@ -254,16 +254,16 @@ class WeightSync:
                 self._quantized[name] = dq.detach().to("cpu", copy=True)
             yield name, tensor
 
-    def probe_batch(self) -> TrainBatch:
+    def probe_batch(self) -> Rollouts:
         """The probe's prompts, each continued greedily by the engine (the same tokens on every rank: the
         first rank's, so that every actor rank scores the same rows)."""
         half = len(self.prompts[0])
         greedy = SamplingParams(n=1, temperature=1.0, top_k=1, max_tokens=PROBE_LEN - half, seed=0)
         cont = [list(g[0].token_ids) for g in self.engine.generate(self.prompts, greedy)]
         cont = all_gather_objects(cont)[0]
-        return build_train_batch(self.prompts, cont, [0.0] * len(cont), 1, pad_id=0)
+        return build_rollouts(self.prompts, cont, [0.0] * len(cont), 1, pad_id=0)
 
-    def reference_logprobs(self, p: TrainBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_logprobs(self, p: Rollouts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Collective on the actor: ``(actor, reference)`` log-probs of the probe ``p`` (default
         :attr:`probe`), where the reference is the actor holding what the engine should hold (its trained
         weights, or their quantize-dequantize)."""
@@ -276,13 +276,13 @@ class WeightSync:
         self._quantized = {}
         return actor_lp, ref_lp
 
-    def probe_sequences(self, p: TrainBatch | None = None) -> list[list[int]]:
+    def probe_sequences(self, p: Rollouts | None = None) -> list[list[int]]:
         """The token sequences of the probe ``p`` (default :attr:`probe`): what the engine scores."""
         p = self.probe if p is None else p
         return [row[: int(n)].tolist() for row, n in zip(p.input_ids, p.seq_lens)]
 
     def compare(
-        self, engine_lp: list[torch.Tensor], actor_lp: torch.Tensor, ref_lp: torch.Tensor, p: TrainBatch | None = None
+        self, engine_lp: list[torch.Tensor], actor_lp: torch.Tensor, ref_lp: torch.Tensor, p: Rollouts | None = None
     ) -> tuple[float, float, float, float]:
         """``(max |engine - reference|, the same / max(1, |reference|) over the random prompt tokens, mean
         |engine - reference| over the greedy continuation (0: none), max |engine - actor|)`` per token of

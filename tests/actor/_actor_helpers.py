@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from pacs_megatron.config import (
     RunConfig,
     TrainerConfig,
 )
-from pacs_megatron.data.batching import TrainBatch, build_train_batch
+from pacs_megatron.data.batching import Rollouts, TrainRows, build_rollouts
 from pacs_megatron.data.routing import RoutedExperts
 from pacs_megatron.pacs import PolicyLossConfig, outcome_advantages
 
@@ -68,7 +69,7 @@ def run_config(model_dir: str, tp=1, pp=1, dp=1, vpp=1, init="pretrained", seed=
     )
 
 
-def sample_batch(vocab: int, groups: int = 4, seed: int = 1) -> TrainBatch:
+def sample_batch(vocab: int, groups: int = 4, seed: int = 1) -> TrainRows:
     """``groups`` prompt groups of GROUP responses, ragged lengths, mixed 0/1 scores, GRPO advantages."""
     g = torch.Generator().manual_seed(seed)
     prompts, responses, scores = [], [], []
@@ -78,9 +79,9 @@ def sample_batch(vocab: int, groups: int = 4, seed: int = 1) -> TrainBatch:
             prompts.append(prompt)
             responses.append(torch.randint(1, vocab, (2 + (k + 3 * j) % 5,), generator=g).tolist())
             scores.append(float((k + j) % 2))
-    batch = build_train_batch(prompts, responses, scores, GROUP, pad_id=0)
+    batch = build_rollouts(prompts, responses, scores, GROUP, pad_id=0)
     adv = outcome_advantages(batch.scores, GROUP, PolicyLossConfig(adv_estimator="grpo"))
-    return batch.with_(advantages=adv)
+    return TrainRows.of(batch, advantages=adv)
 
 
 def hf_logprobs(model_dir: str, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -94,7 +95,7 @@ def hf_logprobs(model_dir: str, input_ids: torch.Tensor, temperature: float = 1.
     return torch.nn.functional.pad(lp, (1, 0))
 
 
-def valid_positions(batch: TrainBatch) -> torch.Tensor:
+def valid_positions(batch: Rollouts) -> torch.Tensor:
     """``[B, T]`` bool: positions 1..len-1 (predicted tokens that are not padding)."""
     t = torch.arange(batch.input_ids.shape[1])
     return (t[None] >= 1) & (t[None] < batch.seq_lens[:, None])
@@ -142,21 +143,22 @@ def make_qwen3(path: Path, *, vocab: int = 255, layers: int = 4, tie: bool = Fal
     return str(path)
 
 
-def replay_batch(prompts: list[list[int]], groups: list) -> tuple[TrainBatch, torch.Tensor]:
+def replay_batch(prompts: list[list[int]], groups: list) -> tuple[TrainRows, torch.Tensor]:
     """One engine rollout (``GROUP`` responses per prompt, with ``routed_experts``) as a training batch
     carrying the recorded experts, and the engine's sampled-token log-probs at their batch positions."""
     flat = [(p, r) for p, g in zip(prompts, groups) for r in g]
     scores = [1.0, 0.0] * (len(flat) // 2)
     # padded to a multiple of 8, as the trainer pads (sequence parallelism splits T over TP)
-    batch = build_train_batch([p for p, _ in flat], [r.token_ids for _, r in flat], scores, GROUP, 0, 8)
-    batch = batch.with_(advantages=outcome_advantages(batch.scores, GROUP, PolicyLossConfig(adv_estimator="grpo")))
+    batch = build_rollouts([p for p, _ in flat], [r.token_ids for _, r in flat], scores, GROUP, 0, 8)
+    adv = outcome_advantages(batch.scores, GROUP, PolicyLossConfig(adv_estimator="grpo"))
+    batch = TrainRows.of(batch, advantages=adv)
     routed = RoutedExperts.from_records([r.routed_experts for _, r in flat], batch.seq_lens)
     engine_lp = torch.zeros(batch.input_ids.shape)
     engine_lp[batch.response_mask] = torch.tensor([x for _, r in flat for x in r.logprobs])
-    return batch.with_(routed_experts=routed), engine_lp
+    return replace(batch, routed_experts=routed), engine_lp
 
 
-def hf_engine_rollout(model_dir: str, seed: int, max_tokens: int) -> tuple[TrainBatch, torch.Tensor]:
+def hf_engine_rollout(model_dir: str, seed: int, max_tokens: int) -> tuple[TrainRows, torch.Tensor]:
     """The HF engine samples GROUP responses to 4 fixed prompts with routing recorded: :func:`replay_batch`."""
     from pacs_megatron.data.synthetic import build_arith_tokenizer
     from pacs_megatron.rollout.hf_engine import HFEngine
@@ -168,11 +170,11 @@ def hf_engine_rollout(model_dir: str, seed: int, max_tokens: int) -> tuple[Train
     return replay_batch(prompts, groups)
 
 
-def shift_experts(batch: TrainBatch, num_experts: int) -> TrainBatch:
+def shift_experts(batch: TrainRows, num_experts: int) -> TrainRows:
     """The batch with every recorded expert e replaced by e + 1 (mod ``num_experts``): other experts."""
     r = batch.routed_experts
     shifted = tuple((x.long() + 1).remainder(num_experts).to(x.dtype) for x in r.records)
-    return batch.with_(routed_experts=RoutedExperts(r.rows, shifted))
+    return replace(batch, routed_experts=RoutedExperts(r.rows, shifted))
 
 
 def allow_cpu_sequence_parallel() -> None:

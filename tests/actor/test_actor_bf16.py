@@ -18,6 +18,8 @@ import torch
 from _actor_helpers import hf_config, hf_logprobs, make_qwen2, run_config, sample_batch, valid_positions
 from _dist import run_distributed
 
+from pacs_megatron.data.batching import as_train_batch
+
 VOCAB = 255
 
 
@@ -34,7 +36,7 @@ def _body(rank, world, model_dir):  # noqa: ARG001
         batch = sample_batch(VOCAB)
         old = actor.compute_logprobs(batch, micro_batch_size=4, temperature=1.0)
         w0 = {n: t.float().clone() for n, t in actor.export_hf_weights()}
-        metrics = actor.train_step(batch.with_(old_logp=old.token_logp), loss_name="grpo")
+        metrics = actor.train_step(as_train_batch(batch, old.token_logp), loss_name="grpo")
         w1 = {n: t.float().clone() for n, t in actor.export_hf_weights()}
         params = {p.dtype for c in actor.model for p in c.parameters()}
         out[dtype] = {"logp": old.token_logp, "metrics": metrics, "w0": w0, "w1": w1, "params": params}

@@ -11,6 +11,8 @@ from _actor_helpers import hf_config, hf_logprobs, make_qwen2, run_config, sampl
 from _dist import run_distributed
 from safetensors.torch import load_file
 
+from pacs_megatron.data.batching import as_train_batch
+
 pytestmark = pytest.mark.gpu
 
 
@@ -28,7 +30,7 @@ def _gpu_body(rank, world, model_dir, dtype):
     exported = {n: t.cpu().clone() for n, t in actor.export_hf_weights(dtype=torch.float32)}
     small = actor.compute_logprobs(batch, 2, 1.0)
     big = actor.compute_logprobs(batch, len(batch), 1.0)
-    metrics = actor.train_step(batch.with_(old_logp=small.token_logp))
+    metrics = actor.train_step(as_train_batch(batch, small.token_logp))
     return {
         "device": str(groups.device),
         "dtype": str(actor.param_dtype),
@@ -68,11 +70,11 @@ def _offload_body(rank, world, model_dir):
     actor = MegatronActor(cfg, groups, model_dir)
     batch = sample_batch(255)
     old = actor.compute_logprobs(batch, 2, 1.0).token_logp
-    actor.train_step(batch.with_(old_logp=old))
+    actor.train_step(as_train_batch(batch, old))
     resident = torch.cuda.memory_allocated()
     moved = actor.offload()["actor/offload_gb"] * 1e9
     offloaded = torch.cuda.memory_allocated()
-    m = actor.train_step(batch.with_(old_logp=old))  # restores lazily
+    m = actor.train_step(as_train_batch(batch, old))  # restores lazily
     after = torch.cuda.memory_allocated()
     return {"resident": resident, "offloaded": offloaded, "moved": moved, "after": after, "metrics": m}
 

@@ -22,7 +22,7 @@ from _actor_helpers import (
 from _dist import run_distributed
 from safetensors.torch import load_file
 
-from pacs_megatron.data.batching import dp_shard
+from pacs_megatron.data.batching import as_train_batch, dp_shard
 
 VOCAB = 255  # not a multiple of 2: TP=2 pads the vocabulary
 
@@ -70,10 +70,10 @@ def _layout_body(rank, world, model_dir, tp, pp, vpp, mbs):
     except ValueError:
         out["guard"] = True
 
-    m_pacs = actor.train_step(local.with_(old_logp=small.token_logp))
+    m_pacs = actor.train_step(as_train_batch(local, small.token_logp))
     w1 = _export(actor)
     old = actor.compute_logprobs(local, micro_batch_size=2, temperature=1.0).token_logp
-    m_grpo = actor.train_step(local.with_(old_logp=old), loss_name="grpo")
+    m_grpo = actor.train_step(as_train_batch(local, old), loss_name="grpo")
     w2 = _export(actor)
     out.update(m_pacs=m_pacs, m_grpo=m_grpo)
     if rank == 0:

@@ -18,6 +18,8 @@ import torch
 from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 
+from pacs_megatron.data.batching import as_train_batch
+
 VOCAB = 255
 
 
@@ -30,7 +32,7 @@ def _step(actor, batch, poison: bool = False) -> dict:
     if poison:
         old = old.clone()
         old[0, int(batch.response_mask[0].nonzero()[0])] = float("nan")
-    return actor.train_step(batch.with_(old_logp=old))
+    return actor.train_step(as_train_batch(batch, old))
 
 
 def _body(rank, world, model_dir):

@@ -19,7 +19,7 @@ import torch
 from _actor_helpers import GROUP, hf_config, make_qwen2, rel_update_diff, run_config, sample_batch, valid_positions
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import split_mini_batches
+from pacs_megatron.data.batching import as_train_batch, split_mini_batches
 
 VOCAB = 255
 GROUPS, MINI = 8, 4  # 8 prompt groups per step, 2 mini-batches of 4
@@ -55,7 +55,7 @@ def _body(rank, world, model_dir, tp, pp):
         actor = MegatronActor(_config(model_dir, tp, pp, dp, mode == "dynamic"), groups, model_dir)
         w0 = {n: t.clone() for n, t in actor.export_hf_weights()}
         old = actor.compute_logprobs(local, micro_batch_size=GROUP, temperature=1.0, mini_batch_groups=MINI // dp)
-        minis = split_mini_batches(local.with_(old_logp=old.token_logp), MINI // dp)
+        minis = split_mini_batches(as_train_batch(local, old.token_logp), MINI // dp)
         m_pacs = actor.train_step(minis[0])
         m_grpo = actor.train_step(minis[1], loss_name="grpo")
         w2 = {n: t.clone() for n, t in actor.export_hf_weights()}
@@ -145,7 +145,7 @@ def _thd_body(rank, world, model_dir):
         out["thd_default"] = out.get("thd_default", actor.thd)
         actor.thd = thd
         res = actor.compute_logprobs(batch, micro_batch_size=GROUP, temperature=1.0, with_entropy=True)
-        metrics = actor.train_step(split_mini_batches(batch.with_(old_logp=res.token_logp), MINI)[0])
+        metrics = actor.train_step(split_mini_batches(as_train_batch(batch, res.token_logp), MINI)[0])
         out[thd] = {"logp": res.token_logp, "entropy": res.entropy, "metrics": metrics}
         out[thd]["weights"] = {n: t.clone() for n, t in actor.export_hf_weights()}
     return out

@@ -17,6 +17,7 @@ import torch
 from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 
+from pacs_megatron.data.batching import as_train_batch
 from pacs_megatron.pacs import PACSConfig, PolicyLossConfig, get_loss
 
 VOCAB = 255  # TP=2 pads the vocabulary to 256
@@ -47,11 +48,11 @@ def _body(rank, world, model_dir, tp, pp, offload, ckpt_dir):
         old0 = actor.compute_logprobs(batch, 2, 1.0).token_logp
         ref0 = actor.compute_ref_logprobs(batch, 2, 1.0)
         resident = actor.reference.resident_bytes
-        m1 = actor.train_step(batch.with_(old_logp=old0, ref_logp=ref0))
+        m1 = actor.train_step(as_train_batch(batch, old0, ref_logp=ref0))
         w1 = _export(actor)
         old1 = actor.compute_logprobs(batch, 2, 1.0).token_logp
         ref1 = actor.compute_ref_logprobs(batch, 2, 1.0)
-        m2 = actor.train_step(batch.with_(old_logp=old1, ref_logp=ref1))
+        m2 = actor.train_step(as_train_batch(batch, old1, ref_logp=ref1))
         out[loss] = dict(m1=m1, m2=m2, old0=old0, old1=old1, ref1=ref1, resident=resident, w1=w1 if rank == 0 else None)
         out[loss]["frozen"] = torch.equal(ref0, old0) and torch.equal(ref1, ref0) and not torch.equal(old1, old0)
         if loss == "pacs":  # checkpoint: the reference comes back as saved, not as the trained policy
@@ -79,10 +80,12 @@ def _torch_reference(model_dir, w1, batch, old1, ref, loss_name):
     k3 = torch.exp(d) - d - 1
     m = mask.double()
     if loss_name == "grpo":
-        base, _ = get_loss("grpo").fn(_inputs(logp, old1, batch), PolicyLossConfig(adv_estimator="grpo"))
+        base, _ = get_loss("grpo").fn(
+            as_train_batch(batch, old1.double()), logp, PolicyLossConfig(adv_estimator="grpo")
+        )
         kl, ent = (k3 * m).sum() / m.sum(), (entropy * m).sum() / m.sum()
     else:
-        base, _ = get_loss("pacs").fn(_inputs(logp, old1, batch), PACSConfig())
+        base, _ = get_loss("pacs").fn(as_train_batch(batch, old1.double()), logp, PACSConfig())
         kl = ((k3 * m).sum(1) / m.sum(1)).mean()
         ent = ((entropy * m).sum(1) / m.sum(1)).mean()
     total = base + KL * kl - ENT * ent
@@ -91,24 +94,23 @@ def _torch_reference(model_dir, w1, batch, old1, ref, loss_name):
     return float(kl.detach()), float(ent.detach()), float(norm)
 
 
-def _inputs(logp, old, batch):
-    from pacs_megatron.pacs import LossInputs
-
-    return LossInputs(logp, old.double(), batch.response_mask, batch.scores, batch.group_size, batch.advantages)
-
-
 def _off_body(rank, world, model_dir):
     import pacs_megatron.actor.train_step as ts
     from pacs_megatron import stages
     from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.data.batching import TrainBatch
     from pacs_megatron.parallel import initialize_parallel
 
     asked = []
     real = ts.token_logprobs
     ts.token_logprobs = lambda *a, **kw: asked.append(kw.get("with_entropy")) or real(*a, **kw)
     cfg = _config(model_dir, 1, 1, False, "grpo", kl=0.0, ent=0.0)
+    # every row's old log-probs from the no-grad pass (none from a training forward, which asks for entropy)
+    cfg = replace(cfg, algorithm=replace(cfg.algorithm, old_logp_from_forward=False))
     actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
-    local, _ = stages.prepare_local_batch(cfg, actor, sample_batch(VOCAB), 0, 1)
+    rows, old, _ = stages.prepare_local_batch(cfg, actor, sample_batch(VOCAB), 0, 1)
+    assert old.first == 0
+    local = TrainBatch.of_rows(rows, old_logp=old.logp, old_entropy=old.entropy)
     actor.train_step(local)
     return dict(reference=actor.reference, ref_logp=local.ref_logp, asked=asked)
 

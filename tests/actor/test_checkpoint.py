@@ -17,6 +17,8 @@ from _actor_helpers import hf_config, make_qwen2, rel_update_diff, run_config, s
 from _dist import run_distributed
 from safetensors.torch import load_file
 
+from pacs_megatron.data.batching import as_train_batch
+
 VOCAB = 256
 EXTRA = {"data_position": 5, "note": "trainer state"}
 
@@ -37,7 +39,7 @@ def _export(actor) -> dict:
 
 def _step(actor, batch) -> dict:
     old = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0).token_logp
-    return actor.train_step(batch.with_(old_logp=old))
+    return actor.train_step(as_train_batch(batch, old))
 
 
 def _save_body(rank, world, model_dir, ckpt_dir, hf_out):

@@ -15,6 +15,7 @@ from pacs_megatron.actor.convert import hf_from_shards, hf_shapes, shard_from_hf
 from pacs_megatron.actor.hf_io import SafetensorsReader, write_safetensors
 from pacs_megatron.actor.model import llama3_inv_freq, mask_padded_vocab, model_spec_from_hf
 from pacs_megatron.config import ConfigError
+from pacs_megatron.data.batching import as_train_batch
 
 H, HEADS, KV, HD, FFN, VOCAB = 16, 8, 4, 2, 12, 10
 
@@ -162,10 +163,10 @@ def _one_process_body(rank, world, llama_dir, qwen_dir):
     lp = llama.compute_logprobs(batch, 2, 1.0).token_logp
     out = {"llama_logp": lp}
     # supervised warm-up loss through the registry: token-mean NLL of the response tokens
-    out["sft"] = llama.train_step(batch.with_(old_logp=torch.zeros_like(lp)), loss_name="sft")
+    out["sft"] = llama.train_step(as_train_batch(batch, torch.zeros_like(lp)), loss_name="sft")
     before = {n: t.clone() for n, t in llama.export_hf_weights()}
     # a NaN loss gives a NaN gradient norm: the step is skipped and counted, weights untouched
-    out["nan"] = llama.train_step(batch.with_(old_logp=torch.full_like(lp, float("nan"))))
+    out["nan"] = llama.train_step(as_train_batch(batch, torch.full_like(lp, float("nan"))))
     out["nan_unchanged"] = all(torch.equal(before[n], t) for n, t in llama.export_hf_weights())
     exports = {}
     for key, seed in (("a", 7), ("b", 7), ("c", 8)):

@@ -1,7 +1,7 @@
 """PPO with a learned critic at DP=2: every row gets its own advantages, returns and old values.
 
 With dynamic batching, ``dp_balanced_shard`` gives each DP rank a token-balanced, non-contiguous set
-of prompt groups. The step's stages (``stages.prepare_local_batch``, ``critic_stages.attach_values``,
+of prompt groups. The step's stages (``stages.prepare_local_batch`` with ``critic_stages.advantages_of``,
 ``critic_stages.update_critic``, ``stages.update_actor``) run for real on a tiny Qwen2 at DP=1, at DP=2
 with contiguous shards and at DP=2 with dynamic batching; per row (found by its global group id) the
 advantages, returns and old values, and the step's actor and critic gradient norms, must all agree.
@@ -22,6 +22,8 @@ import pytest
 import torch
 from _actor_helpers import GROUP, hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
+
+from pacs_megatron.data.batching import as_train_batch
 
 VOCAB = 255
 GROUPS = 8  # prompt groups per step
@@ -75,7 +77,7 @@ def _body(rank, world, model_dir, runs):  # noqa: ARG001
     from pacs_megatron.parallel import initialize_parallel
 
     groups = initialize_parallel(_config(model_dir, world, False).parallel, hf_config(model_dir))
-    batch = sample_batch(VOCAB, groups=GROUPS).with_(advantages=None)
+    batch = sample_batch(VOCAB, groups=GROUPS)
     out = {}
     for dynamic, mini in runs:
         cfg = _config(model_dir, world, dynamic, mini)
@@ -86,14 +88,14 @@ def _body(rank, world, model_dir, runs):  # noqa: ARG001
             torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(7))
         c = SimpleNamespace(critic=critic, actor=actor, rt=SimpleNamespace(groups=groups))
         sft = dp_shard(batch, groups.dp_rank, world)
-        actor.train_step(sft.with_(old_logp=torch.zeros(sft.input_ids.shape)), loss_name="sft")
+        actor.train_step(as_train_batch(sft, torch.zeros(sft.input_ids.shape)), loss_name="sft")
         before = _trunk_diff(actor, critic)
         critic_stages.init_after_warmup(replace(cfg, trainer=replace(cfg.trainer, sft_warmup_steps=1)), c)
-        local, _ = stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, world)
+        gae = critic_stages.advantages_of(cfg, c)
+        local, old, gae_metrics = stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, world, gae)
         after = _trunk_diff(actor, critic)
-        local, gae_metrics = critic_stages.attach_values(cfg, c, local)
         critic_metrics = critic_stages.update_critic(cfg, c, local)
-        actor_metrics = stages.update_actor(cfg, actor, local, world)
+        actor_metrics = stages.update_actor(cfg, actor, local, old, world)
         out[dynamic, mini] = {
             "group_ids": local.group_ids,
             **{k: getattr(local, k) for k in KEYS},

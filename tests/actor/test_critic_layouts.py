@@ -38,7 +38,7 @@ def _body(rank, world, model_dir, tp):  # noqa: ARG001
         v0 = critic.compute_values(batch, micro_batch_size=2)
         rewards = outcome_token_rewards(batch.scores, batch.response_mask)
         adv, ret = gae_advantages(rewards, v0, batch.response_mask, 1.0, 1.0)
-        m = critic.train_step(batch.with_(advantages=adv, old_values=v0, returns=ret))
+        m = critic.train_step(replace(batch, advantages=adv, old_values=v0, returns=ret))
         out[init == "actor"] = {"v0": v0, "v1": critic.compute_values(batch, micro_batch_size=4), "m": m}
     return out
 

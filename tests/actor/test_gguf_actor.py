@@ -12,7 +12,7 @@ from _dist import run_distributed
 from _gguf_helpers import tiny_llama, write_gguf
 
 from pacs_megatron.actor.gguf_import import import_gguf
-from pacs_megatron.data.batching import build_train_batch
+from pacs_megatron.data.batching import build_rollouts
 
 
 def _body(rank, world, model_dir, gguf, batch):
@@ -32,7 +32,7 @@ def test_init_gguf_actor_holds_the_imported_weights(tmp_path):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (5,), generator=g).tolist() for _ in range(2)]
     responses = [torch.randint(3, 200, (4,), generator=g).tolist() for _ in range(2)]
-    batch = build_train_batch(prompts, responses, [1.0, 0.0], 2, pad_id=0, pad_to_multiple=8)
+    batch = build_rollouts(prompts, responses, [1.0, 0.0], 2, pad_id=0, pad_to_multiple=8)
     ours = run_distributed(_body, 1, str(model_dir), str(src), batch)[0]
     theirs = hf_logprobs(str(model_dir), batch.input_ids)
     valid = valid_positions(batch)

@@ -70,8 +70,8 @@ def _case(model_dir, tp, pp, vpp, sp, dynamic):
         real = ts.token_logprobs
         ts.token_logprobs = partial(_recording, rows, real)
         try:
-            local, m1 = stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, groups.dp_size)
-            m2 = stages.update_actor(cfg, actor, local, groups.dp_size)
+            local, old, m1 = stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, groups.dp_size)
+            m2 = stages.update_actor(cfg, actor, local, old, groups.dp_size)
         finally:
             ts.token_logprobs = real
         out[f"rows_{name}"] = rows

@@ -15,6 +15,7 @@ from _actor_helpers import run_config, sample_batch
 
 from pacs_megatron.actor.actor import MegatronActor
 from pacs_megatron.config import AlgorithmConfig, RunConfig, critic_loss_agg
+from pacs_megatron.data.batching import as_train_batch
 from pacs_megatron.pacs import PolicyLossConfig
 
 VOCAB = 255
@@ -28,7 +29,7 @@ def _step_horizon(cfg: RunConfig, groups: int) -> int:
     seen = []
     actor._update = lambda micro, make, store, response_only: seen.append(make.keywords["loss_cfg"]) or {}
     batch = sample_batch(VOCAB, groups=groups)
-    actor.train_step(batch.with_(old_logp=torch.zeros(batch.input_ids.shape)), loss_name="grpo")
+    actor.train_step(as_train_batch(batch, torch.zeros(batch.input_ids.shape)), loss_name="grpo")
     return seen[0].loss_agg_horizon
 
 

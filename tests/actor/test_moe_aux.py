@@ -21,6 +21,8 @@ import pytest
 from _actor_helpers import GROUP, allow_cpu_sequence_parallel, hf_config, make_qwen3, run_config, sample_batch
 from _dist import run_distributed
 
+from pacs_megatron.data.batching import TrainRows, as_train_batch
+
 VOCAB = 64
 GROUPS = 3  # micro-batches of one group: 3, so the interleaved schedule pads one
 COEFF = 0.5
@@ -61,7 +63,7 @@ def _router_grads(actor, batch, loss, dynamic, from_forward=False):
 
     actor._optimizer_step = capture
     if from_forward:  # pi_theta = pi_old: the loss units must not need old_logp
-        actor.train_step_from_forward(batch.with_(old_logp=None))
+        actor.train_step_from_forward(TrainRows.of(batch, advantages=batch.advantages))  # no old log-probs
     else:
         actor.train_step(batch, loss_name=loss)
     return grads
@@ -81,7 +83,7 @@ def _body(rank, world, model_dir, batch):
     for layout in LAYOUTS:
         with_aux, without = _actor(model_dir, layout, COEFF), _actor(model_dir, layout, 0.0)
         old = with_aux.compute_logprobs(batch, micro_batch_size=GROUP, temperature=1.0).token_logp
-        b = batch.with_(old_logp=old)
+        b = as_train_batch(batch, old)
         for loss, dyn, fwd in RUNS.get(layout, [("pacs", False, False)]):
             g1, g0 = _router_grads(with_aux, b, loss, dyn, fwd), _router_grads(without, b, loss, dyn, fwd)
             out[(layout, loss, dyn, fwd)] = {layer: g1[layer] - g0[layer] for layer in g1}

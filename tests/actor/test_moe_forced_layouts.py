@@ -31,6 +31,8 @@ from _actor_helpers import (
 )
 from _dist import run_distributed
 
+from pacs_megatron.data.batching import as_train_batch
+
 VOCAB = 64
 pytestmark = pytest.mark.distributed
 LAYOUTS = {"sp": (2, True, False), "sp_thd": (2, True, True), "thd": (1, False, True), "tp1": (1, False, False)}
@@ -62,9 +64,9 @@ def _body(rank, world, model_dir, batch):
     out = {}
     for name, (tp, sp, thd) in LAYOUTS.items():
         actor = _actor(model_dir, tp, sp, thd)
-        r = {"route": _lp(actor, batch.with_(routed_experts=None)), "replay": _lp(actor, batch)}
+        r = {"route": _lp(actor, replace(batch, routed_experts=None)), "replay": _lp(actor, batch)}
         r["shifted"] = _lp(actor, shift_experts(batch, 4))
-        r["m"] = actor.train_step(batch.with_(old_logp=r["replay"]))
+        r["m"] = actor.train_step(as_train_batch(batch, r["replay"]))
         out[name] = r
     return out
 

@@ -45,9 +45,9 @@ def _run(model_dir, tp, pp, loss, mini, epochs, dynamic, from_forward):
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
     actor = MegatronActor(cfg, groups, model_dir)
     batch = sample_batch(VOCAB)
-    local, m1 = stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, groups.dp_size)
-    skipped = bool(torch.isnan(local.old_logp).any())
-    m2 = stages.update_actor(cfg, actor, local, groups.dp_size)
+    rows, old, m1 = stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, groups.dp_size)
+    skipped = old.first > 0 and len(old.logp) == len(rows) - old.first  # no pass over the first rows
+    m2 = stages.update_actor(cfg, actor, rows, old, groups.dp_size)
     metrics = {k: float(v) for k, v in (m1 | m2).items()}
     weights = {n: t.detach().cpu().clone() for n, t in actor.export_hf_weights()}
     return {"metrics": metrics, "weights": weights, "pass_skipped": skipped}

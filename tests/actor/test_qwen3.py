@@ -16,6 +16,7 @@ from pacs_megatron.actor.convert import export_order, hf_from_shards, hf_shapes,
 from pacs_megatron.actor.convert_moe import expert_hf_from_shard, expert_shard_from_hf
 from pacs_megatron.actor.model import model_spec_from_hf
 from pacs_megatron.config import ConfigError, ParallelConfig, TinyModelConfig
+from pacs_megatron.data.batching import as_train_batch
 from pacs_megatron.data.synthetic import tiny_model_config
 from pacs_megatron.parallel.groups import check_layout
 
@@ -104,7 +105,7 @@ def _body(rank, world, model_dir):
         actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
         w0 = {n: t.detach().cpu().clone() for n, t in actor.export_hf_weights()}
         lp = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0)
-        m = actor.train_step(batch.with_(old_logp=lp.token_logp))
+        m = actor.train_step(as_train_batch(batch, lp.token_logp))
         out[name] = {"w0": w0, "token_logp": lp.token_logp, "seq_logp": lp.seq_logp, "m": m}
     return out
 

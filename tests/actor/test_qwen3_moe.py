@@ -24,6 +24,8 @@ from _actor_helpers import (
 from _dist import run_distributed
 from safetensors.torch import load_file
 
+from pacs_megatron.data.batching import as_train_batch
+
 VOCAB = 64
 EXTRA = {"step": 2}
 pytestmark = pytest.mark.distributed
@@ -53,12 +55,12 @@ def _lp(actor, batch):
 
 
 def _step(actor, batch):
-    return actor.train_step(batch.with_(old_logp=_lp(actor, batch)))
+    return actor.train_step(as_train_batch(batch, _lp(actor, batch)))
 
 
 def _train_body(rank, world, model_dir, ckpt_dir, batch):
     actor = _actor(model_dir, replay="rollout")
-    out = {"w0": _export(actor), "lp_route": _lp(actor, batch.with_(routed_experts=None))}
+    out = {"w0": _export(actor), "lp_route": _lp(actor, replace(batch, routed_experts=None))}
     out["lp_replay"] = _lp(actor, batch)
     out["lp_shifted"] = _lp(actor, shift_experts(batch, 4))  # other experts: the replay must change the log-probs
     out["m1"] = _step(actor, batch)
@@ -77,13 +79,13 @@ def _resume_body(rank, world, model_dir, ckpt_dir, batch):
     out["m_next"] = _step(actor, batch)
     out["w_next"] = _export(actor)
     tp2 = _actor(model_dir, tp=2, ep=2)
-    out["tp2_w0"], out["tp2_lp"] = _export(tp2), _lp(tp2, batch.with_(routed_experts=None))
+    out["tp2_w0"], out["tp2_lp"] = _export(tp2), _lp(tp2, replace(batch, routed_experts=None))
     return out
 
 
 def _pp_body(rank, world, model_dir, batch):
     actor = _actor(model_dir, pp=2, ep=2, world=4)
-    return {"w0": _export(actor), "lp": _lp(actor, batch.with_(routed_experts=None))}
+    return {"w0": _export(actor), "lp": _lp(actor, replace(batch, routed_experts=None))}
 
 
 @pytest.fixture(scope="module")

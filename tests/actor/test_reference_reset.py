@@ -18,6 +18,8 @@ import torch
 from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 
+from pacs_megatron.data.batching import as_train_batch
+
 VOCAB = 255
 # layout: (world, tp, pp, vpp, offload); DP is what the world leaves
 LAYOUTS = {
@@ -41,7 +43,7 @@ def _step(actor, batch):
     """One PACS step on ``batch`` with the old and reference log-probs the trainer's stages would give it."""
     old = actor.compute_logprobs(batch, 2, 1.0).token_logp
     ref = actor.compute_ref_logprobs(batch, 2, 1.0)
-    metrics = actor.train_step(batch.with_(old_logp=old, ref_logp=ref))
+    metrics = actor.train_step(as_train_batch(batch, old, ref_logp=ref))
     actor.offload()
     return metrics, old, ref
 

@@ -13,7 +13,7 @@ import torch
 from _actor_helpers import hf_config, hf_logprobs, run_config, valid_positions
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import build_train_batch
+from pacs_megatron.data.batching import build_rollouts
 
 
 def _body(rank, world, model_dir, batch):
@@ -52,7 +52,7 @@ def _rows(model_dir: str) -> tuple[list[list[int]], list[list[int]]]:
 def test_smollm2_logprobs_match_transformers_at_tp1_and_pp2(smollm2_dir):
     model_dir = str(smollm2_dir)
     prompts, responses = _rows(model_dir)
-    batch = build_train_batch(prompts, responses, [0.0] * len(prompts), 2, pad_id=0)
+    batch = build_rollouts(prompts, responses, [0.0] * len(prompts), 2, pad_id=0)
     r = run_distributed(_body, 2, model_dir, batch)[0]
     hf = hf_logprobs(model_dir, batch.input_ids)
     valid, mask = valid_positions(batch), batch.response_mask

@@ -1,13 +1,14 @@
 """``algorithm.rollout_correction``'s menu in the config (off by default, composable, bad values named with the
 fix) and in the step (stages.rollout_mismatch, stages.forward_rows)."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from pacs_megatron.config import ConfigError, load_config
-from pacs_megatron.data.batching import build_train_batch
+from pacs_megatron.data.batching import as_train_batch, build_rollouts
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
@@ -61,11 +62,11 @@ def test_errors_name_the_field(override, words):
 
 def _batch(cfg_overrides: list[str]):
     cfg = load_config(None, ["algorithm.loss=grpo", *cfg_overrides])
-    b = build_train_batch([[5, 6], [5, 6]], [[1, 2, 3], [4, 5]], [1.0, 0.0], group_size=2, pad_id=0)
+    b = build_rollouts([[5, 6], [5, 6]], [[1, 2, 3], [4, 5]], [1.0, 0.0], group_size=2, pad_id=0)
     old = torch.full(b.input_ids.shape, -1.0)
     roll = old.clone()
     roll[0][b.response_mask[0]] = torch.tensor([-1.0, -2.0, -1.0])  # one token with ratio e = 2.7: IcePop's
-    return cfg, b.with_(old_logp=old, rollout_logp=roll)
+    return cfg, as_train_batch(b, old, rollout_logp=roll)
 
 
 def test_the_step_applies_the_masks_and_keeps_the_truncation_weights():
@@ -73,7 +74,7 @@ def test_the_step_applies_the_masks_and_keeps_the_truncation_weights():
 
     cfg, local = _batch(["algorithm.rollout_correction=icepop"])
     assert forward_rows(cfg, 1) == 0  # the masks need pi_old before the first loss, like tis / mis
-    out, metrics = rollout_mismatch(cfg, local.with_(is_weights=torch.tensor([[1.0], [0.0]])))  # row 1 truncated
+    out, metrics = rollout_mismatch(cfg, replace(local, is_weights=torch.tensor([[1.0], [0.0]])))  # row 1 truncated
     assert out.is_weights[0][local.response_mask[0]].tolist() == [1.0, 0.0, 1.0]
     assert out.is_weights[1].abs().sum().item() == 0.0
     assert metrics["rollout/icepop_masked_frac"].item() == pytest.approx(1 / 5)

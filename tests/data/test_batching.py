@@ -3,15 +3,13 @@
 import pytest
 import torch
 
-from pacs_megatron.data.batching import build_train_batch, dp_shard, split_micro_batches, split_mini_batches
+from pacs_megatron.data.batching import build_rollouts, dp_shard, split_micro_batches, split_mini_batches
 
 
 def _batch(groups=4, n=2):
     prompts = [[1, 2, 3]] * (groups * n)
     responses = [[4 + i] * (1 + i % 3) for i in range(groups * n)]
-    return build_train_batch(
-        prompts, responses, [float(i % 2) for i in range(groups * n)], n, pad_id=0, pad_to_multiple=4
-    )
+    return build_rollouts(prompts, responses, [float(i % 2) for i in range(groups * n)], n, pad_id=0, pad_to_multiple=4)
 
 
 def test_layout():

@@ -9,7 +9,7 @@ import torch
 
 import pacs_megatron.data.packing as packing
 from pacs_megatron.config import ConfigError, load_config
-from pacs_megatron.data.batching import build_train_batch
+from pacs_megatron.data.batching import build_rollouts
 from pacs_megatron.data.packing import (
     balance_groups,
     dp_balanced_shard,
@@ -73,9 +73,7 @@ def test_balance_beats_contiguous_on_sorted_lengths():
 def _batch(lens: list[int], n: int):
     prompts = [[1] * 2] * len(lens)
     responses = [[5 + i % 7] * (length - 2) for i, length in enumerate(lens)]
-    return build_train_batch(
-        prompts, responses, [float(i % 2) for i in range(len(lens))], n, pad_id=0, pad_to_multiple=8
-    )
+    return build_rollouts(prompts, responses, [float(i % 2) for i in range(len(lens))], n, pad_id=0, pad_to_multiple=8)
 
 
 def test_pack_micro_batches_rows_and_widths():

@@ -13,13 +13,14 @@ its row, never be broadcast to every rank (issue #40 R4).
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import build_train_batch
+from pacs_megatron.data.batching import build_rollouts
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.rollout.protocol import Result
 from pacs_megatron.rollout.remote import Inbox, RemoteEngines
@@ -72,6 +73,8 @@ class RecordingRemote(RemoteEngines):
 
 
 class FakeActor:
+    reference = None  # no reference policy (actor/reference.py)
+
     def compute_logprobs(
         self, batch, micro_batch_size, temperature, with_entropy=False, mini_batch_groups=0, response_only=False
     ):
@@ -127,7 +130,7 @@ def _stages(rank, world, engine):
     gathered = generate_sharded(engine, [r.prompt_ids for r in records], stages.train_sampling(cfg), 1)
     c = SimpleNamespace(engine=engine, scorer=FakeScorer(), pad_id=0)
     batch, _, _ = stages.collect_batch(cfg, c, records, 1)
-    local, _ = stages.prepare_local_batch(cfg, FakeActor(), batch, rank, world)
+    local, _, _ = stages.prepare_local_batch(cfg, FakeActor(), batch, rank, world)
     got = local.routed_experts
     assert got is not None and len(got) == len(local)
     for j, gid in enumerate(local.group_ids.tolist()):  # the right record for every row this rank trains on
@@ -177,7 +180,7 @@ def test_compact_records_and_micro_batch_padding():
     assert pad.dtype == torch.uint8 and pad.shape == (2, 3, 1, 2)
     assert pad[:, :, 0].tolist() == [[[3, 1], [2, 0], [0, 1]], [[1, 2], [0, 1], [0, 1]]]
     # row selections of a TrainBatch carry the records along; to(device) leaves them on the host
-    batch = build_train_batch([[5], [5]], [[7], []], [1.0, 0.0], group_size=1, pad_id=0).with_(routed_experts=r)
+    batch = replace(build_rollouts([[5], [5]], [[7], []], [1.0, 0.0], group_size=1, pad_id=0), routed_experts=r)
     assert batch.rows(1, 2).routed_experts.rows.tolist() == [1]
     assert batch.take(torch.tensor([1, 0])).routed_experts.records[1] is r.records[0]
     assert batch.to("cpu").routed_experts is r

@@ -11,12 +11,14 @@ verl's formula, per row i with response tokens T_i and advantage A_i:
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
 
 from pacs_megatron.config import AlgorithmConfig, ConfigError, load_config
-from pacs_megatron.pacs import LOSSES, LossInputs
+from pacs_megatron.pacs import LOSSES
+from pacs_megatron.pacs.batch import TrainBatch, loss_batch
 from pacs_megatron.pacs.config import GSPOConfig
 from pacs_megatron.pacs.policy_loss import gspo_policy_loss
 
@@ -123,10 +125,11 @@ def test_gspo_is_registered_with_verls_defaults():
     )
     assert AlgorithmConfig(loss="gspo").correction().unit == "token"
     mask = torch.tensor(MASK, dtype=torch.bool)
-    x = LossInputs(torch.tensor(OLD), torch.tensor(OLD), mask, torch.zeros(4), 2, advantages=torch.ones(4))
+    x = loss_batch(torch.tensor(OLD), mask, torch.zeros(4), 2, advantages=torch.ones(4))
     assert spec.denominator(x, cfg).item() == 4.0  # rows (sequence-level aggregation)
-    with pytest.raises(ValueError, match="needs LossInputs.advantages"):
-        spec.fn(LossInputs(x.logp, x.old_logp, mask, x.scores, 2), cfg)
+    # A TrainBatch cannot exist without advantages (no None sentinel for the loss to reject any more).
+    with pytest.raises(TypeError, match="advantages"):
+        TrainBatch(**{f.name: getattr(x, f.name) for f in fields(TrainBatch) if f.name != "advantages"})
 
 
 def test_gspo_config_errors_name_the_field():

@@ -17,7 +17,8 @@ import math
 import pytest
 import torch
 
-from pacs_megatron.pacs import LOSSES, LossInputs, PACSConfig
+from pacs_megatron.pacs import LOSSES, PACSConfig
+from pacs_megatron.pacs.batch import loss_batch
 from pacs_megatron.pacs.config import RolloutCorrectionConfig
 from pacs_megatron.pacs.rollout_correction import correction_weights, mismatch_metrics, quantiles
 
@@ -153,8 +154,7 @@ def test_pacs_rows_drop_whole_on_any_masked_token_and_leave_the_loss():
         assert w[b, 0].item() == pytest.approx(min(math.exp(sum(DELTA[b])), 2.0), rel=1e-6)
     assert m["rollout/masked_row_frac"].item() == pytest.approx(3 / 5)
     # PACS reads weight 0 as "rejected": the loss's denominator counts the kept rows only.
-    logp = OLD.float().clone().requires_grad_(True)
-    x = LossInputs(logp, OLD.float(), MASK, torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0]), 5, is_weights=w)
+    x = loss_batch(OLD.float(), MASK, torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0]), 5, is_weights=w)
     assert LOSSES["pacs"].denominator(x, PACSConfig()).item() == 2.0
 
 

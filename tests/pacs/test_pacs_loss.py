@@ -260,17 +260,17 @@ def test_groups_without_a_masked_row_are_bit_identical_to_the_unmasked_loss():
 
 
 def test_reference_anchor_measures_r_against_ref_logp():
-    from pacs_megatron.pacs import LossInputs, get_loss
+    from pacs_megatron.pacs import get_loss, loss_batch
 
     logp, old, mask, scores = _toy()
     ref = old - 0.25
-    x = LossInputs(logp, old, mask, scores, 3, ref_logp=ref)
-    v1, _ = get_loss("pacs").fn(x, PACSConfig())
-    v2, _ = get_loss("pacs").fn(x, PACSConfig(anchor="reference"))
+    x = loss_batch(old, mask, scores, 3, ref_logp=ref)
+    v1, _ = get_loss("pacs").fn(x, logp, PACSConfig())
+    v2, _ = get_loss("pacs").fn(x, logp, PACSConfig(anchor="reference"))
     assert torch.equal(v1, pacs_loss(logp, old, mask, scores, 3, PACSConfig())[0])
     assert torch.equal(v2, pacs_loss(logp, ref, mask, scores, 3, PACSConfig(anchor="reference"))[0])
     with pytest.raises(ValueError, match="ref_logp"):
-        get_loss("pacs").fn(LossInputs(logp, old, mask, scores, 3), PACSConfig(anchor="reference"))
+        get_loss("pacs").fn(loss_batch(old, mask, scores, 3), logp, PACSConfig(anchor="reference"))
     with pytest.raises(ValueError, match="anchor"):
         PACSConfig(anchor="ref")
     with pytest.raises(ValueError, match="sum_ratio"):

@@ -1,12 +1,14 @@
 """GRPO / PPO-clip surrogate and the loss registry, against hand computations."""
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
 
 from pacs_megatron.config import AlgorithmConfig
-from pacs_megatron.pacs import LOSSES, LossInputs, PolicyLossConfig, clipped_policy_loss, get_loss, outcome_advantages
+from pacs_megatron.pacs import LOSSES, PolicyLossConfig, clipped_policy_loss, get_loss, outcome_advantages
+from pacs_megatron.pacs.batch import TrainBatch, loss_batch
 
 
 def _expected(logp, old, mask, adv, lo, hi, mode):
@@ -61,11 +63,12 @@ def test_registry_and_loss_config_resolution():
     assert AlgorithmConfig(loss="grpo").loss_config().adv_estimator == "grpo"
     with pytest.raises(ValueError, match="not registered"):
         get_loss("dpo")
-    x = LossInputs(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([[0, 1, 1], [0, 1, 0]]), torch.ones(2), 2)
+    x = loss_batch(torch.zeros(2, 3), torch.tensor([[0, 1, 1], [0, 1, 0]]), torch.ones(2), 2)
     spec = get_loss("grpo")
     assert spec.needs_advantages
-    with pytest.raises(ValueError, match="advantages"):
-        spec.fn(x, AlgorithmConfig(loss="grpo").loss_config())
+    # A TrainBatch cannot exist without advantages (no None sentinel for the loss to reject any more).
+    with pytest.raises(TypeError, match="advantages"):
+        TrainBatch(**{f.name: getattr(x, f.name) for f in fields(TrainBatch) if f.name != "advantages"})
     assert spec.denominator(x, PolicyLossConfig(loss_agg_mode="token-mean")).item() == 3
     assert spec.denominator(x, PolicyLossConfig(loss_agg_mode="seq-mean-token-sum")).item() == 2
 
@@ -74,8 +77,8 @@ def test_micro_batch_weighting_reproduces_full_batch():
     """Weighting each micro-batch's mean by denominator/total gives the full batch's loss exactly."""
     torch.manual_seed(0)
     B, T, n = 8, 6, 2
-    x = LossInputs(
-        torch.randn(B, T, dtype=torch.float64),
+    logp = torch.randn(B, T, dtype=torch.float64)
+    x = loss_batch(
         torch.randn(B, T, dtype=torch.float64),
         torch.rand(B, T) > 0.4,
         torch.tensor([1.0, 0, 1, 1, 0, 0, 1, 0]),
@@ -84,17 +87,12 @@ def test_micro_batch_weighting_reproduces_full_batch():
     )
     for name, cfg in [("pacs", AlgorithmConfig().loss_config()), ("grpo", PolicyLossConfig(adv_estimator="grpo"))]:
         spec = get_loss(name)
-        full, _ = spec.fn(x, cfg)
+        full, _ = spec.fn(x, logp, cfg)
         total = spec.denominator(x, cfg)
         acc = 0.0
         for s in range(0, B, 4):
-            part = LossInputs(
-                *(
-                    t[s : s + 4] if isinstance(t, torch.Tensor) else t
-                    for t in (x.logp, x.old_logp, x.response_mask, x.scores, x.group_size, x.advantages)
-                )
-            )
-            loss, _ = spec.fn(part, cfg)
+            part = x.rows(s, s + 4)
+            loss, _ = spec.fn(part, logp[s : s + 4], cfg)
             acc += loss * spec.denominator(part, cfg) / total
         assert acc.item() == pytest.approx(full.item(), rel=1e-12)
 
@@ -102,8 +100,8 @@ def test_micro_batch_weighting_reproduces_full_batch():
 def test_sft_loss_is_token_mean_nll():
     logp = torch.tensor([[0.0, -1.0, -3.0], [0.0, -2.0, -5.0]])
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool)
-    x = LossInputs(logp, torch.zeros_like(logp), mask, torch.zeros(2), 1)
+    x = loss_batch(torch.zeros_like(logp), mask, torch.zeros(2), 1)
     spec = get_loss("sft")
-    loss, m = spec.fn(x, None)
+    loss, m = spec.fn(x, logp, None)
     assert loss.item() == pytest.approx((1 + 3 + 2) / 3)
     assert spec.denominator(x, None).item() == 3

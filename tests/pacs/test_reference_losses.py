@@ -6,7 +6,8 @@ where our GAE's terminal bootstrap (0) equals the reference's (lam = 1 only)."""
 import pytest
 import torch
 
-from pacs_megatron.pacs import LossInputs, PACSConfig, PolicyLossConfig, clipped_policy_loss, get_loss, value_loss
+from pacs_megatron.pacs import PACSConfig, PolicyLossConfig, clipped_policy_loss, get_loss, value_loss
+from pacs_megatron.pacs.batch import loss_batch
 from pacs_megatron.pacs.gae import gae_advantages, outcome_token_rewards
 
 G = torch.Generator().manual_seed(0)
@@ -104,7 +105,7 @@ def test_mis_rejection_leaves_the_denominator(mode):
     loss, _ = clipped_policy_loss(logp, old, MASK, adv, cfg, is_weights=w)
     want, _ = clipped_policy_loss(logp[[0, 1, 3]], old[[0, 1, 3]], keep[[0, 1, 3]], adv[[0, 1, 3]], cfg)
     assert loss.item() == pytest.approx(want.item(), rel=1e-12)
-    x = LossInputs(logp, old, MASK, torch.zeros(4), 1, adv, is_weights=w)
+    x = loss_batch(old, MASK, torch.zeros(4), 1, advantages=adv, is_weights=w)
     want_n = keep.sum() if mode == "token-mean" else 3
     assert spec.denominator(x, cfg).item() == want_n
     # Sequence level ([B, 1]): row 1 rejected.
@@ -123,13 +124,13 @@ def test_mis_rejected_pacs_rows_leave_the_mean():
     cfg = PACSConfig(weight_mode=None)
     w = torch.tensor([[1.0], [0.0], [1.0], [1.0]], dtype=torch.float64)
     spec = get_loss("pacs")
-    loss, _ = spec.fn(LossInputs(logp, old, MASK, scores, 2, is_weights=w), cfg)
+    loss, _ = spec.fn(loss_batch(old, MASK, scores, 2, is_weights=w), logp, cfg)
     # by hand: RLOO of the implicit rewards within each group of 2, BCE per row, mean over kept rows 0, 2, 3
     r = (logp * MASK).sum(-1)
     psi = torch.stack([r[0], r[1] - r[0], r[2] - r[3], r[3] - r[2]])
     bce = torch.nn.functional.binary_cross_entropy_with_logits(psi, scores.double(), reduction="none")
     assert loss.item() == pytest.approx(bce[[0, 2, 3]].mean().item(), rel=1e-12)
-    assert spec.denominator(LossInputs(logp, old, MASK, scores, 2, is_weights=w), cfg).item() == 3
+    assert spec.denominator(loss_batch(old, MASK, scores, 2, is_weights=w), cfg).item() == 3
 
 
 def _ref_gae(rewards, values, gamma, lam):

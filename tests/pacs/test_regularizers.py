@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from pacs_megatron.pacs import LossInputs, PACSConfig, PolicyLossConfig, get_loss, regularize
+from pacs_megatron.pacs import PACSConfig, PolicyLossConfig, get_loss, regularize
+from pacs_megatron.pacs.batch import TrainBatch, loss_batch
 from pacs_megatron.pacs.regularizers import KL_TYPES, kl_estimate
 
 G = torch.Generator().manual_seed(3)
@@ -13,10 +14,10 @@ for b, (s, e) in enumerate([(1, 4), (2, 6), (1, 2), (3, 6), (1, 5), (2, 3), (1, 
     MASK[b, s:e] = True
 
 
-def _inputs(**kw) -> LossInputs:
+def _inputs(**kw) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
+    """(batch, current log-probs, current entropy); ``kw`` overrides the batch's fields or ``entropy``."""
     logp = (-torch.rand(B, T, generator=G, dtype=torch.float64) * 2).requires_grad_()
     base = dict(
-        logp=logp,
         old_logp=logp.detach() + 0.1 * torch.randn(B, T, generator=G, dtype=torch.float64),
         response_mask=MASK,
         scores=torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]),
@@ -25,7 +26,9 @@ def _inputs(**kw) -> LossInputs:
         ref_logp=logp.detach() + 0.3 * torch.randn(B, T, generator=G, dtype=torch.float64),
         entropy=(torch.rand(B, T, generator=G, dtype=torch.float64) * 3).requires_grad_(),
     )
-    return LossInputs(**(base | kw))
+    base = base | kw
+    entropy = base.pop("entropy")
+    return loss_batch(**base), logp, entropy
 
 
 def _kl(lp, ref, kind):
@@ -88,18 +91,18 @@ CASES = [
 @pytest.mark.parametrize("name, cfg, mode", CASES)
 @pytest.mark.parametrize("kind", ["k1", "k2", "low_var_kl"])
 def test_loss_and_gradient_equal_plain_torch(name, cfg, mode, kind):
-    x = _inputs()
+    x, logp, ent = _inputs()
     spec = get_loss(name)
-    loss, metrics = regularize(spec, 0.3, kind, 0.05).fn(x, cfg)
-    base, _ = spec.fn(x, cfg)
-    kl = _agg(_kl(x.logp, x.ref_logp, kind), MASK, mode)
-    entropy = _agg(x.entropy, MASK, mode)
+    loss, metrics = regularize(spec, 0.3, kind, 0.05).fn(x, logp, cfg, ent)
+    base, _ = spec.fn(x, logp, cfg, ent)
+    kl = _agg(_kl(logp, x.ref_logp, kind), MASK, mode)
+    entropy = _agg(ent, MASK, mode)
     want = base + 0.3 * kl - 0.05 * entropy
     assert loss.item() == pytest.approx(want.item(), rel=1e-12)
     assert metrics["actor/kl_loss"].item() == pytest.approx(kl.item(), rel=1e-12)
     assert metrics["actor/entropy_loss"].item() == pytest.approx(entropy.item(), rel=1e-12)
-    got = torch.autograd.grad(loss, [x.logp, x.entropy])
-    ref = torch.autograd.grad(want, [x.logp, x.entropy])
+    got = torch.autograd.grad(loss, [logp, ent])
+    ref = torch.autograd.grad(want, [logp, ent])
     assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-14) for a, b in zip(got, ref))
 
 
@@ -108,26 +111,25 @@ def test_rejected_rows_leave_the_terms_and_micro_batches_add_up(name, cfg, mode)
     """Masked IS (or a truncated row, weight 0) removes a row from the KL / entropy means as from the loss;
     micro-batches weighted by their denominators give the full batch's regularized loss exactly."""
     w = torch.tensor([[1.0], [0.0], [1.5], [1.0], [0.7], [1.0], [0.0], [1.0]], dtype=torch.float64)
-    x = _inputs(is_weights=w)
+    x, logp, ent = _inputs(is_weights=w)
     spec = regularize(get_loss(name), 0.3, "k3", 0.05)
-    loss, metrics = spec.fn(x, cfg)
+    loss, metrics = spec.fn(x, logp, cfg, ent)
     kept = MASK & (w != 0)
-    assert metrics["actor/kl_loss"].item() == pytest.approx(_agg(_kl(x.logp, x.ref_logp, "k3"), kept, mode).item())
-    assert metrics["actor/entropy_loss"].item() == pytest.approx(_agg(x.entropy, kept, mode).item())
+    assert metrics["actor/kl_loss"].item() == pytest.approx(_agg(_kl(logp, x.ref_logp, "k3"), kept, mode).item())
+    assert metrics["actor/entropy_loss"].item() == pytest.approx(_agg(ent, kept, mode).item())
     parts = []
-    for rows in (slice(0, 4), slice(4, 8)):
-        part = LossInputs(
-            **{k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in x.__dict__.items()},
-        )
-        value, _ = spec.fn(part, cfg)
+    for start, stop in ((0, 4), (4, 8)):
+        part = x.rows(start, stop)
+        value, _ = spec.fn(part, logp[start:stop], cfg, ent[start:stop])
         parts.append((value, spec.denominator(part, cfg)))
     total = sum(v * n for v, n in parts) / sum(n for _, n in parts)
     assert total.item() == pytest.approx(loss.item(), rel=1e-12)
 
 
 def test_missing_inputs_are_named():
-    x = _inputs(ref_logp=None)
+    x, logp, ent = _inputs(ref_logp=None)
     with pytest.raises(ValueError, match="ref_logp"):
-        regularize(get_loss("grpo"), 0.1, "k1", 0.0).fn(x, PolicyLossConfig(adv_estimator="grpo"))
+        regularize(get_loss("grpo"), 0.1, "k1", 0.0).fn(x, logp, PolicyLossConfig(adv_estimator="grpo"), ent)
     with pytest.raises(ValueError, match="entropy"):
-        regularize(get_loss("pacs"), 0.0, "k1", 0.1).fn(_inputs(entropy=None), PACSConfig())
+        x, logp, ent = _inputs(entropy=None)
+        regularize(get_loss("pacs"), 0.0, "k1", 0.1).fn(x, logp, PACSConfig(), ent)

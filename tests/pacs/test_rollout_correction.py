@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pacs_megatron.config import ConfigError, load_config
-from pacs_megatron.pacs import LOSSES, LossInputs, PACSConfig, PolicyLossConfig
+from pacs_megatron.pacs import LOSSES, PACSConfig, PolicyLossConfig
+from pacs_megatron.pacs.batch import TrainBatch, loss_batch
 from pacs_megatron.pacs.rollout_correction import importance_weights, mismatch_metrics
 
 # 4 rows (2 groups of 2), T = 5; position 0 is a prompt token, response tokens where MASK is 1.
@@ -83,23 +84,24 @@ def test_mismatch_metrics_and_nan_stays_nan():
     assert all(math.isnan(v.item()) for v in mismatch_metrics(OLD, broken, MASK).values())
 
 
-def _inputs(is_weights, advantages=None):
+def _inputs(is_weights, advantages=None) -> tuple[TrainBatch, torch.Tensor]:
     logp = (OLD + 0.1 * torch.arange(5.0)).requires_grad_(True)
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    return LossInputs(logp, OLD, MASK, scores, 2, advantages=advantages, is_weights=is_weights)
+    extra = {} if advantages is None else {"advantages": advantages}
+    return loss_batch(OLD, MASK, scores, 2, is_weights=is_weights, **extra), logp
 
 
 def test_policy_surrogate_is_multiplied_per_token():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     w, _ = importance_weights(OLD, ROLL, MASK, "tis", CAP, "token")
     cfg = PolicyLossConfig(adv_estimator="grpo")
-    x = _inputs(w, adv)
-    loss, _ = LOSSES["grpo"].fn(x, cfg)
+    x, logp = _inputs(w, adv)
+    loss, _ = LOSSES["grpo"].fn(x, logp, cfg)
     total, count = 0.0, 0
     for b in range(4):
         for t in range(5):
             if MASK[b, t]:
-                ratio = math.exp(x.logp[b, t].item() - OLD[b, t].item())
+                ratio = math.exp(logp[b, t].item() - OLD[b, t].item())
                 a = adv[b].item()
                 term = max(-a * ratio, -a * min(max(ratio, 0.8), 1.2))
                 total += w[b, t].item() * term
@@ -109,10 +111,10 @@ def test_policy_surrogate_is_multiplied_per_token():
 
 def test_pacs_bce_weight_is_multiplied_per_row():
     w, _ = importance_weights(OLD, ROLL, MASK, "tis", CAP, "sequence")
-    x = _inputs(w)
+    x, logp = _inputs(w)
     cfg = PACSConfig(weight_mode="question")
-    loss, _ = LOSSES["pacs"].fn(x, cfg)
-    r = [sum(x.logp[b, t].item() - OLD[b, t].item() for t in range(5) if MASK[b, t]) for b in range(4)]
+    loss, _ = LOSSES["pacs"].fn(x, logp, cfg)
+    r = [sum(logp[b, t].item() - OLD[b, t].item() for t in range(5) if MASK[b, t]) for b in range(4)]
     psi = [r[0] - r[1], r[1] - r[0], r[2] - r[3], r[3] - r[2]]  # rloo with n = 2
     y = [1.0, 0.0, 0.0, 1.0]  # both groups mixed: class weights 2 / (2 * 1) = 1
     expected = 0.0
@@ -120,10 +122,10 @@ def test_pacs_bce_weight_is_multiplied_per_row():
         p = 1 / (1 + math.exp(-psi[i]))
         expected += -w[i, 0].item() * (y[i] * math.log(p) + (1 - y[i]) * math.log(1 - p))
     assert loss.item() == pytest.approx(expected / 4, rel=1e-5)
-    unweighted, _ = LOSSES["pacs"].fn(_inputs(None), cfg)
+    unweighted, _ = LOSSES["pacs"].fn(*_inputs(None), cfg)
     assert loss.item() != pytest.approx(unweighted.item())
     with pytest.raises(ValueError, match="sequence-level"):
-        LOSSES["pacs"].fn(_inputs(torch.ones(4, 5)), cfg)
+        LOSSES["pacs"].fn(*_inputs(torch.ones(4, 5)), cfg)
 
 
 def test_correction_config_errors_name_the_key():
@@ -141,9 +143,9 @@ def test_engine_logprobs_land_on_the_response_positions_and_doctests_run():
     import doctest
 
     import pacs_megatron.pacs.rollout_correction as rc
-    from pacs_megatron.data.batching import build_train_batch, response_values
+    from pacs_megatron.data.batching import build_rollouts, response_values
 
-    b = build_train_batch([[5, 6, 7], [5, 6, 7]], [[1, 2], [3]], [1.0, 0.0], group_size=2, pad_id=0)
+    b = build_rollouts([[5, 6, 7], [5, 6, 7]], [[1, 2], [3]], [1.0, 0.0], group_size=2, pad_id=0)
     v = response_values(b, [[-0.1, -0.2], [-0.3]])
     assert v[b.response_mask].tolist() == pytest.approx([-0.1, -0.2, -0.3])
     assert v[~b.response_mask].abs().sum().item() == 0.0

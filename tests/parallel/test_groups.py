@@ -32,9 +32,9 @@ def test_layout_checks_name_the_field_and_fix():
 def test_group_splitting_micro_batches_rejected():
     with pytest.raises(ConfigError, match="a micro-batch holds whole prompt groups"):
         RunConfig(rollout=RolloutConfig(n=4), algorithm=AlgorithmConfig(micro_batch_size=6))
-    from pacs_megatron.data.batching import build_train_batch, split_micro_batches
+    from pacs_megatron.data.batching import build_rollouts, split_micro_batches
 
-    batch = build_train_batch([[1]] * 8, [[2]] * 8, [0.0] * 8, group_size=4, pad_id=0)
+    batch = build_rollouts([[1]] * 8, [[2]] * 8, [0.0] * 8, group_size=4, pad_id=0)
     assert [len(m) for m in split_micro_batches(batch, 4)] == [4, 4]
     with pytest.raises(ValueError, match="would split a prompt group of 4"):
         split_micro_batches(batch, 2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pacs_megatron.config import TinyModelConfig
-from pacs_megatron.data.batching import build_train_batch
+from pacs_megatron.data.batching import build_rollouts
 from pacs_megatron.data.routing import RoutedExperts
 from pacs_megatron.data.synthetic import build_arith_tokenizer, write_tiny_model_dir
 from pacs_megatron.rollout.hf_engine import HFEngine, fused_expert_slice
@@ -65,7 +65,7 @@ def test_expert_sync_and_routing_record(model_dir):
     target.model(input_ids=torch.tensor([seq]))
     full = target.routing.take((1, len(seq)))[0]
     assert torch.equal(full[:-1], flat[0][1].routed_experts[:-1])
-    batch = build_train_batch([p for p, _ in flat], [r.token_ids for _, r in flat], [0.0] * 4, 2, pad_id=0)
+    batch = build_rollouts([p for p, _ in flat], [r.token_ids for _, r in flat], [0.0] * 4, 2, pad_id=0)
     routed = RoutedExperts.from_records([r.routed_experts for _, r in flat], batch.seq_lens).padded(
         batch.input_ids.shape[1]
     )

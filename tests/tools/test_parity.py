@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "actor"))
 from _actor_helpers import make_qwen2, make_qwen3  # noqa: E402
 
-from pacs_megatron.data.batching import build_train_batch  # noqa: E402
+from pacs_megatron.data.batching import build_rollouts  # noqa: E402
 from pacs_megatron.tools.parity import _report, load_samples  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_parity_tool_ep2_qwen3_moe(tmp_path):
 
 def test_report_fails_above_tolerance(tmp_path):
     rows = load_samples(None, vocab_size=50)
-    batch = build_train_batch([p for p, _ in rows], [r for _, r in rows], [0.0] * len(rows), 1, pad_id=0)
+    batch = build_rollouts([p for p, _ in rows], [r for _, r in rows], [0.0] * len(rows), 1, pad_id=0)
     meg = torch.randn(batch.input_ids.shape)
     assert _report(rows, batch, meg, meg.clone(), 1e-4, None)
     ref = meg.clone()

@@ -18,7 +18,7 @@ import torch
 from _dist import run_distributed
 
 from pacs_megatron.config import TinyModelConfig, load_config
-from pacs_megatron.data.batching import build_train_batch
+from pacs_megatron.data.batching import as_train_batch, build_rollouts
 from pacs_megatron.data.synthetic import write_tiny_model_dir
 
 pytestmark = pytest.mark.distributed
@@ -52,7 +52,7 @@ def _rows(vocab: int, prompts: int = 4, n: int = 2, seed: int = 3):
         for j in range(n):
             p_ids.append(prompt)
             r_ids.append(torch.randint(3, vocab, (2 + (k + j) % 4,), generator=g).tolist())
-    return build_train_batch(p_ids, r_ids, [float(i % 2) for i in range(len(p_ids))], n, pad_id=0)
+    return build_rollouts(p_ids, r_ids, [float(i % 2) for i in range(len(p_ids))], n, pad_id=0)
 
 
 def _max_diff(actor, engine, batch) -> float:
@@ -95,7 +95,7 @@ def _sync_body(rank, world, model_dir, tp, pp):
 
     w0 = {n: t.clone() for n, t in actor.export_hf_weights()}
     old = actor.compute_logprobs(batch, micro_batch_size=4, temperature=1.0).token_logp
-    actor.train_step(batch.with_(old_logp=old))
+    actor.train_step(as_train_batch(batch, old))
     out["weight_change"] = max(float((t - w0[n]).abs().max()) for n, t in actor.export_hf_weights())
 
     sync = WeightSync(actor, engine, cfg.sync, hf_cfg["vocab_size"], actor.param_dtype)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from pacs_megatron import sampling_stages, stages
 from pacs_megatron.config import RunConfig
+from pacs_megatron.data.batching import Rollouts
 from pacs_megatron.rollout.pipeline import InFlightPrompts, RolloutPipeline
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def start_pipeline(cfg: RunConfig, c: Components, resumed_step: int) -> RolloutP
     return pipe
 
 
-def take_batch(cfg: RunConfig, c: Components, pipe: RolloutPipeline, step: int):
+def take_batch(cfg: RunConfig, c: Components, pipe: RolloutPipeline, step: int) -> tuple[Rollouts, dict, list]:
     """Wait for step ``step``'s rollouts (at most k versions old), verify the weight versions they were sampled
     with, and assemble the batch: ``(batch, metrics, samples)`` as sampling_stages.collect_step returns (overlong
     shaping included; dynamic sampling is refused with this loop: config/switches.py)."""

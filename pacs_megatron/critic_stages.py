@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import Rollouts, TrainRows, split_mini_batches
-from pacs_megatron.pacs import explained_variance, gae_advantages, outcome_token_rewards
+from pacs_megatron.pacs import PolicyLossConfig, explained_variance, gae_advantages, outcome_token_rewards
 from pacs_megatron.pacs.gae import masked_mean_var
 from pacs_megatron.stages import AdvantageFn, StepAdvantages
 
@@ -64,6 +64,7 @@ def gae_step_advantages(cfg: RunConfig, c: Components, local: Rollouts) -> StepA
     reduce = partial(_sum_dp, groups=c.rt.groups)
     values = c.critic.compute_values(local)
     pol = cfg.algorithm.loss_config()
+    assert isinstance(pol, PolicyLossConfig)  # a critic runs with ppo's policy.adv_estimator=gae
     mask = local.response_mask
     rewards = outcome_token_rewards(local.scores, mask)
     adv, returns = gae_advantages(rewards, values, mask, pol.gamma, pol.lam, whiten=True, reduce=reduce)

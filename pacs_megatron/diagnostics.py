@@ -50,7 +50,9 @@ def post_update_metrics(cfg: RunConfig, actor: MegatronActor, local: TrainBatch)
             local, micro_batch_size=mbs, temperature=cfg.rollout.temperature, response_only=True
         )
         pacs = cfg.algorithm.pacs
-        anchor = (local.ref_logp if pacs.anchor == "reference" else local.old_logp).float()
+        anchor = local.old_logp if pacs.anchor == "old" else local.ref_logp
+        assert anchor is not None  # anchor=reference runs keep a reference (AlgorithmConfig.needs_reference)
+        anchor = anchor.float()
         logp = out.token_logp.float()
         _, m = pacs_loss(logp, anchor, local.response_mask, local.scores, local.group_size, pacs)
         r = implicit_reward(logp, anchor, local.response_mask, pacs.beta, pacs.reward_method)

@@ -15,7 +15,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +28,21 @@ from pacs_megatron.run.layout import StepLayout
 from pacs_megatron.run.resume import ResumePlan, check_tiny_model_dir, model_shape, plan_resume
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.shared_fs import missing_on, require_shared
+
+if TYPE_CHECKING:  # the run's pieces; build_components imports them when it builds them
+    from transformers import PreTrainedTokenizerBase
+
+    from pacs_megatron.actor.actor import MegatronActor
+    from pacs_megatron.actor.critic import MegatronCritic
+    from pacs_megatron.data.records import PromptRecord
+    from pacs_megatron.data.sampler import PromptDataset
+    from pacs_megatron.reward.scorer import RewardScorer
+    from pacs_megatron.rollout.base import Generator
+    from pacs_megatron.rollout.pipeline import InFlightPrompts
+    from pacs_megatron.rollout.remote import RemoteEngines
+    from pacs_megatron.run.run_dir import RunDir
+    from pacs_megatron.weight_sync.remote import RemoteWeightSync
+    from pacs_megatron.weight_sync.sync import WeightSyncer
 
 logger = get_logger(__name__)
 
@@ -93,7 +108,7 @@ def setup(cfg: RunConfig) -> Runtime:
     return rt
 
 
-def claim_run_dir(cfg: RunConfig):
+def claim_run_dir(cfg: RunConfig) -> RunDir:
     """Collective: rank 0 takes the output dir's lock (run/run_dir.py); every rank raises its refusal."""
     from pacs_megatron.run.run_dir import RunDir, RunDirError
 
@@ -163,21 +178,19 @@ class Components:
 
     cfg: RunConfig
     rt: Runtime
-    tokenizer: Any
-    dataset: Any
-    """PromptDataset: the resumable, shuffled train stream."""
-    val_sets: dict
-    """name -> list[PromptRecord] for periodic validation."""
-    actor: Any
-    """MegatronActor."""
-    engine: Any
-    """RolloutEngine (HF on CPU, vLLM on GPU)."""
-    scorer: Any
-    """RewardScorer."""
-    sync: Any
-    """WeightSync (actor -> engine, probed)."""
-    critic: Any = None
-    """MegatronCritic (algorithm.policy.adv_estimator=gae), else None."""
+    tokenizer: PreTrainedTokenizerBase
+    dataset: PromptDataset | InFlightPrompts
+    """The resumable, shuffled train stream (wrapped to checkpoint its batches in flight with separate engines)."""
+    val_sets: dict[str, list[PromptRecord]]
+    """name -> records for periodic validation."""
+    actor: MegatronActor
+    engine: Generator
+    """A RolloutEngine in process (HF, vLLM), or the engine processes of rollout.placement=separate."""
+    scorer: RewardScorer
+    sync: WeightSyncer
+    """Actor -> engine(s), verified: WeightSync in process, RemoteWeightSync to engine processes."""
+    critic: MegatronCritic | None = None
+    """The learned critic (algorithm.policy.adv_estimator=gae), else None."""
 
     @property
     def pad_id(self) -> int:
@@ -220,7 +233,7 @@ class Components:
 
     def close(self) -> None:
         self.scorer.close()
-        getattr(self.engine, "close", lambda: None)()  # vLLM: tear its groups down while they still exist
+        self.engine.close()  # vLLM: tear its groups down while they still exist
 
 
 def build_components(cfg: RunConfig, rt: Runtime) -> Components:
@@ -235,11 +248,14 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
 
     template = cfg.data.chat_template if cfg.data.renders_prompts else "none"  # the raw arith prompts have none
     tokenizer = load_tokenizer(cfg.model.tokenizer or str(rt.model_dir), template)
-    dataset = build_train_dataset(cfg, tokenizer)
+    prompts = build_train_dataset(cfg, tokenizer)
     val_sets = build_val_datasets(cfg, tokenizer) if cfg.trainer.test_freq else {}
     actor = MegatronActor(cfg, rt.groups, str(rt.model_dir))
+    dataset: PromptDataset | InFlightPrompts = prompts
+    engine: Generator
+    sync: WeightSyncer
     if cfg.rollout.placement == "separate":  # engines on their own ranks (docs/async.md)
-        dataset, engine, sync = _separate_engines(cfg, rt, dataset, actor)
+        dataset, engine, sync = _separate_engines(cfg, rt, prompts, actor)
     else:
         # FP8 rollouts on vLLM: the sync tells the engine the layout of the weights it will send
         engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
@@ -248,7 +264,9 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync, critic)
 
 
-def _separate_engines(cfg: RunConfig, rt: Runtime, dataset, actor):
+def _separate_engines(
+    cfg: RunConfig, rt: Runtime, dataset: PromptDataset, actor: MegatronActor
+) -> tuple[InFlightPrompts, RemoteEngines, RemoteWeightSync]:
     """Collective: connect to the engine processes the launcher started; the prompt stream that saves its
     in-flight batches as untrained, the remote engines, and the weight sync over the weight group."""
     from pacs_megatron.rollout.pipeline import InFlightPrompts

@@ -42,7 +42,8 @@ class ShortBatchError(RuntimeError):
 def collect_step(cfg: RunConfig, c: Components, step: int) -> tuple[Rollouts, dict, list]:
     """The step's batch (all rows, every rank), its metrics and a few samples; collective."""
     if cfg.algorithm.filter_groups == "none":
-        scored, metrics = stages.generate_scored(cfg, c, c.dataset.next_batch(cfg.trainer.train_batch_size), step), {}
+        scored = stages.generate_scored(cfg, c, c.dataset.next_batch(cfg.trainer.train_batch_size), step)
+        metrics: dict = {}
     else:
         scored, metrics = filtered_groups(cfg, c, step)
     batch, batch_metrics, samples = stages.assemble_batch(cfg, c, scored, step)

@@ -26,10 +26,11 @@ from pacs_megatron.data.batching import (
     split_mini_batches,
 )
 from pacs_megatron.data.packing import dp_balanced_shard
+from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.data.routing import RoutedExperts, fetch_routed_experts
 from pacs_megatron.diagnostics import post_update_metrics
 from pacs_megatron.eval.runner import evaluate
-from pacs_megatron.pacs import get_loss, group_advantage, outcome_advantages
+from pacs_megatron.pacs import PolicyLossConfig, get_loss, group_advantage, outcome_advantages
 from pacs_megatron.pacs.decoupled import decoupled_old_logp
 from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.reward.verifiers import has_boxed
@@ -80,7 +81,7 @@ class ScoredGroups:
         []
     """
 
-    records: list
+    records: list[PromptRecord]
     """``[P]`` PromptRecords, in the order they were drawn."""
     groups: list[list[Response]]
     """``[P][n]`` responses, group p answering records[p]."""
@@ -94,7 +95,9 @@ class ScoredGroups:
         return [(rec, resp) for rec, group in zip(self.records, self.groups) for resp in group]
 
 
-def generate_scored(cfg: RunConfig, c: Components, records, step: int, round_: int = 0) -> ScoredGroups:
+def generate_scored(
+    cfg: RunConfig, c: Components, records: list[PromptRecord], step: int, round_: int = 0
+) -> ScoredGroups:
     """Sample ``n`` responses per prompt and score them (all rows, every rank). ``round_`` > 0 (a further
     generation round of dynamic sampling) draws from its own seed, reproducibly."""
     sampling = train_sampling(cfg)
@@ -104,7 +107,7 @@ def generate_scored(cfg: RunConfig, c: Components, records, step: int, round_: i
     return score_groups(c, records, groups)
 
 
-def score_groups(c: Components, records, groups: list[list[Response]]) -> ScoredGroups:
+def score_groups(c: Components, records: list[PromptRecord], groups: list[list[Response]]) -> ScoredGroups:
     """Score the responses of ``records`` (``groups``: n per prompt, sampled here or by the engines of the
     asynchronous loop); collective, every rank gets every score."""
     flat = [(rec, resp) for rec, group in zip(records, groups) for resp in group]
@@ -120,7 +123,7 @@ def score_groups(c: Components, records, groups: list[list[Response]]) -> Scored
     return ScoredGroups(list(records), groups, scores, reward_metrics)
 
 
-def collect_batch(cfg: RunConfig, c: Components, records, step: int) -> tuple[Rollouts, dict, list]:
+def collect_batch(cfg: RunConfig, c: Components, records: list[PromptRecord], step: int) -> tuple[Rollouts, dict, list]:
     """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
     return assemble_batch(cfg, c, generate_scored(cfg, c, records, step), step)
 
@@ -183,7 +186,7 @@ def outcome_step_advantages(cfg: RunConfig, rows: Rollouts) -> StepAdvantages:
     for PACS, its ``adv_estimator`` of R, the per-row weight of its gradient while psi = 0 (the loss
     computes its own score from r); 0 for losses that read none (``sft``, a custom loss)."""
     loss_cfg = cfg.algorithm.loss_config()
-    if get_loss(cfg.algorithm.loss).needs_advantages:
+    if get_loss(cfg.algorithm.loss).needs_advantages and isinstance(loss_cfg, PolicyLossConfig):
         return StepAdvantages(outcome_advantages(rows.scores, rows.group_size, loss_cfg))
     if cfg.algorithm.loss == "pacs":
         return StepAdvantages(group_advantage(rows.scores.float(), rows.group_size, loss_cfg.adv_estimator))

@@ -5,10 +5,10 @@ for step:  prompts -> rollouts (engine) -> rewards -> old log-probs (actor, no g
            -> metrics -> validation every test_freq -> checkpoint every save_freq / on SIGTERM
 then the end-of-run summary (final.json). A run resumed when already complete says so and exits 0.
 
-Two loops over the same stages. Synchronous (colocated engines): generate, train, sync, in turn.
-Asynchronous (rollout.placement=separate, docs/async.md): the engines generate the next k =
+One loop over a rollout source chosen once (sources.py). Colocated engines: generate, train, sync, in turn.
+Separate engines (rollout.placement=separate, docs/async.md): they generate the next k =
 rollout.max_staleness steps while the trainer trains, as slime's train_async.py: only where the
-rollouts come from (async_stages.take_batch) and when the weights leave (push_weights) differ.
+rollouts come from and when the weights leave differ, and the source hides both.
 """
 
 from __future__ import annotations
@@ -16,18 +16,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, TypeVar
 
 import psutil
 
-from pacs_megatron import async_stages, critic_stages, sampling_stages, stages
+from pacs_megatron import critic_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.config.training import stop_deadline
+from pacs_megatron.data.batching import Rollouts
 from pacs_megatron.run.checkpoint import CheckpointManager
 from pacs_megatron.run.layout import StepLayout
 from pacs_megatron.run.metrics import MetricsWriter, PhaseTimer, Progress, format_metrics
 from pacs_megatron.run.run_record import RunRecord
 from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
+from pacs_megatron.sources import RolloutSource, rollout_source
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.memory import StepMemory
 from pacs_megatron.utils.preemption import PreemptionFlag
@@ -53,10 +56,11 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     ckpt = CheckpointManager(rt.output_dir, cfg.trainer.keep_checkpoints)
     record = RunRecord(cfg, rt.output_dir, rt.is_rank0, rt.resume)
     start = c.restore(rt.resume)  # step to start from; 0 for a fresh run
-    if start and start >= cfg.trainer.total_steps:  # nothing left to train
-        if cfg.trainer.export_hf and not (StepLayout(rt.resume.path).hf / "config.json").is_file():
-            c.export_hf(rt.resume.path)
-        record.finish(start, rt.resume.path, status="already_complete")
+    if rt.resume is not None and start and start >= cfg.trainer.total_steps:  # nothing left to train
+        done = rt.resume.path
+        if cfg.trainer.export_hf and not (StepLayout(done).hf / "config.json").is_file():
+            c.export_hf(done)
+        record.finish(start, done, status="already_complete")
         return 0
     record.write_launch()  # configs/launch_NNN.yaml + config.yaml, once the run has really started
     writer = MetricsWriter(
@@ -75,8 +79,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         writer.log(0, stages.validate(cfg, c, 0))
     progress = Progress(cfg.trainer.total_steps, start, rt.is_rank0 and cfg.logging.progress_bar)
     run = _Run(cfg, rt, c, ckpt, writer, flag, progress, StepMemory(rt.groups.device))
-    steps = _async_steps if cfg.rollout.placement == "separate" else _sync_steps
-    step, stopped = steps(run, start)
+    step, stopped = _steps(run, start, rollout_source(cfg, c, start))
     if stopped is not None:
         return stopped
     if step == 0 and rt.resume is None:  # total_steps=0: keep what the warm-up trained
@@ -102,54 +105,32 @@ class _Run:
     """perf/peak_rss_gb*: each step's own high-water mark (started by the loops, read in _end_step)."""
 
 
-def _sync_steps(run: _Run, start: int) -> tuple[int, int | None]:
-    """Generate, train, sync, in turn. Returns (last step, exit code when stopped early else None)."""
+def _steps(run: _Run, start: int, source: RolloutSource) -> tuple[int, int | None]:
+    """Rollouts, update, weights out, validation, end of step. Returns (last step, exit code when stopped
+    early else None)."""
     cfg, c = run.cfg, run.c
     step = start
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         timer, t0 = PhaseTimer(), time.perf_counter()
         run.memory.start()
-        with timer("rollout"):
-            batch, metrics, samples = sampling_stages.collect_step(cfg, c, step)  # prompts, rollouts, rewards
-            c.engine.sleep()  # colocated: free the engine's memory while the actor trains
-        metrics |= _update(run, batch, timer, step)
-        with timer("sync"):
-            metrics |= _synced(run, step, lambda: c.sync.sync().metrics())
-        if cfg.trainer.validates_at(step):  # every test_freq steps and at the last
-            with timer("eval"):
-                metrics |= stages.validate(cfg, c, step)  # the engine stays awake: the next rollout uses it
-        stopped = _end_step(run, step, metrics, samples, timer, t0)
-        if stopped is not None:
-            return step, stopped
-    return step, None
-
-
-def _async_steps(run: _Run, start: int) -> tuple[int, int | None]:
-    """The engines (own ranks) sample steps up to k ahead while the trainer trains; same returns."""
-    cfg, c = run.cfg, run.c
-    pipe = async_stages.start_pipeline(cfg, c, start)  # steps start+1 .. start+1+k in flight
-    step = start
-    for step in range(start + 1, cfg.trainer.total_steps + 1):
-        timer, t0 = PhaseTimer(), time.perf_counter()
-        run.memory.start()
-        with timer("rollout"):  # waiting for the engines: async/trainer_wait_s of it; its verify of the
-            # weights pushed after step - 1 may fail: keep that step's update, as the synchronous loop does
+        with timer("rollout"):  # separate engines: async/trainer_wait_s of it is waiting for them; their
+            # verify of the weights pushed after step - 1 may fail: keep that step's update, as a sync does
             trained = step - 1 if step - 1 > start else None
-            batch, metrics, samples = _synced(run, trained, async_stages.take_batch, cfg, c, pipe, step)
+            batch, metrics, samples = _synced(run, trained, source.take, step)
         metrics |= _update(run, batch, timer, step)
         with timer("sync"):
-            metrics |= _synced(run, step, async_stages.push_weights, cfg, c, step)
+            metrics |= _synced(run, step, source.push, step)
         if cfg.trainer.validates_at(step):  # every test_freq steps and at the last
-            with timer("eval"):
-                metrics |= stages.validate(cfg, c, step)  # queued behind the batches in flight
-        pipe.pushed(step)  # step + 1 + k may now be sampled (with these weights or newer)
+            with timer("eval"):  # colocated: the engine stays awake for the next rollout; separate: the
+                metrics |= stages.validate(cfg, c, step)  # requests queue behind the batches in flight
+        source.step_done(step)
         stopped = _end_step(run, step, metrics, samples, timer, t0)
         if stopped is not None:
             return step, stopped
     return step, None
 
 
-def _update(run: _Run, batch, timer: PhaseTimer, step: int) -> dict:
+def _update(run: _Run, batch: Rollouts, timer: PhaseTimer, step: int) -> dict:
     """Old (proximal) log-probs, then the critic and actor updates (and the reference's reset when due)."""
     cfg, rt, c = run.cfg, run.rt, run.c
     with timer("old_logprob"):
@@ -170,7 +151,7 @@ def _synced(run: _Run, step: int | None, sync: Callable[..., T], *args: Any) -> 
         return sync(*args)
     except WeightSyncError:  # the engine is wrong, the actor is not: keep its update, then stop
         if step is not None:
-            run.ckpt.save(step, lambda d, s=step: run.c.save(d, s))
+            run.ckpt.save(step, partial(run.c.save, step=step))
         raise
 
 
@@ -184,7 +165,7 @@ def _end_step(run: _Run, step: int, metrics: dict, samples: list, timer: PhaseTi
     run.progress.update(step, metrics)
     stop = run.flag.should_stop()
     if stop or step == cfg.trainer.total_steps or (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0):
-        run.ckpt.save(step, lambda d, s=step: c.save(d, s))
+        run.ckpt.save(step, partial(c.save, step=step))
     if stop and step < cfg.trainer.total_steps:  # a stop at the last step is a finished run
         run.flag.write_requeue_marker(step, cfg.trainer.total_steps)  # Slurm's script requeues from this file
         logger.warning("stopped after step %d (signal or time budget); resume with --resume auto", step)

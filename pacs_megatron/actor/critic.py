@@ -189,6 +189,7 @@ def _value_loss_func(mb: TrainRows, ids: torch.Tensor, dummy: bool, clip: float,
         values = aligned_values(out)
         dev = values.device
         mask = mb.response_mask.to(dev)
+        assert mb.returns is not None and mb.old_values is not None  # checked by MegatronCritic.train_step
         loss, clipfrac = value_loss(values, mb.returns.to(dev), mb.old_values.to(dev), mask, clip, mode, horizon)
         units = mask.sum() if mode == "token-mean" else torch.tensor(float(len(mb)), device=dev)
         n = units.to(torch.float64) * (0.0 if dummy else 1.0)

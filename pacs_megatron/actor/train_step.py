@@ -20,6 +20,7 @@ for any micro-batch size and DP size. Metrics are combined with the same weights
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -81,7 +82,7 @@ def train_loss_func(
     old_from_forward: bool = False,
     thd: ThdBatch | None = None,
     rows: LogitRows | None = None,
-):
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
     """megatron ``loss_func`` of one micro-batch (runs on the last pipeline stage). A ``dummy``
     (padding) micro-batch returns a zero loss and a zero count: no gradient, no weight.
 
@@ -89,7 +90,7 @@ def train_loss_func(
     the old log-probs are this forward's own, detached, bit-identical to what the no-grad pass gives (same
     kernel, same micro-batch); they and the entropy are reported under :data:`FORWARD_KEYS`."""
 
-    def loss_func(logits):
+    def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         token_logp, entropy = token_logprobs(
             logits,
             ids,
@@ -106,8 +107,8 @@ def train_loss_func(
             assert entropy is not None
             batch = TrainBatch.of_rows(mb.to(dev), old_logp=token_logp.detach(), old_entropy=entropy.detach())
         else:
-            assert isinstance(batch := mb, TrainBatch)  # check_train_batch said so
-            batch = batch.to(dev)
+            assert isinstance(mb, TrainBatch)  # check_train_batch said so
+            batch = mb.to(dev)
         mask, old = batch.response_mask, batch.old_logp
         value, metrics = loss.fn(batch, token_logp, loss_cfg, entropy)
         denom = loss.denominator(batch, loss_cfg)
@@ -119,7 +120,7 @@ def train_loss_func(
             reported[_DENOM] = denom.detach().double().reshape(())
             reported[_MAXLR] = ratio.double()
             if old_from_forward:
-                reported.update(zip(FORWARD_KEYS, (token_logp.detach(), entropy.detach())))
+                reported.update(zip(FORWARD_KEYS, (token_logp.detach(), batch.old_entropy)))
         n = denom.detach().round().to(torch.int).to(dev)
         return value * denom.to(value.dtype), n, reported
 
@@ -152,4 +153,5 @@ def reduce_metrics(store: list[dict], groups: ParallelGroups) -> dict[str, float
         box = [out]
         dist.broadcast_object_list(box, src=groups.pp_last_rank, group=groups.pp_group)
         out = box[0]
+    assert out is not None  # the last stage computed it; PP broadcast it to the others
     return out

@@ -106,12 +106,13 @@ def response_values(batch: Rollouts, values: Sequence[Sequence[float] | None]) -
         >>> response_values(b, [[-0.5], [-1.0, -2.0]]).tolist()
         [[0.0, 0.0, -0.5, 0.0], [0.0, 0.0, -1.0, -2.0]]
     """
-    if any(v is None for v in values):
+    given = [v for v in values if v is not None]
+    if len(given) < len(values):
         return None
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     counts = batch.response_mask.sum(1).tolist()
-    for b, (v, k) in enumerate(zip(values, counts)):
+    for b, (v, k) in enumerate(zip(given, counts)):
         if len(v) != k:
             raise ValueError(f"row {b}: {len(v)} values for {k} response tokens")
-    out[batch.response_mask] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
+    out[batch.response_mask] = torch.tensor([x for v in given for x in v], dtype=torch.float32)
     return out

@@ -111,7 +111,7 @@ def serve() -> int:
             group = WeightGroup(init.backend, store, 1 + index, 1 + init.engines, device, timeout_s)
             receive = lambda msg: receive_buckets(group, msg.layout)  # noqa: E731
             code = EngineServer(index, engine, conn, receive, verify=cfg.sync.verify_bitwise).serve()
-            getattr(engine, "close", lambda: None)()
+            engine.close()
         return code
     except Exception as e:  # noqa: BLE001 - before serving: the trainer reports it, naming this engine
         send(conn, Failed(engine=index, error=f"{type(e).__name__}: {e}"))

@@ -21,6 +21,7 @@ Legend: B, T leading dims; N = B * T rows; V = V_local (this rank's vocab shard)
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,8 @@ logger = get_logger(__name__)
 
 IMPL_ENV = "PACS_LOGPROB_IMPL"
 _IMPLS = ("auto", "ext", "reference")
-_C = None
+_C: Any = None
+"""The compiled extension module once :func:`_ext` loaded it (every op below runs after that check)."""
 _C_ERROR: str | None = None
 
 
@@ -42,7 +44,7 @@ def _ext():
     global _C, _C_ERROR
     if _C is None and _C_ERROR is None:
         try:
-            from pacs_megatron import _C as mod  # torch is imported above: _C needs libc10 loaded
+            from pacs_megatron import _C as mod  # type: ignore[attr-defined]  # torch first: _C needs libc10
 
             if not hasattr(mod, "logprob_partial"):
                 raise ImportError("pacs_megatron._C has no logprob ops (stale build): rebuild the extension")

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from pacs_megatron.rollout.base import RolloutEngine
+from pacs_megatron.rollout.base import Generator
 from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.utils.dist import map_sharded, rank_and_world, shard_bounds
 
 
-def replica_coords(engine: RolloutEngine) -> tuple[int, int]:
+def replica_coords(engine: Generator) -> tuple[int, int]:
     """(replica index, number of replicas) of this rank's engine; engines spanning several ranks
     (vLLM tensor parallel) expose ``dp_rank`` / ``dp_size``, others are one replica per rank."""
     rank, world = rank_and_world()
@@ -29,7 +29,7 @@ def step_seed(base_seed: int, step: int, replica: int) -> int:
 
 
 def generate_sharded(
-    engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, step: int
+    engine: Generator, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, step: int
 ) -> list[list[Response]]:
     """``sampling.n`` responses per prompt, for all prompts, on every rank.
 

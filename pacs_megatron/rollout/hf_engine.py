@@ -431,6 +431,9 @@ class HFEngine:
                 out.append(Held(hf, (hf,), checksum(view, self.dtype)))
         return out
 
+    def close(self) -> None:
+        """Nothing to release: the model is plain torch memory."""
+
     def sleep(self) -> None:
         """On CUDA, move the weights to host memory; on CPU a no-op (nothing to free). Every other
         method wakes the engine first, as vLLM's does."""

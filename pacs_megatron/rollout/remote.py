@@ -117,7 +117,8 @@ class Inbox:
 
 
 class RemoteEngines:
-    """:class:`~pacs_megatron.rollout.base.RolloutEngine` whose replicas are engine processes (collective)."""
+    """A :class:`~pacs_megatron.rollout.base.Generator` whose replicas are engine processes (collective); the
+    weights reach them through weight_sync/remote.py's group, not through this object."""
 
     remote = True
     """rollout/collect.py hands whole steps to :meth:`generate_step` (the engines shard among themselves)."""
@@ -253,12 +254,6 @@ class RemoteEngines:
             out = (self.inbox.busy, self.inbox.idle)
             self.inbox.busy, self.inbox.idle = [0.0] * self.count, [0.0] * self.count
         return out
-
-    def update_weights(self, buckets) -> int:
-        raise NotImplementedError("engines on their own ranks get weights from weight_sync.remote.RemoteWeightSync")
-
-    def logprobs(self, token_ids, temperature: float = 1.0) -> list[torch.Tensor]:
-        raise NotImplementedError("engines on their own ranks return probe log-probs with every load (Loaded)")
 
     def sleep(self) -> None:
         """Nothing to free: the engines do not share the trainer's devices."""

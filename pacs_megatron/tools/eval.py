@@ -326,7 +326,7 @@ def _sample_with(engine, args: argparse.Namespace, ks: list[int], datasets: dict
         with RewardScorer(reward_cfg) as scorer, EvalProgress(total, "problems", chunk) as progress:
             flat, rows = evaluate(engine, datasets, sampling, ks, scorer, prefix="", progress=progress)
     finally:
-        getattr(engine, "close", lambda: None)()  # vLLM: shut its in-process engine down
+        engine.close()  # vLLM: shut its in-process engine down
     for key in ("reward_timeouts", "reward_errors"):
         if flat.get(key):
             logger.warning("%s: %d", key, int(flat[key]))

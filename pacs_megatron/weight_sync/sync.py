@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 from pacs_megatron.config import RolloutConfig, SyncConfig
 from pacs_megatron.data.batching import Rollouts, build_rollouts
-from pacs_megatron.rollout.base import PROBE_LEN, RolloutEngine
+from pacs_megatron.rollout.base import PROBE_LEN, Generator, WeightReceiver
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.rollout.weight_checksum import Recorder, compare
 from pacs_megatron.utils.dist import all_gather_objects
@@ -143,19 +144,36 @@ def random_probe_batch(vocab_size: int, num_sequences: int, seed: int = 1234) ->
     return replace(b, response_mask=torch.zeros_like(b.response_mask))
 
 
+class WeightSyncer(Protocol):
+    """What the loop asks of a weight sync, colocated (:class:`WeightSync`) or to engines on their own ranks
+    (remote.py's RemoteWeightSync)."""
+
+    def sync(self, version: int = 0, wait: bool = True) -> SyncResult:
+        """Push the actor's weights as policy version ``version``; with ``wait``, verify the engines hold them
+        (raises :class:`WeightSyncError`)."""
+        ...
+
+    def verify(self, upto: int) -> tuple[float, float]:
+        """Verify every version <= ``upto`` not yet verified: ``(max log-prob diff, max quantization gap)``,
+        nan when nothing was compared."""
+        ...
+
+
 class WeightSync:
-    """Pushes the actor's weights into the engine and checks the result."""
+    """Pushes the actor's weights into the engine and checks the result (a :class:`WeightSyncer`)."""
 
     def __init__(
         self,
         actor,
-        engine: RolloutEngine,
+        engine: Generator,
         cfg: SyncConfig,
         vocab_size: int,
         param_dtype: torch.dtype,
         rollout: RolloutConfig | None = None,
     ):
         self.actor, self.engine, self.cfg = actor, engine, cfg
+        self.verified: tuple[float, float] = (float("nan"), float("nan"))
+        """The last :meth:`sync`'s (diff, gap), which :meth:`verify` returns."""
         self.quantizer = None
         if rollout is not None and rollout.quantization != "none":
             from pacs_megatron.weight_sync.quantize import WeightQuantizer  # imports modelopt (lazy)
@@ -200,7 +218,7 @@ class WeightSync:
                 yield bucket
 
         self.recorder = Recorder(getattr(self.engine, "weight_dtype", None)) if self.cfg.verify_bitwise else None
-        self.engine.update_weights(self.recorder.buckets(counted()) if self.recorder else counted())
+        self.receiver.update_weights(self.recorder.buckets(counted()) if self.recorder else counted())
         return SyncResult(time.perf_counter() - start, nbytes / 1e9, float("nan"), count)
 
     def check_bitwise(self) -> tuple[float, int]:
@@ -301,7 +319,7 @@ class WeightSync:
             return nan, nan, nan, nan
         p = self.probe_batch()
         actor_lp, ref_lp = self.reference_logprobs(p)
-        return self.compare(self.engine.logprobs(self.probe_sequences(p)), actor_lp, ref_lp, p)
+        return self.compare(self.receiver.logprobs(self.probe_sequences(p)), actor_lp, ref_lp, p)
 
     def raise_if_off(self, diff: float, scaled: float, greedy: float = float("nan")) -> None:
         """:class:`WeightSyncError` when the probe's scaled difference on the random prompt tokens, or its
@@ -318,11 +336,25 @@ class WeightSync:
                 f"{bound:.3g}): the engine does not hold the actor's weights"
             )
 
-    def sync(self, version: int = 0) -> SyncResult:
+    def sync(self, version: int = 0, wait: bool = True) -> SyncResult:  # noqa: ARG002
         """Push, then probe; raise :class:`WeightSyncError` above the tolerance. ``version`` (the RL step of the
-        weights) matters only to engines on other ranks, which stamp their samples with it (remote.py)."""
+        weights) matters only to engines on other ranks, which stamp their samples with it (remote.py); an
+        engine in process is verified before this returns, ``wait`` or not."""
         pushed = self.push()
         bit_s, bit_n = self.check_bitwise()  # exact: first, and its error names the tensor
         diff, scaled, greedy, gap = self.check()
         self.raise_if_off(diff, scaled, greedy)
+        self.verified = (diff, gap)
         return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap, greedy, bit_s, bit_n)
+
+    def verify(self, upto: int) -> tuple[float, float]:  # noqa: ARG002
+        """The last sync's ``(diff, gap)``: an engine in process was verified as it loaded, nothing is pending."""
+        return self.verified
+
+    @property
+    def receiver(self) -> WeightReceiver:
+        """The engine as the in-process loads see it (a RolloutEngine; engines on other ranks get their
+        weights through remote.py's group instead)."""
+        if not isinstance(self.engine, WeightReceiver):
+            raise TypeError(f"{type(self.engine).__name__} takes no weights in process: use RemoteWeightSync")
+        return self.engine

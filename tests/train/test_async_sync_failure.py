@@ -1,6 +1,6 @@
 """The asynchronous loop keeps the last trained step when a weight-sync check fails (issue #40 R3).
 
-In ``_async_steps`` the engines' probe of the weights pushed after step s - 1 is verified when step s's
+In the step loop with separate engines (``sources.Pipelined``) the engines' probe of the weights pushed after step s - 1 is verified when step s's
 rollouts are taken (async_stages.take_batch). A WeightSyncError there must checkpoint step s - 1 before
 it propagates, as the synchronous loop's ``_synced`` does, or up to ``save_freq - 1`` trained steps are
 lost. The stages are stubbed: this checks the loop's order of saving and raising, in-process.
@@ -12,13 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from pacs_megatron import async_stages, train
+from pacs_megatron import async_stages, sources, train
 from pacs_megatron.config.training import TrainerConfig
 from pacs_megatron.weight_sync import WeightSyncError
 
 
 def _loop(monkeypatch, start: int, fail_at: int) -> list[int]:
-    """Run ``_async_steps`` from ``start`` with take_batch failing its verify at step ``fail_at``; the saved steps."""
+    """Run the step loop over a pipelined source from ``start`` with take_batch failing its verify at step ``fail_at``; the saved steps."""
     saved: list[int] = []
 
     def take_batch(cfg, c, pipe, step):
@@ -38,7 +38,7 @@ def _loop(monkeypatch, start: int, fail_at: int) -> list[int]:
         memory=SimpleNamespace(start=lambda: None),
     )
     with pytest.raises(WeightSyncError, match="planted"):
-        train._async_steps(run, start)
+        train._steps(run, start, sources.Pipelined(run.cfg, run.c, start))
     return saved
 
 

@@ -94,6 +94,9 @@ class _Engine:
         self.got = {n: t for b in buckets for n, t in b}
         return len(self.got)
 
+    def logprobs(self, token_ids, temperature=1.0):
+        raise AssertionError("sync.probe_sequences=0: nothing is probed")
+
 
 def _sync(engine, dtype="auto"):
     rollout = RolloutConfig(quantization="fp8")

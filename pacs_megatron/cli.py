@@ -40,13 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(name: str, argv: list[str], prog: str | None = None) -> int:
     """Parse ``argv`` for subcommand ``name`` and run it inside the error boundary."""
-    from pacs_megatron.launch.errors import boundary
+    from pacs_megatron.launch.errors import run_command
 
     module = importlib.import_module(COMMANDS[name][0])
-    sub = argparse.ArgumentParser(prog=prog or f"pacs-megatron {name}", description=COMMANDS[name][1])
-    module.add_arguments(sub)
-    # intermixed: options may stand between the positional overrides (argparse's plain parse stops there)
-    return boundary(name, lambda: module.main(sub.parse_intermixed_args(argv)))
+    return run_command(name, module, argv, prog or f"pacs-megatron {name}", COMMANDS[name][1])
 
 
 def main(argv: list[str] | None = None) -> int:

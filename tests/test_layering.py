@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CONTRACTS = 5  # megatron, vllm, pacs/ pure torch, no actor <-> reference circle, the layers
+CONTRACTS = 6  # megatron, vllm, pacs/ pure torch, no actor <-> reference circle, the layers, the loop's layers
 
 
 def _lint(cwd: Path, pythonpath: Path | None = None) -> tuple[int, str]:
@@ -47,6 +47,7 @@ def test_planted_violations_inside_functions_fail_the_lint(tmp_path):
     _plant(pkg / "rollout" / "types.py", "from megatron.core import parallel_state  # noqa")
     _plant(pkg / "config" / "data.py", "from pacs_megatron.launch import preflight  # noqa")
     _plant(pkg / "actor" / "reference.py", "from pacs_megatron.actor.actor import MegatronActor  # noqa")
+    _plant(pkg / "loop" / "stages.py", "from pacs_megatron.loop import train  # noqa")  # a stage up the loop
     (pkg / "newfolder").mkdir()  # a folder the layers do not place
     (pkg / "newfolder" / "__init__.py").write_text("")
     code, out = _lint(tmp_path, pythonpath=tmp_path)  # the copy, not the installed package
@@ -58,6 +59,44 @@ def test_planted_violations_inside_functions_fail_the_lint(tmp_path):
         "pacs_megatron.rollout.types -> megatron",
         "pacs_megatron.config.data -> pacs_megatron.launch.preflight",
         "pacs_megatron.actor.reference -> pacs_megatron.actor.actor",
+        "pacs_megatron.loop.stages -> pacs_megatron.loop.train",
         "pacs_megatron.newfolder",
     ]:
         assert planted in out, (planted, out)
+
+
+def _folder_graph() -> dict[str, set[str]]:
+    """The package's imports with each folder (and top-level module) as one node: what a reader navigates."""
+    import grimp
+
+    graph = grimp.build_graph("pacs_megatron", cache_dir=None)
+
+    def node(module: str) -> str:
+        return module.split(".")[1] if "." in module else "__init__"
+
+    edges: dict[str, set[str]] = {node(m): set() for m in graph.modules}
+    for m in graph.modules:
+        for imported in graph.find_modules_directly_imported_by(m):
+            if imported.startswith("pacs_megatron") and node(imported) != node(m):
+                edges[node(m)].add(node(imported))
+    return edges
+
+
+def test_the_folder_graph_is_acyclic_and_at_most_ten_levels_tall():
+    """Issue 41 item 5: no folder knot (cli, launch, tools and bench once imported each other, held by two
+    ignore_imports), no ignored import, and the longest chain of folders is at most 10 (it was 13)."""
+    import tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    assert all(not c.get("ignore_imports") for c in contracts)
+    edges = _folder_graph()
+    levels: dict[str, int] = {}
+
+    def level(n: str, path: tuple[str, ...] = ()) -> int:
+        assert n not in path, f"import cycle: {' -> '.join((*path, n))}"
+        if n not in levels:
+            levels[n] = 1 + max((level(m, (*path, n)) for m in edges[n]), default=0)
+        return levels[n]
+
+    tallest = max(level(n) for n in edges)
+    assert tallest <= 10, sorted(levels.items(), key=lambda kv: -kv[1])

@@ -21,11 +21,11 @@ def logged_keys() -> set[str]:
         keys |= set(KEY.findall(path.read_text()))
     keys = {k for k in keys if not k.endswith("_")}  # prefixes ("pacs/post_") are expanded below
     keys -= {"critic/megatron"}  # a checkpoint folder (run/checkpoint_check.py), not a metric
-    from pacs_megatron.diagnostics import POST_PREFIX
+    from pacs_megatron.loop.diagnostics import POST_PREFIX
 
     keys |= {POST_PREFIX + k.split("/", 1)[1] for k in keys if k.startswith("pacs/") and "post" not in k}
     keys -= {"pacs/post_mixed_group_frac", "pacs/post_first_minibatch_max_logratio"}  # not recomputed after
-    phases = re.findall(r'timer\("(\w+)"\)', (REPO / "pacs_megatron" / "train.py").read_text())
+    phases = re.findall(r'timer\("(\w+)"\)', (REPO / "pacs_megatron" / "loop" / "train.py").read_text())
     return keys | {f"timing/{p}_s" for p in phases} | {f"timing/{p}_cpu_s" for p in phases}
 
 
@@ -43,7 +43,7 @@ def test_the_folder_table_names_every_folder_and_module():
     named = {cell for row in table.splitlines()[2:] for cell in re.findall(r"`([^`]+)`", row.split("|")[1])}
     package = REPO / "pacs_megatron"
     parts = [p for p in package.iterdir() if (p / "__init__.py").is_file() or p.suffix == ".py"]
-    assert len(parts) > 20  # the scan works
+    assert len(parts) > 15  # the scan works (the loop sits in one folder, loop/)
     wanted = {f"pacs_megatron/{p.name}/" if p.is_dir() else p.name for p in parts if p.name != "__init__.py"}
     missing = sorted(w for w in wanted if w not in named and f"pacs_megatron/{w}" not in named)
     assert not missing, f"README.md's folder table (## One step, one folder) lacks {missing}"

@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -54,7 +55,7 @@ class SafetensorsReader:
                 "checkpoint with safetensors weights, or use model.init=random"
             )
         self.root = root
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, Any] = {}  # safetensors' safe_open handles
 
     def names(self) -> list[str]:
         return list(self.files)

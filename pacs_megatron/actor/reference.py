@@ -28,7 +28,7 @@ weights pi_prox / pi_behaviour (pacs/decoupled.py) multiply each row's BCE weigh
 they correct the sampling distribution and never enter r.
 
 Memory: the parameters once more, in the actor's dtype (2 bytes per parameter of the rank's shard in
-bf16; tools/memory.py counts it). ``actor.offload_reference`` keeps them in host memory (pinned on
+bf16; launch/memory_plan.py counts it). ``actor.offload_reference`` keeps them in host memory (pinned on
 CUDA) and brings them to the device only for the log-prob pass: storages are copied out and resized
 to 0 bytes, as actor/offload.py does for the optimizer state, so every module keeps its tensors.
 The CPU run exercises the same code; the CUDA path is WRITTEN FOR GPU, NEVER RUN HERE.

@@ -58,8 +58,8 @@ def build_train_dataset(cfg: RunConfig, tokenizer) -> PromptDataset:
     """The train stream of ``cfg.data`` (all train files concatenated, shuffled per epoch)."""
     data = cfg.data
     if data.task == "arith":
-        records = arith_prompt_records(arith_split(data.arith)[0], data, tokenizer, "arith")
-        return PromptDataset(records, data.seed, data.shuffle, name="arith")
+        arith = arith_prompt_records(arith_split(data.arith)[0], data, tokenizer, "arith")
+        return PromptDataset(arith, data.seed, data.shuffle, name="arith")
     records: list[PromptRecord] = []
     names = []
     for f in data.train_files:

@@ -86,7 +86,7 @@ def select_template(choice: str, own: str | None, qwen_tokenizer: bool, where: s
 
 def is_qwen_tokenizer(class_name: str | None) -> bool:
     """Whether a tokenizer class (``tokenizer_config.json``'s ``tokenizer_class``) is Qwen2's."""
-    return bool(class_name) and class_name.startswith("Qwen2")
+    return class_name is not None and class_name.startswith("Qwen2")
 
 
 def load_tokenizer(path: str | Path, template: str = "auto"):

@@ -14,7 +14,7 @@ every rank, plus 12.6 GB of per-response records gathered to every rank. Here:
   (:meth:`RoutedExperts.padded`, called by actor/forward.py), and the int64 per-router indices megatron
   needs per layer only (actor/moe.py).
 
-``tools/memory.py`` counts the records in the doctor's memory plan.
+``launch/memory_plan.py`` counts the records in the doctor's memory plan.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Launchers: the layer above the trainer that starts ranks and hands each one to
-:func:`pacs_megatron.train.train`. The trainer never imports a launcher.
+:func:`pacs_megatron.loop.train.train`. The trainer never imports a launcher.
 
 - ``cli``: ``pacs-megatron train`` / ``torchrun -m pacs_megatron.launch``: validate the config, then
   run the trainer in this rank (under a launcher) or start the ranks (``local``).

@@ -1,4 +1,5 @@
-"""``torchrun -m pacs_megatron.launch --config FILE [a.b=c ...]``: one trainer rank per process."""
+"""``torchrun -m pacs_megatron.launch --config FILE [a.b=c ...]``: one trainer rank per process, parsed and run
+as ``pacs-megatron train`` is (launch/cli.py, under the error boundary of launch/errors.py)."""
 
 from pacs_megatron.utils.early_signals import install_early_handlers
 
@@ -6,7 +7,8 @@ install_early_handlers()  # before torch, megatron and the model load: a pre-emp
 
 import sys  # noqa: E402
 
-from pacs_megatron.cli import run  # noqa: E402
+from pacs_megatron.launch import cli  # noqa: E402
+from pacs_megatron.launch.errors import run_command  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run("train", sys.argv[1:], prog="pacs_megatron.launch"))
+    sys.exit(run_command("train", cli, sys.argv[1:], "pacs_megatron.launch", "one trainer rank of a PACS run"))

@@ -1,6 +1,6 @@
 """``pacs-megatron train --config FILE [a.b=c ...]``: validate, then run the trainer on every rank.
 
-Under torchrun / srun the ranks already exist and each one runs :func:`pacs_megatron.train.train`.
+Under torchrun / srun the ranks already exist and each one runs :func:`pacs_megatron.loop.train.train`.
 Started by hand, it spawns ``tp * pp * dp`` local ranks itself (like ``torchrun --standalone``), so
 the README's command is one line. Configuration errors surface here, before any process or model
 is started, as one line and exit 2 (the error boundary every command shares: launch/errors.py);
@@ -162,7 +162,7 @@ def _train_here(cfg: RunConfig) -> int:
     from pacs_megatron.launch.local import stop_engines
     from pacs_megatron.launch.rank import run_rank
     from pacs_megatron.launch.slurm import srun_exit_code
-    from pacs_megatron.train import train
+    from pacs_megatron.loop.train import train
 
     engines = engines_for_rank(cfg)
     try:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 from pacs_megatron.rollout.protocol import INDEX_ENV, STORE_ENV, TIMEOUT_ENV
 from pacs_megatron.utils.logging import get_logger, init_logging
@@ -99,7 +100,7 @@ def serve() -> int:
         cfg = config_from_dict(init.config)
         device = torch.device("cuda", 0) if init.backend == "nccl" else torch.device("cpu")
         tokenizer = load_tokenizer(init.tokenizer_dir, cfg.data.chat_template)
-        context = nullcontext()
+        context: AbstractContextManager[Any] = nullcontext()
         if cfg.rollout.engine == "vllm":
             from pacs_megatron.rollout.vllm_engine import single_rank_launcher_env
 

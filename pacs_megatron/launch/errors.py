@@ -1,6 +1,7 @@
 """The one error policy of every command: a user's mistake is one line naming it and the fix, exit 2.
 
-``pacs_megatron/cli.py`` runs every subcommand inside :func:`boundary`, so no command needs its own
+Every command runs inside :func:`boundary` (:func:`run_command`: cli.py's subcommands, the torchrun entry),
+so no command needs its own
 ``try: ... except: log; return 2``. A command (or a validator it calls: utils/paths.py,
 launch/model_dir.py, launch/preflight.py) raises; the boundary decides:
 
@@ -17,8 +18,10 @@ for the job.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable
+from types import ModuleType
 
 from pacs_megatron.utils.logging import get_logger, init_logging
 
@@ -55,6 +58,15 @@ def _label(e: BaseException) -> str:
     from pacs_megatron.data.records import DataFormatError
 
     return "config error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataFormatError) else "error"
+
+
+def run_command(name: str, module: ModuleType, argv: list[str], prog: str, description: str) -> int:
+    """Parse ``argv`` with ``module.add_arguments`` and run ``module.main`` under :func:`boundary`: every
+    command's entry (cli.py's subcommands, ``python -m pacs_megatron.launch`` under torchrun / srun)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    module.add_arguments(parser)
+    # intermixed: options may stand between the positional overrides (argparse's plain parse stops there)
+    return boundary(name, lambda: module.main(parser.parse_intermixed_args(argv)))
 
 
 def boundary(name: str, fn: Callable[[], int]) -> int:

@@ -120,7 +120,7 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
     + an fp32 master copy for bf16); 0 when the model's config cannot say (the check is then skipped)."""
     import json
 
-    from pacs_megatron.tools.memory import total_params
+    from pacs_megatron.launch.memory_plan import total_params
 
     config_json = Path(cfg.model.path) / "config.json"
     try:

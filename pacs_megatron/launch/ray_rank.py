@@ -1,6 +1,6 @@
 """The Ray actor that hosts one trainer rank (used by :mod:`pacs_megatron.launch.ray_launcher`).
 
-The actor does not run :func:`pacs_megatron.train.train` in its own process: it starts the same
+The actor does not run :func:`pacs_megatron.loop.train.train` in its own process: it starts the same
 module entry as a torchrun rank, ``python -m pacs_megatron.launch --config FILE``, as a child with
 the rank's environment, and waits for it (another :class:`RankProgram`, e.g. ``doctor
 --distributed``, runs the same way). Why a child process:
@@ -131,7 +131,8 @@ class RankActor:
         )
         copier = threading.Thread(target=self._copy_stderr, daemon=True)
         copier.start()
-        stdout = self.proc.stdout.read() if program.capture_stdout else ""  # until the rank closes it (exits)
+        out = self.proc.stdout
+        stdout = out.read() if program.capture_stdout and out is not None else ""  # until the rank closes it (exits)
         code = self.proc.wait()
         copier.join(timeout=5.0)
         return RankResult(code, list(self.tail), stdout)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from pacs_megatron.config import ConfigError, ParallelConfig
 from pacs_megatron.parallel.cpu_patches import apply_cpu_patches
-from pacs_megatron.run.launch_info import cuda_ordinal
+from pacs_megatron.utils.devices import cuda_ordinal
 from pacs_megatron.utils.dist import free_port, under_launcher
 from pacs_megatron.utils.logging import get_logger
 

@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -195,7 +196,8 @@ class RemoteEngines:
         (rollout/collect.py). ``prepare_local_batch`` then moves each record from rank 0 to the one rank
         that trains its row (data/routing.py); broadcasting them would put the whole step's records
         (~10 GB at the Qwen3-30B-A3B recipe) on every rank."""
-        payload = own = None
+        payload: Any = None
+        own = None
         if self.rank == 0:
             t0 = time.perf_counter()
             try:

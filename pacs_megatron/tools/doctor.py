@@ -4,7 +4,7 @@ Reports Python, torch, CUDA and NCCL; the GPUs; the compiled extension (built? w
 archs); the versions of the stack (megatron-core, Transformer Engine, Apex, vLLM, ray,
 nvidia-modelopt, math-verify) and whether each imports; the launcher variables in the environment
 (torchrun, Slurm, Ray). With ``--config``: the layout check and the per-GPU memory plan
-(``tools/memory.py``; without a GPU here only with ``--gpu-gib``), with a warning when it cannot fit.
+(``launch/memory_plan.py``; without a GPU here only with ``--gpu-gib``), with a warning when it cannot fit.
 Each problem is one line naming the piece and the fix; exit 1 when any is hard (the run would fail),
 0 otherwise; a config file that does not load is exit 2 (the CLI's error boundary). On a machine
 without a GPU, the optional GPU packages (Transformer Engine, Apex) absent are no problem, and what
@@ -180,7 +180,7 @@ def config_report(config: str, overrides: list[str], gpu_gib: float | None, gpus
     from pacs_megatron.config import ConfigError, load_config
     from pacs_megatron.launch.cli import layout_summary
     from pacs_megatron.launch.device_checks import check_device
-    from pacs_megatron.tools.memory import estimate_run
+    from pacs_megatron.launch.memory_plan import estimate_run
 
     cfg = load_config(config, overrides)  # a file that does not load: one line, exit 2 (cli.py's boundary)
     out: dict = {"engine": cfg.rollout.engine}

@@ -35,7 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from pacs_megatron.run.launch_info import cuda_ordinal, launcher_kind
+from pacs_megatron.run.launch_info import launcher_kind
+from pacs_megatron.utils.devices import cuda_ordinal
 from pacs_megatron.utils.dist import all_gather_objects, under_launcher
 from pacs_megatron.utils.shared_fs import unseen_by
 

@@ -6,7 +6,7 @@ overlaid, one line per run (e.g. PACS vs GRPO on the same seeds) -> ``--out`` (r
 Keys may be glob patterns (``val/*/pass@*``: validation pass@k of every set, drawn by default).
 A curve that is constant in every run is dropped and named in the log: in the default PACS recipe
 (one update per step) the in-update ``pacs/loss`` and ``pacs/psi_abs_mean`` are ln 2 and 0 by
-construction, and the post-update ``pacs/post_*`` curves (see ``pacs_megatron.diagnostics``) are the
+construction, and the post-update ``pacs/post_*`` curves (see ``pacs_megatron.loop.diagnostics``) are the
 ones that move. ``--keep-constant`` draws them anyway.
 """
 

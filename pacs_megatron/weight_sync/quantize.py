@@ -190,7 +190,10 @@ class WeightQuantizer:
         block = self.attr_cfg.get("block_sizes") or {}
         out: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
         if block:
-            out["weight_block_size"] = [int(block.get(-2, block.get(0))), int(block.get(-1, block.get(1)))]
+            out["weight_block_size"] = [
+                int(block[-2] if -2 in block else block[0]),
+                int(block[-1] if -1 in block else block[1]),
+            ]
         return out
 
 

@@ -96,9 +96,9 @@ def _torch_reference(model_dir, w1, batch, old1, ref, loss_name):
 
 def _off_body(rank, world, model_dir):
     import pacs_megatron.actor.train_step as ts
-    from pacs_megatron import stages
     from pacs_megatron.actor import MegatronActor
     from pacs_megatron.data.batching import TrainBatch
+    from pacs_megatron.loop import update_stages
     from pacs_megatron.parallel import initialize_parallel
 
     asked = []
@@ -108,7 +108,7 @@ def _off_body(rank, world, model_dir):
     # every row's old log-probs from the no-grad pass (none from a training forward, which asks for entropy)
     cfg = replace(cfg, algorithm=replace(cfg.algorithm, old_logp_from_forward=False))
     actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
-    rows, old, _ = stages.prepare_local_batch(cfg, actor, sample_batch(VOCAB), 0, 1)
+    rows, old, _ = update_stages.prepare_local_batch(cfg, actor, sample_batch(VOCAB), 0, 1)
     assert old.first == 0
     local = TrainBatch.of_rows(rows, old_logp=old.logp, old_entropy=old.entropy)
     actor.train_step(local)
@@ -149,7 +149,7 @@ def test_switched_off_builds_and_computes_nothing(model_dir):
     r = run_distributed(_off_body, 1, model_dir)[0]
     assert r["reference"] is None and r["ref_logp"] is None and r["asked"] and not any(r["asked"])
 
-    from pacs_megatron.tools.memory import estimate_run
+    from pacs_megatron.launch.memory_plan import estimate_run
 
     off = _config(model_dir, 1, 1, False, "grpo", kl=0.0, ent=0.0)
     on = _config(model_dir, 1, 1, False, "grpo")

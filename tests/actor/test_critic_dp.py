@@ -1,8 +1,8 @@
 """PPO with a learned critic at DP=2: every row gets its own advantages, returns and old values.
 
 With dynamic batching, ``dp_balanced_shard`` gives each DP rank a token-balanced, non-contiguous set
-of prompt groups. The step's stages (``stages.prepare_local_batch`` with ``critic_stages.advantages_of``,
-``critic_stages.update_critic``, ``stages.update_actor``) run for real on a tiny Qwen2 at DP=1, at DP=2
+of prompt groups. The step's stages (``update_stages.prepare_local_batch`` with ``critic_stages.advantages_of``,
+``critic_stages.update_critic``, ``update_stages.update_actor``) run for real on a tiny Qwen2 at DP=1, at DP=2
 with contiguous shards and at DP=2 with dynamic batching; per row (found by its global group id) the
 advantages, returns and old values, and the step's actor and critic gradient norms, must all agree.
 Before the step, one supervised actor step stands in for the format warm-up: afterwards
@@ -69,11 +69,11 @@ def _trunk_diff(actor, critic) -> float:
 
 
 def _body(rank, world, model_dir, runs):  # noqa: ARG001
-    from pacs_megatron import critic_stages, stages
     from pacs_megatron.actor import MegatronActor
     from pacs_megatron.actor.critic import MegatronCritic
     from pacs_megatron.actor.weights import unwrap
     from pacs_megatron.data.batching import dp_shard
+    from pacs_megatron.loop import critic_stages, update_stages
     from pacs_megatron.parallel import initialize_parallel
 
     groups = initialize_parallel(_config(model_dir, world, False).parallel, hf_config(model_dir))
@@ -92,10 +92,10 @@ def _body(rank, world, model_dir, runs):  # noqa: ARG001
         before = _trunk_diff(actor, critic)
         critic_stages.init_after_warmup(replace(cfg, trainer=replace(cfg.trainer, sft_warmup_steps=1)), c)
         gae = critic_stages.advantages_of(cfg, c)
-        local, old, gae_metrics = stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, world, gae)
+        local, old, gae_metrics = update_stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, world, gae)
         after = _trunk_diff(actor, critic)
         critic_metrics = critic_stages.update_critic(cfg, c, local)
-        actor_metrics = stages.update_actor(cfg, actor, local, old, world)
+        actor_metrics = update_stages.update_actor(cfg, actor, local, old, world)
         out[dynamic, mini] = {
             "group_ids": local.group_ids,
             **{k: getattr(local, k) for k in KEYS},

@@ -4,7 +4,7 @@ One launch per world size runs every case of it (process start dominates): the r
 and entropy of ``compute_logprobs(response_only=True)`` equal the full pass's (fp32, allclose) and hold 0
 elsewhere; the training forward's loss sees logits of exactly the selected rows (``[1, n, V]``, n = the
 response tokens, not b * T); and a whole RL step (reference KL, entropy bonus, old log-probs, update:
-``stages.prepare_local_batch`` + ``update_actor``) gives the same metrics and weights with the selection
+``update_stages.prepare_local_batch`` + ``update_actor``) gives the same metrics and weights with the selection
 on and off. Cases: fixed and token-budget (THD-packed) micro-batches, PP=2, PP=2 x VPP=2 and TP=2 (the
 vocabulary split over ranks). Sequence parallelism needs TE or Apex (not on CPU): there the output layer
 gathers the sequence itself and no rows are selected (``selects_rows``, checked without a model).
@@ -52,8 +52,8 @@ def _config(model_dir, tp, pp, vpp, sp, dynamic):
 
 def _case(model_dir, tp, pp, vpp, sp, dynamic):
     import pacs_megatron.actor.train_step as ts
-    from pacs_megatron import stages
     from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop import update_stages
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = _config(model_dir, tp, pp, vpp, sp, dynamic)
@@ -70,8 +70,8 @@ def _case(model_dir, tp, pp, vpp, sp, dynamic):
         real = ts.token_logprobs
         ts.token_logprobs = partial(_recording, rows, real)
         try:
-            local, old, m1 = stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, groups.dp_size)
-            m2 = stages.update_actor(cfg, actor, local, old, groups.dp_size)
+            local, old, m1 = update_stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, groups.dp_size)
+            m2 = update_stages.update_actor(cfg, actor, local, old, groups.dp_size)
         finally:
             ts.token_logprobs = real
         out[f"rows_{name}"] = rows

@@ -27,8 +27,8 @@ CASES = {
 
 
 def _run(model_dir, tp, pp, loss, mini, epochs, dynamic, from_forward):
-    from pacs_megatron import stages
     from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop import update_stages
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir, tp=tp, pp=pp, lr=1e-2, adam_eps=1e-8)
@@ -45,9 +45,9 @@ def _run(model_dir, tp, pp, loss, mini, epochs, dynamic, from_forward):
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
     actor = MegatronActor(cfg, groups, model_dir)
     batch = sample_batch(VOCAB)
-    rows, old, m1 = stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, groups.dp_size)
+    rows, old, m1 = update_stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, groups.dp_size)
     skipped = old.first > 0 and len(old.logp) == len(rows) - old.first  # no pass over the first rows
-    m2 = stages.update_actor(cfg, actor, rows, old, groups.dp_size)
+    m2 = update_stages.update_actor(cfg, actor, rows, old, groups.dp_size)
     metrics = {k: float(v) for k, v in (m1 | m2).items()}
     weights = {n: t.detach().cpu().clone() for n, t in actor.export_hf_weights()}
     return {"metrics": metrics, "weights": weights, "pass_skipped": skipped}

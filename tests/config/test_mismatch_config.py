@@ -1,5 +1,5 @@
 """``algorithm.rollout_correction``'s menu in the config (off by default, composable, bad values named with the
-fix) and in the step (stages.rollout_mismatch, stages.forward_rows)."""
+fix) and in the step (update_stages.rollout_mismatch, update_stages.forward_rows)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -70,7 +70,7 @@ def _batch(cfg_overrides: list[str]):
 
 
 def test_the_step_applies_the_masks_and_keeps_the_truncation_weights():
-    from pacs_megatron.stages import forward_rows, rollout_mismatch
+    from pacs_megatron.loop.update_stages import forward_rows, rollout_mismatch
 
     cfg, local = _batch(["algorithm.rollout_correction=icepop"])
     assert forward_rows(cfg, 1) == 0  # the masks need pi_old before the first loss, like tis / mis

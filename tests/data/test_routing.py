@@ -108,8 +108,8 @@ def _body(rank, world):
 
 
 def _stages(rank, world, engine):
-    from pacs_megatron import stages
     from pacs_megatron.config import load_config
+    from pacs_megatron.loop import stages, update_stages
     from pacs_megatron.rollout.collect import generate_sharded
 
     cfg = load_config(
@@ -130,7 +130,7 @@ def _stages(rank, world, engine):
     gathered = generate_sharded(engine, [r.prompt_ids for r in records], stages.train_sampling(cfg), 1)
     c = SimpleNamespace(engine=engine, scorer=FakeScorer(), pad_id=0)
     batch, _, _ = stages.collect_batch(cfg, c, records, 1)
-    local, _, _ = stages.prepare_local_batch(cfg, FakeActor(), batch, rank, world)
+    local, _, _ = update_stages.prepare_local_batch(cfg, FakeActor(), batch, rank, world)
     got = local.routed_experts
     assert got is not None and len(got) == len(local)
     for j, gid in enumerate(local.group_ids.tolist()):  # the right record for every row this rank trains on

@@ -14,7 +14,7 @@ import pytest
 
 from pacs_megatron.config import ConfigError
 from pacs_megatron.launch.slurm import apply_srun_env, job_port, tasks_per_node
-from pacs_megatron.run.launch_info import cuda_ordinal
+from pacs_megatron.utils.devices import cuda_ordinal
 
 
 def test_tasks_per_node_and_job_port():

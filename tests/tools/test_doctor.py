@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pacs_megatron.cli import main
+from pacs_megatron.launch.memory_plan import estimate, total_params
 from pacs_megatron.tools import doctor
-from pacs_megatron.tools.memory import estimate, total_params
 
 REPO = Path(__file__).resolve().parents[2]
 # Qwen2.5-7B's config.json, the fields the estimate reads (known values; the model is not needed).
@@ -157,7 +157,7 @@ def test_memory_plan_counts_routing_replay():
     the compact uint8 copy) and its own rows' (uint8), worst case at full length; the GPU holds one
     micro-batch's int64 per-router indices."""
     from pacs_megatron.config import load_config
-    from pacs_megatron.tools.memory import GIB, estimate_run
+    from pacs_megatron.launch.memory_plan import GIB, estimate_run
 
     recipe = str(REPO / "examples/configs/qwen3_30b_a3b_pacs.yaml")
     off = estimate_run(load_config(recipe, []), QWEN3_30B_A3B, 80.0)

@@ -1,6 +1,7 @@
 """The asynchronous loop keeps the last trained step when a weight-sync check fails (issue #40 R3).
 
-In the step loop with separate engines (``sources.Pipelined``) the engines' probe of the weights pushed after step s - 1 is verified when step s's
+In the step loop with separate engines (``sources.Pipelined``) the engines' probe of the weights pushed after
+step s - 1 is verified when step s's
 rollouts are taken (async_stages.take_batch). A WeightSyncError there must checkpoint step s - 1 before
 it propagates, as the synchronous loop's ``_synced`` does, or up to ``save_freq - 1`` trained steps are
 lost. The stages are stubbed: this checks the loop's order of saving and raising, in-process.
@@ -12,13 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from pacs_megatron import async_stages, sources, train
 from pacs_megatron.config.training import TrainerConfig
+from pacs_megatron.loop import async_stages, sources, train
 from pacs_megatron.weight_sync import WeightSyncError
 
 
 def _loop(monkeypatch, start: int, fail_at: int) -> list[int]:
-    """Run the step loop over a pipelined source from ``start`` with take_batch failing its verify at step ``fail_at``; the saved steps."""
+    """Run the step loop over a pipelined source from ``start``, take_batch failing its verify at step ``fail_at``;
+    the saved steps."""
     saved: list[int] = []
 
     def take_batch(cfg, c, pipe, step):

@@ -8,8 +8,8 @@ import torch
 from _runs import CONFIG
 
 from pacs_megatron.config import ConfigError, load_config
+from pacs_megatron.loop.stages import val_sampling
 from pacs_megatron.rollout.hf_engine import sample_tokens
-from pacs_megatron.stages import val_sampling
 
 
 def test_val_sampling_fields_are_checked_and_temperature_zero_is_greedy():

@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pacs_megatron import sampling_stages, stages
 from pacs_megatron.config import load_config
 from pacs_megatron.data.batching import as_train_batch
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.data.sampler import PromptDataset
+from pacs_megatron.loop import sampling_stages, stages, update_stages
 from pacs_megatron.pacs.overlong import overlong_penalty
 from pacs_megatron.reward.accounting import FailureGuard
 from pacs_megatron.rollout.types import Response
@@ -167,7 +167,7 @@ def test_overlong_penalty_and_truncation_mask():
     # rollout correction multiplies its weights into the truncation mask instead of replacing it
     cfg.algorithm.rollout_correction = "tis"
     local = as_train_batch(batch, batch.rollout_logp + 0.01)
-    local, _ = stages.rollout_mismatch(cfg, local)
+    local, _ = update_stages.rollout_mismatch(cfg, local)
     assert torch.equal(
         local.is_weights == 0, (batch.is_weights == 0).expand_as(local.is_weights) | ~batch.response_mask
     )

@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pacs_megatron import stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import Rollouts
+from pacs_megatron.loop import stages
+from pacs_megatron.loop.stages import ScoredGroups
 from pacs_megatron.pacs.group_filter import filter_metrics, keep_groups, take_groups
 from pacs_megatron.pacs.overlong import overlong_metrics, overlong_penalty, truncation_weights
-from pacs_megatron.stages import ScoredGroups
 from pacs_megatron.utils.logging import get_logger
 
 if TYPE_CHECKING:
-    from pacs_megatron.runtime import Components
+    from pacs_megatron.loop.runtime import Components
 
 logger = get_logger(__name__)
 

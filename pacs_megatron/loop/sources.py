@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from pacs_megatron import async_stages, sampling_stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import Rollouts
+from pacs_megatron.loop import async_stages, sampling_stages
 
 if TYPE_CHECKING:
+    from pacs_megatron.loop.runtime import Components
     from pacs_megatron.rollout.pipeline import RolloutPipeline
-    from pacs_megatron.runtime import Components
 
 
 class RolloutSource(Protocol):

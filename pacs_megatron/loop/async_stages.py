@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from pacs_megatron import sampling_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import Rollouts
+from pacs_megatron.loop import sampling_stages, stages
 from pacs_megatron.rollout.pipeline import InFlightPrompts, RolloutPipeline
 
 if TYPE_CHECKING:
-    from pacs_megatron.runtime import Components
+    from pacs_megatron.loop.runtime import Components
 
 
 def start_pipeline(cfg: RunConfig, c: Components, resumed_step: int) -> RolloutPipeline:

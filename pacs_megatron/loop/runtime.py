@@ -205,7 +205,7 @@ class Components:
             "config": self.rt.config_dict,
             "model": model_shape(self.actor.hf_config.to_dict()),
         }
-        if self.actor.reference is not None:  # the reset schedule (stages.reset_reference) resumes exactly
+        if self.actor.reference is not None:  # the reset schedule (update_stages.reset_reference) resumes exactly
             extra["reference_reset_step"] = self.actor.reference.reset_step
         self.actor.save_checkpoint(str(directory), extra)
         if self.critic is not None:

@@ -1,14 +1,13 @@
-"""The named stages of one RL step; ``train.py`` calls them in order and holds no logic itself.
+"""The named stages of one RL step's update: this DP rank's rows, their advantages and pi_old's log-probs,
+``ppo_epochs`` x mini-batches of the loss, and PACS v2's reference reset.
 
-Every function here runs on every rank. Host-side work (sampling, scoring) is sharded over ranks
-and gathered, so every rank holds the step's whole :class:`Rollouts`; each data-parallel rank then
-trains on its own contiguous share of whole prompt groups, as :class:`TrainRows` (advantages added) and
-then :class:`TrainBatch` (pi_old's log-probs added; pacs/batch.py).
+Each data-parallel rank trains on its own contiguous share of whole prompt groups, as :class:`TrainRows`
+(advantages added) and then :class:`TrainBatch` (pi_old's log-probs added; pacs/batch.py). Every function
+runs on every rank.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
@@ -16,147 +15,18 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import (
-    Rollouts,
-    TrainBatch,
-    TrainRows,
-    build_rollouts,
-    dp_shard,
-    response_values,
-    split_mini_batches,
-)
+from pacs_megatron.data.batching import Rollouts, TrainBatch, TrainRows, dp_shard, split_mini_batches
 from pacs_megatron.data.packing import dp_balanced_shard
-from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.data.routing import RoutedExperts, fetch_routed_experts
-from pacs_megatron.diagnostics import post_update_metrics
-from pacs_megatron.eval.runner import evaluate
+from pacs_megatron.loop.diagnostics import post_update_metrics
 from pacs_megatron.pacs import PolicyLossConfig, get_loss, group_advantage, outcome_advantages
 from pacs_megatron.pacs.decoupled import decoupled_old_logp
-from pacs_megatron.reward.rollouts import score_rollouts
-from pacs_megatron.reward.verifiers import has_boxed
-from pacs_megatron.rollout.collect import generate_sharded
-from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 if TYPE_CHECKING:
     from pacs_megatron.actor.actor import MegatronActor
-    from pacs_megatron.runtime import Components, Runtime
-
-
-def train_sampling(cfg: RunConfig) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(
-        n=r.n,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_tokens=r.max_response_length,
-        seed=r.seed,
-    )
-
-
-def val_sampling(cfg: RunConfig) -> SamplingParams:
-    """trainer.val_*; ``val_temperature=0`` is greedy: the engines sample, and top_k=1 at T=1 is greedy
-    decoding (as the eval CLI does)."""
-    t = cfg.trainer
-    greedy = t.val_temperature == 0
-    return SamplingParams(
-        n=t.val_n,
-        temperature=1.0 if greedy else t.val_temperature,
-        top_p=t.val_top_p,
-        top_k=1 if greedy else -1,
-        max_tokens=cfg.rollout.max_response_length,
-        seed=cfg.rollout.seed,
-    )
-
-
-@dataclass(frozen=True)
-class ScoredGroups:
-    """One generation round: prompts, their ``n`` responses each, and the verifier's scores.
-
-    Example:
-        >>> ScoredGroups(records=[], groups=[], scores=[], reward_metrics={}).rows()
-        []
-    """
-
-    records: list[PromptRecord]
-    """``[P]`` PromptRecords, in the order they were drawn."""
-    groups: list[list[Response]]
-    """``[P][n]`` responses, group p answering records[p]."""
-    scores: list[float]
-    """``[P * n]`` verifiable rewards, group-major."""
-    reward_metrics: dict
-    """The scorer's counters of this round (reward/errors, ...)."""
-
-    def rows(self) -> list[tuple]:
-        """``(record, response)`` per row, group-major."""
-        return [(rec, resp) for rec, group in zip(self.records, self.groups) for resp in group]
-
-
-def generate_scored(
-    cfg: RunConfig, c: Components, records: list[PromptRecord], step: int, round_: int = 0
-) -> ScoredGroups:
-    """Sample ``n`` responses per prompt and score them (all rows, every rank). ``round_`` > 0 (a further
-    generation round of dynamic sampling) draws from its own seed, reproducibly."""
-    sampling = train_sampling(cfg)
-    if round_:
-        sampling = replace(sampling, seed=cfg.rollout.seed + 104_729 * round_)
-    groups: list[list[Response]] = generate_sharded(c.engine, [r.prompt_ids for r in records], sampling, step)
-    return score_groups(c, records, groups)
-
-
-def score_groups(c: Components, records: list[PromptRecord], groups: list[list[Response]]) -> ScoredGroups:
-    """Score the responses of ``records`` (``groups``: n per prompt, sampled here or by the engines of the
-    asynchronous loop); collective, every rank gets every score."""
-    flat = [(rec, resp) for rec, group in zip(records, groups) for resp in group]
-    scores, reward_metrics = score_rollouts(
-        c.scorer,
-        [rec.prompt_text for rec, _ in flat],
-        [resp.text for _, resp in flat],
-        [rec.answer for rec, _ in flat],
-        [dict(rec.extra) if rec.extra else None for rec, _ in flat],
-        sharded=True,
-        step=True,
-    )
-    return ScoredGroups(list(records), groups, scores, reward_metrics)
-
-
-def collect_batch(cfg: RunConfig, c: Components, records: list[PromptRecord], step: int) -> tuple[Rollouts, dict, list]:
-    """Sample ``n`` responses per prompt, score them, and pack the step's batch (all rows, every rank)."""
-    return assemble_batch(cfg, c, generate_scored(cfg, c, records, step), step)
-
-
-def assemble_batch(cfg: RunConfig, c: Components, scored: ScoredGroups, step: int) -> tuple[Rollouts, dict, list]:
-    """Pack scored rollouts into the step's batch, with its metrics and a few samples for rollouts.jsonl."""
-    flat, scores, reward_metrics = scored.rows(), scored.scores, scored.reward_metrics
-    batch = build_rollouts(
-        [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8
-    )
-    batch = replace(batch, rollout_logp=response_values(batch, [resp.logprobs for _, resp in flat]))
-    if cfg.actor.routing_replay == "rollout":  # MoE: the actor replays the engine's experts (data/routing.py)
-        routed = RoutedExperts.from_records([resp.routed_experts for _, resp in flat], batch.seq_lens)
-        batch = replace(batch, routed_experts=routed)  # this replica's rows only, until prepare_local_batch
-    lengths = torch.tensor([len(resp.token_ids) for _, resp in flat], dtype=torch.float32)
-    s = batch.scores.reshape(-1, cfg.rollout.n)
-    metrics = {
-        "reward/mean": batch.scores.mean(),
-        "reward/accuracy": (batch.scores > 0.5).float().mean(),
-        "data/mixed_group_frac": ((s.max(1).values > 0.5) & (s.min(1).values < 0.5)).float().mean(),
-        "data/all_correct_group_frac": (s.min(1).values > 0.5).float().mean(),
-        "response/length_mean": lengths.mean(),
-        "response/length_max": lengths.max(),
-        "response/truncation_rate": torch.tensor([float(resp.truncated) for _, resp in flat]).mean(),
-        "response/boxed_rate": torch.tensor([float(has_boxed(resp.text)) for _, resp in flat]).mean(),
-        "data/tokens": float(batch.seq_lens.sum()),
-        **reward_metrics,
-    }
-    samples = [
-        {"step": step, "prompt": rec.prompt_text, "response": resp.text, "answer": rec.answer, "score": sc}
-        for (rec, resp), sc in list(zip(flat, scores))[: cfg.trainer.log_rollouts]
-    ]
-    return batch, metrics, samples
 
 
 def forward_rows(cfg: RunConfig, dp_size: int) -> int:
@@ -298,36 +168,6 @@ def reset_reference(cfg: RunConfig, actor: MegatronActor, step: int) -> dict:
         ref.reset_step = step
         logger.info("step %d: reference policy reset to the live policy, optimizer state re-initialised", step)
     return {"reference/reset": float(reset), "reference/age": float(step - ref.reset_step)}
-
-
-def format_warmup(cfg: RunConfig, rt: Runtime, c: Components) -> dict:
-    """Supervised warm-up on (prompt, random digits + eos): teaches the answer *format*, never the
-    answer nor its length (targets are drawn uniformly), so the RL run still starts at chance level.
-    Prompts are drawn with their own RNG, so the RL prompt stream is untouched."""
-    from pacs_megatron.data.synthetic import format_warmup_examples
-
-    rng = random.Random(cfg.trainer.seed)
-    rows = cfg.mini_batch_prompts * cfg.rollout.n
-    last: dict = {}
-    lengths = [len(r.answer) for r in c.dataset.records]
-    for _ in range(cfg.trainer.sft_warmup_steps):
-        picked = [rng.choice(c.dataset.records) for _ in range(rows)]
-        pairs = format_warmup_examples(picked, rng, max(lengths), min(lengths))
-        shard = dp_shard(
-            build_rollouts([p for p, _ in pairs], [t for _, t in pairs], [0.0] * rows, 1, c.pad_id, 8),
-            rt.groups.dp_rank,
-            rt.groups.dp_size,
-        )
-        zeros = torch.zeros(shard.input_ids.shape)  # the sft loss reads no old log-probs and no advantages
-        local = TrainBatch.of_rows(TrainRows.of(shard, advantages=zeros[:, 0]), old_logp=zeros, old_entropy=zeros)
-        last = c.actor.train_step(local, loss_name="sft")
-    return last
-
-
-def validate(cfg: RunConfig, c: Components, step: int) -> dict:
-    """pass@k on the validation sets with the (just synced) engine; collective."""
-    metrics, _ = evaluate(c.engine, c.val_sets, val_sampling(cfg), cfg.trainer.val_k, c.scorer, sharded=True, step=step)
-    return metrics
 
 
 def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict]:

@@ -3,7 +3,7 @@ no-op for runs without a critic, so ``train.py`` calls them unconditionally.
 
     init_after_warmup  (after the format warm-up)  the critic's trunk re-copied from the actor, so the
                    critic starts from the policy that RL starts from (``critic.init=actor``)
-    advantages_of  (old-log-prob stage)  the advantage function stages.prepare_local_batch calls on this
+    advantages_of  (old-log-prob stage)  the advantage function update_stages.prepare_local_batch calls on this
                    DP rank's rows: critic values -> GAE per row (outcome reward on the last response
                    token) -> advantages whitened over all response tokens of the step (the statistics
                    all-reduced over DP, as the reference whitens the whole batch) -> per-token
@@ -26,13 +26,13 @@ import torch.distributed as dist
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import Rollouts, TrainRows, split_mini_batches
+from pacs_megatron.loop.update_stages import AdvantageFn, StepAdvantages
 from pacs_megatron.pacs import PolicyLossConfig, explained_variance, gae_advantages, outcome_token_rewards
 from pacs_megatron.pacs.gae import masked_mean_var
-from pacs_megatron.stages import AdvantageFn, StepAdvantages
 
 if TYPE_CHECKING:
+    from pacs_megatron.loop.runtime import Components
     from pacs_megatron.parallel import ParallelGroups
-    from pacs_megatron.runtime import Components
 
 
 def _sum_dp(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import as_train_batch, build_rollouts
-from pacs_megatron.diagnostics import post_update_metrics
+from pacs_megatron.loop.diagnostics import post_update_metrics
 from pacs_megatron.pacs.loss import pacs_loss
 
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 from test_sampling_stages import BASE, _components, _equal_batches
 
-from pacs_megatron import async_stages, sampling_stages
 from pacs_megatron.config import load_config
+from pacs_megatron.loop import async_stages, sampling_stages
 from pacs_megatron.rollout.collect import step_seed
 from pacs_megatron.rollout.pipeline import InFlightPrompts
 

@@ -21,16 +21,16 @@ from typing import Any, TypeVar
 
 import psutil
 
-from pacs_megatron import critic_stages, stages
 from pacs_megatron.config import RunConfig
 from pacs_megatron.config.training import stop_deadline
 from pacs_megatron.data.batching import Rollouts
+from pacs_megatron.loop import critic_stages, stages, update_stages
+from pacs_megatron.loop.runtime import Components, Runtime, build_components, setup, teardown
+from pacs_megatron.loop.sources import RolloutSource, rollout_source
 from pacs_megatron.run.checkpoint import CheckpointManager
 from pacs_megatron.run.layout import StepLayout
 from pacs_megatron.run.metrics import MetricsWriter, PhaseTimer, Progress, format_metrics
 from pacs_megatron.run.run_record import RunRecord
-from pacs_megatron.runtime import Components, Runtime, build_components, setup, teardown
-from pacs_megatron.sources import RolloutSource, rollout_source
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.utils.memory import StepMemory
 from pacs_megatron.utils.preemption import PreemptionFlag
@@ -135,11 +135,13 @@ def _update(run: _Run, batch: Rollouts, timer: PhaseTimer, step: int) -> dict:
     cfg, rt, c = run.cfg, run.rt, run.c
     with timer("old_logprob"):
         gae = critic_stages.advantages_of(cfg, c)  # ppo + learned critic: GAE per row; else outcome advantages
-        rows, old, metrics = stages.prepare_local_batch(cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size, gae)
+        rows, old, metrics = update_stages.prepare_local_batch(
+            cfg, c.actor, batch, rt.groups.dp_rank, rt.groups.dp_size, gae
+        )
     with timer("update"):
         metrics |= critic_stages.update_critic(cfg, c, rows)
-        metrics |= stages.update_actor(cfg, c.actor, rows, old, rt.groups.dp_size)
-        metrics |= stages.reset_reference(cfg, c.actor, step)  # algorithm.reference_reset_every
+        metrics |= update_stages.update_actor(cfg, c.actor, rows, old, rt.groups.dp_size)
+        metrics |= update_stages.reset_reference(cfg, c.actor, step)  # algorithm.reference_reset_every
         metrics |= c.actor.offload()  # actor.offload_during_rollout: optimizer state to host until next use
     return metrics
 

@@ -5,8 +5,10 @@
     async_stages     what the pipeline adds: take a step's rollouts, push the weights as a policy version
     sampling_stages  dynamic sampling (group filtering rounds) and the overlong penalty
     critic_stages    the learned critic (GAE advantages, its update); no-ops without one
-    update_stages    this rank's rows, advantages, pi_old's log-probs, the actor's update, the reference reset
-    stages           sampling, scoring and the step's batch; validation; the format warm-up
+    update_stages    this rank's rows, pi_old's log-probs, the actor's update, the reference reset
+    advantages       outcome advantages, or the run's own advantage function (the critic's GAE)
+    stages           sampling, scoring and the step's batch; validation
+    warmup           the supervised format warm-up before RL
     diagnostics      the PACS metrics recomputed after the update (``pacs/post_*``)
     runtime          what a run holds besides the loop: process groups, directories, resume, the components
 

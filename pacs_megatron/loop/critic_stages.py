@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import Rollouts, TrainRows, split_mini_batches
-from pacs_megatron.loop.update_stages import AdvantageFn, StepAdvantages
+from pacs_megatron.loop.advantages import AdvantageFn, StepAdvantages
 from pacs_megatron.pacs import PolicyLossConfig, explained_variance, gae_advantages, outcome_token_rewards
 from pacs_megatron.pacs.gae import masked_mean_var
 

@@ -7,14 +7,13 @@ and gathered, so every rank holds the step's whole :class:`Rollouts`.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import Rollouts, TrainBatch, TrainRows, build_rollouts, dp_shard, response_values
+from pacs_megatron.data.batching import Rollouts, build_rollouts, response_values
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.data.routing import RoutedExperts
 from pacs_megatron.eval.runner import evaluate
@@ -24,7 +23,7 @@ from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.types import Response, SamplingParams
 
 if TYPE_CHECKING:
-    from pacs_megatron.loop.runtime import Components, Runtime
+    from pacs_megatron.loop.runtime import Components
 
 
 def train_sampling(cfg: RunConfig) -> SamplingParams:
@@ -139,30 +138,6 @@ def assemble_batch(cfg: RunConfig, c: Components, scored: ScoredGroups, step: in
         for (rec, resp), sc in list(zip(flat, scores))[: cfg.trainer.log_rollouts]
     ]
     return batch, metrics, samples
-
-
-def format_warmup(cfg: RunConfig, rt: Runtime, c: Components) -> dict:
-    """Supervised warm-up on (prompt, random digits + eos): teaches the answer *format*, never the
-    answer nor its length (targets are drawn uniformly), so the RL run still starts at chance level.
-    Prompts are drawn with their own RNG, so the RL prompt stream is untouched."""
-    from pacs_megatron.data.synthetic import format_warmup_examples
-
-    rng = random.Random(cfg.trainer.seed)
-    rows = cfg.mini_batch_prompts * cfg.rollout.n
-    last: dict = {}
-    lengths = [len(r.answer) for r in c.dataset.records]
-    for _ in range(cfg.trainer.sft_warmup_steps):
-        picked = [rng.choice(c.dataset.records) for _ in range(rows)]
-        pairs = format_warmup_examples(picked, rng, max(lengths), min(lengths))
-        shard = dp_shard(
-            build_rollouts([p for p, _ in pairs], [t for _, t in pairs], [0.0] * rows, 1, c.pad_id, 8),
-            rt.groups.dp_rank,
-            rt.groups.dp_size,
-        )
-        zeros = torch.zeros(shard.input_ids.shape)  # the sft loss reads no old log-probs and no advantages
-        local = TrainBatch.of_rows(TrainRows.of(shard, advantages=zeros[:, 0]), old_logp=zeros, old_entropy=zeros)
-        last = c.actor.train_step(local, loss_name="sft")
-    return last
 
 
 def validate(cfg: RunConfig, c: Components, step: int) -> dict:

@@ -24,7 +24,7 @@ import psutil
 from pacs_megatron.config import RunConfig
 from pacs_megatron.config.training import stop_deadline
 from pacs_megatron.data.batching import Rollouts
-from pacs_megatron.loop import critic_stages, stages, update_stages
+from pacs_megatron.loop import critic_stages, stages, update_stages, warmup
 from pacs_megatron.loop.runtime import Components, Runtime, build_components, setup, teardown
 from pacs_megatron.loop.sources import RolloutSource, rollout_source
 from pacs_megatron.run.checkpoint import CheckpointManager
@@ -71,7 +71,7 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     flag = PreemptionFlag(replace(cfg.trainer, stop_after_s=0.0, deadline_unix=stop_deadline(cfg.trainer, launched)))
     writer.truncate_after(start)  # metrics, rollouts and TensorBoard end at the resumed step
     if rt.resume is None and cfg.trainer.sft_warmup_steps:
-        logger.info("format warm-up: %s", format_metrics(stages.format_warmup(cfg, rt, c)))
+        logger.info("format warm-up: %s", format_metrics(warmup.format_warmup(cfg, rt, c)))
         critic_stages.init_after_warmup(cfg, c)  # the critic starts from the warmed-up policy
     c.sync.sync(version=start)  # the engines start from the actor's weights (policy version = step), verified
     if rt.resume is None and cfg.trainer.val_before_train:

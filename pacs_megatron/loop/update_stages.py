@@ -8,9 +8,8 @@ runs on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,8 +17,8 @@ from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import Rollouts, TrainBatch, TrainRows, dp_shard, split_mini_batches
 from pacs_megatron.data.packing import dp_balanced_shard
 from pacs_megatron.data.routing import RoutedExperts, fetch_routed_experts
+from pacs_megatron.loop.advantages import AdvantageFn, outcome_step_advantages
 from pacs_megatron.loop.diagnostics import post_update_metrics
-from pacs_megatron.pacs import PolicyLossConfig, get_loss, group_advantage, outcome_advantages
 from pacs_megatron.pacs.decoupled import decoupled_old_logp
 from pacs_megatron.utils.logging import get_logger
 
@@ -36,31 +35,6 @@ def forward_rows(cfg: RunConfig, dp_size: int) -> int:
     if not algo.old_logp_from_forward or algo.rollout_correction != "none":
         return 0
     return cfg.mini_batch_prompts // dp_size * cfg.rollout.n
-
-
-class StepAdvantages(NamedTuple):
-    """What the advantage stage gives this rank's rows: outcome advantages, or the critic's GAE."""
-
-    advantages: torch.Tensor
-    old_values: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-    metrics: dict | None = None
-
-
-AdvantageFn = Callable[[Rollouts], StepAdvantages]
-"""The advantages of this DP rank's rows (collective); critic_stages gives one for runs with a critic."""
-
-
-def outcome_step_advantages(cfg: RunConfig, rows: Rollouts) -> StepAdvantages:
-    """Advantages from the rows' rewards alone: the loss's estimator for the baselines (GRPO, PPO, GSPO);
-    for PACS, its ``adv_estimator`` of R, the per-row weight of its gradient while psi = 0 (the loss
-    computes its own score from r); 0 for losses that read none (``sft``, a custom loss)."""
-    loss_cfg = cfg.algorithm.loss_config()
-    if get_loss(cfg.algorithm.loss).needs_advantages and isinstance(loss_cfg, PolicyLossConfig):
-        return StepAdvantages(outcome_advantages(rows.scores, rows.group_size, loss_cfg))
-    if cfg.algorithm.loss == "pacs":
-        return StepAdvantages(group_advantage(rows.scores.float(), rows.group_size, loss_cfg.adv_estimator))
-    return StepAdvantages(torch.zeros(len(rows)))
 
 
 @dataclass(frozen=True)

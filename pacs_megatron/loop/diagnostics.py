@@ -29,6 +29,7 @@ import torch.distributed as dist
 from pacs_megatron.pacs.advantage import group_advantage
 from pacs_megatron.pacs.implicit import implicit_reward
 from pacs_megatron.pacs.loss import pacs_loss
+from pacs_megatron.pacs.registry import pacs_anchor
 
 if TYPE_CHECKING:
     from pacs_megatron.actor.actor import MegatronActor
@@ -50,10 +51,8 @@ def post_update_metrics(cfg: RunConfig, actor: MegatronActor, local: TrainBatch)
             local, micro_batch_size=mbs, temperature=cfg.rollout.temperature, response_only=True
         )
         pacs = cfg.algorithm.pacs
-        anchor = local.old_logp if pacs.anchor == "old" else local.ref_logp
-        assert anchor is not None  # anchor=reference runs keep a reference (AlgorithmConfig.needs_reference)
-        anchor = anchor.float()
         logp = out.token_logp.float()
+        anchor = pacs_anchor(local, logp, pacs).float()  # the loss's own choice of anchor
         _, m = pacs_loss(logp, anchor, local.response_mask, local.scores, local.group_size, pacs)
         r = implicit_reward(logp, anchor, local.response_mask, pacs.beta, pacs.reward_method)
         psi = group_advantage(r, local.group_size, pacs.adv_estimator, pacs.norm_adv_by_std)

@@ -74,8 +74,7 @@ def prepare_local_batch(
         )
     rows = TrainRows.of(local, advantages=adv.advantages, ref_logp=ref, old_values=adv.old_values, returns=adv.returns)
     first = forward_rows(cfg, dp_size)
-    old = torch.zeros((len(rows) - first, rows.input_ids.shape[1]))
-    entropy = torch.zeros_like(old)
+    old = entropy = torch.zeros((0, rows.input_ids.shape[1]))  # every row's comes from its training forward
     if first < len(rows):  # mini-batches after the first: the no-grad pass under pi_old
         mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
         out = actor.compute_logprobs(

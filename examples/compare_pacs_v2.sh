@@ -8,7 +8,9 @@
 #   examples/compare_pacs_v2.sh                 # today's task, 3 seeds, 20 steps
 #   SEEDS=5 STEPS=40 OUT=/tmp/cmp examples/compare_pacs_v2.sh
 # Cost: 4 methods x (3 lrs x 2 tuning seeds + S seeds) runs; on the 2-core CPU a 20-step run with its
-# three validations takes ~25-35 min, so the whole protocol is a day of CPU; on one H200, ~3 min per 6 runs.
+# three validations takes ~25-35 min, so the whole protocol is a day of CPU. On one H200 (2026-11-28, HF engine,
+# JOBS=12 sharing the GPU, each capped at its share of the memory) a run took ~190 s: the protocol is ~13 min
+# of GPU, two 15-minute leases (compare resumes; docs/results/smollm2_pacs_gpu_partial/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=examples/configs/cpu_smollm2_pacs_v1.yaml

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from pacs_megatron.config import ConfigError, ParallelConfig
 from pacs_megatron.parallel.cpu_patches import apply_cpu_patches
-from pacs_megatron.utils.devices import cuda_ordinal
+from pacs_megatron.utils.devices import cuda_ordinal, memory_fraction
 from pacs_megatron.utils.dist import free_port, under_launcher
 from pacs_megatron.utils.logging import get_logger
 
@@ -103,6 +103,9 @@ def init_distributed(cfg: ParallelConfig) -> torch.device:
     )
     if has_gpu:
         torch.cuda.set_device(device)
+        share = memory_fraction()  # runs sharing this GPU (compare --jobs): each keeps to its share
+        if share is not None:
+            torch.cuda.set_per_process_memory_fraction(share, device)
     else:
         apply_cpu_patches()
     if dist.is_initialized():

@@ -62,6 +62,7 @@ from pacs_megatron.tools.compare_report import (
     table,
 )
 from pacs_megatron.tools.plot import read_metrics
+from pacs_megatron.utils.devices import MEMORY_FRACTION_ENV, share_gpus, visible_gpus
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.preemption import unwind_on_signals
 from pacs_megatron.utils.proc import die_with_parent
@@ -168,6 +169,22 @@ class Runner:
         # 2 runs x 2 threads on 2 cores ran 5x slower per step than one). The shell's value wins.
         threads = str(getattr(args, "threads_per_rank", 1))
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
+        # Runs that share a GPU each keep to their share of its memory: on one H200, 12 SmolLM2 runs whose
+        # caching allocators each grew to ~12.5 GB filled its 140 GB and 13 of 24 runs died of CUDA OOM
+        # (2026-11-28). One-rank runs are pinned to the least busy GPU; larger ones see every GPU.
+        ranks = getattr(args, "ranks_per_run", 1)
+        self.gpus = visible_gpus() if getattr(args, "share_gpus", True) else []
+        per_gpu, self.memory_fraction = share_gpus(getattr(args, "jobs", 1) or 1, ranks, self.gpus)
+        self.pin = ranks == 1 and len(self.gpus) > 0
+        self._gpu_of: dict[tuple, str] = {}
+        if self.memory_fraction is not None:
+            logger.info(
+                "%d run(s) share each of %d GPU(s): each process may hold %.0f%% of its GPU's memory (%s)",
+                per_gpu,
+                len(self.gpus),
+                100 * self.memory_fraction,
+                MEMORY_FRACTION_ENV,
+            )
 
     def settings(self, method: str, lr: float, seed: int, critic_lr: float | None = None) -> list[str]:
         """The overrides that make this run (all but its directories)."""
@@ -230,7 +247,11 @@ class Runner:
                 d.mkdir(parents=True, exist_ok=True)
                 log = (d / "train.log").open("a")
                 proc = subprocess.Popen(
-                    self.command(*spec), stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent
+                    self.command(*spec),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.run_env(spec),
+                    preexec_fn=die_with_parent,
                 )
                 running[spec] = (proc, log)
                 logger.info("started %s", run_name(*spec))
@@ -240,12 +261,24 @@ class Runner:
                     continue
                 log.close()
                 del running[spec]
+                self._gpu_of.pop(spec, None)
                 self.done += 1
                 if proc.returncode != 0:
                     failed.add(spec)
                     logger.error("%s failed (exit %d): see its train.log", run_name(*spec), proc.returncode)
                 logger.info("progress: %d/%d runs done", self.done, self.total)
                 self._progress(list(running))
+
+    def run_env(self, spec: tuple) -> dict[str, str]:
+        """The environment of one run: the threads, and on GPUs its device and memory share."""
+        env = dict(self.env)
+        if self.memory_fraction is not None:
+            env[MEMORY_FRACTION_ENV] = str(self.memory_fraction)
+        if self.pin:
+            busy = list(self._gpu_of.values())
+            gpu = min(self.gpus, key=busy.count)  # the first of the least busy
+            self._gpu_of[spec] = env["CUDA_VISIBLE_DEVICES"] = gpu
+        return env
 
     def _progress(self, running: list[tuple]) -> None:
         state = {"done": self.done, "total": self.total, "running": [run_name(*s) for s in running]}
@@ -453,6 +486,7 @@ def main(args: argparse.Namespace) -> int:
     ranks = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     args.jobs = args.jobs or max(1, (os.cpu_count() or 1) // ranks)
     args.threads_per_rank = max(1, (os.cpu_count() or 1) // (args.jobs * ranks))
+    args.ranks_per_run = ranks
     # SIGTERM (kill PID) unwinds like Ctrl-C, so Runner stops its runs: none is left going. A second one
     # kills them all at once, even while this process waits in a native call (utils/preemption.py).
     unwind_on_signals("the runs' current steps were not saved (rerun the command to resume them)")

@@ -39,3 +39,54 @@ def cuda_ordinal(local_rank: int, visible: int, environ: dict | None = None) -> 
         f"LOCAL_RANK={local_rank} but this task sees {visible} GPU(s) ({seen}): start at most {visible} "
         "rank(s) per node (NPROC_PER_NODE / --nproc-per-node), or make every GPU visible to each task"
     )
+
+
+MEMORY_FRACTION_ENV = "PACS_CUDA_MEMORY_FRACTION"
+"""Set by a launcher that puts several runs on one GPU (``pacs-megatron compare --jobs``): the share of the
+device's memory this process may hold (``torch.cuda.set_per_process_memory_fraction``)."""
+
+
+def memory_fraction(environ: Mapping[str, str] | None = None) -> float | None:
+    """The share of its GPU this process may hold, from ``PACS_CUDA_MEMORY_FRACTION`` (None: all of it)."""
+    from pacs_megatron.config import ConfigError
+
+    text = (os.environ if environ is None else environ).get(MEMORY_FRACTION_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{MEMORY_FRACTION_ENV}={text!r} must be a fraction in (0, 1]: unset it to use the whole GPU")
+    return value
+
+
+def share_gpus(jobs: int, ranks_per_run: int, gpus: list[str]) -> tuple[int, float | None]:
+    """How ``jobs`` concurrent runs of ``ranks_per_run`` ranks share the visible ``gpus``: (runs on one GPU,
+    each process's memory fraction, None when no GPU is shared). The fraction leaves 15 % of the GPU
+    outside the caching allocators, for what they do not count: each process's CUDA context, cuBLAS and
+    cuDNN workspaces and NCCL buffers (~1-1.5 GB each; with 12 runs on an H200 those failed first:
+    CUBLAS_STATUS_ALLOC_FAILED, NCCL "unhandled cuda error")."""
+    if not gpus:
+        return 0, None
+    per_gpu = -(-jobs * ranks_per_run // len(gpus))
+    return per_gpu, (round(0.85 / per_gpu, 4) if per_gpu > 1 else None)
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The GPUs this process may give out, by the ids CUDA_VISIBLE_DEVICES takes (nvidia-smi's count when
+    it is unset; no CUDA initialisation in this process)."""
+    import shutil
+    import subprocess
+
+    env = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip() and d.strip() != "-1"]
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]

@@ -1,6 +1,7 @@
 """The actor on one GPU (TE layer spec when Transformer Engine imports, local spec otherwise).
 
-Passed on an H100 without Transformer Engine (local spec), 2026-11-25. Run with ``pytest -m gpu``.
+Passed on an H100 without Transformer Engine (local spec), 2026-11-25; the fused-head variants on an H200,
+2026-11-28. Run with ``pytest -m gpu``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from pacs_megatron.data.batching import as_train_batch
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_body(rank, world, model_dir, dtype):
+def _gpu_body(rank, world, model_dir, dtype, fused_head="false"):
     from dataclasses import replace
 
     from pacs_megatron.actor import MegatronActor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir)
-    cfg = replace(cfg, model=replace(cfg.model, dtype=dtype))
+    cfg = replace(cfg, model=replace(cfg.model, dtype=dtype, fused_lm_head=fused_head))
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
     actor = MegatronActor(cfg, groups, model_dir)
     batch = sample_batch(255)
@@ -41,11 +42,13 @@ def _gpu_body(rank, world, model_dir, dtype):
     }
 
 
+@pytest.mark.parametrize("fused_head", ["false", "true"])
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-3), ("bfloat16", 1e-1)])
-def test_one_gpu_actor(tmp_path, dtype, tol):
+def test_one_gpu_actor(tmp_path, dtype, tol, fused_head):
+    """fused_head: the LM head fused into the log-prob op (ops/head.py) on CUDA, the same checks."""
     model_dir = make_qwen2(tmp_path / "m", vocab=255)
     # the helper starts an NCCL process group; init_distributed keeps it and selects cuda:0
-    r = run_distributed(_gpu_body, 1, model_dir, dtype, gpu=True)[0]
+    r = run_distributed(_gpu_body, 1, model_dir, dtype, fused_head, gpu=True)[0]
     assert r["device"].startswith("cuda") and dtype in r["dtype"]
     orig = load_file(f"{model_dir}/model.safetensors")
     cast = {k: v.to(getattr(torch, dtype)).float() for k, v in orig.items()}

@@ -289,3 +289,32 @@ def test_grid_grows_until_the_optimum_is_interior():
         0,
     )
     assert out["ppo"]["chosen"] == pytest.approx(1e-4)
+
+
+def test_runs_sharing_a_gpu_are_pinned_and_capped(tmp_path, monkeypatch):
+    """Concurrent runs on GPUs: each one-rank run goes to the least busy visible GPU and may hold only its
+    share of that GPU's memory (PACS_CUDA_MEMORY_FRACTION, applied by parallel/groups.py). Without the cap,
+    12 SmolLM2 runs on one H200 let their caching allocators fill it and 13 of 24 died of CUDA OOM."""
+    import argparse
+
+    from pacs_megatron.config import ConfigError
+    from pacs_megatron.utils.devices import MEMORY_FRACTION_ENV, memory_fraction, share_gpus
+
+    assert share_gpus(12, 1, ["0"]) == (12, 0.0708)
+    assert share_gpus(2, 1, ["0", "1"]) == (1, None)  # one run a GPU: nothing to share
+    assert share_gpus(4, 2, ["0", "1"]) == (4, 0.2125)
+    assert share_gpus(8, 1, []) == (0, None)  # CPU runs: no GPU settings at all
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    args = argparse.Namespace(config=str(GENERALIZE), out=str(tmp_path), steps=4, overrides=SMALL, jobs=4)
+    args.ranks_per_run = 1
+    runner = Runner(args)
+    envs = [runner.run_env(("pacs", 1e-3, seed)) for seed in range(4)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3", "5", "3", "5"]
+    assert {e[MEMORY_FRACTION_ENV] for e in envs} == {"0.425"}
+    del runner._gpu_of[("pacs", 1e-3, 2)]  # that run ended: its GPU is the least busy one
+    assert runner.run_env(("pacs", 1e-3, 9))["CUDA_VISIBLE_DEVICES"] == "3"
+
+    assert memory_fraction({MEMORY_FRACTION_ENV: "0.25"}) == 0.25 and memory_fraction({}) is None
+    with pytest.raises(ConfigError, match=MEMORY_FRACTION_ENV):
+        memory_fraction({MEMORY_FRACTION_ENV: "1.5"})

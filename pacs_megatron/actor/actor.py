@@ -23,6 +23,8 @@ import torch
 from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, gather_rows, run_schedule
 from pacs_megatron.actor.logit_rows import set_fused_head
+from pacs_megatron.actor.lora import apply_lora, sum_replicated_lora_grads
+from pacs_megatron.actor.lora_reference import LoRAReference
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, seed_for_init, transformer_config
 from pacs_megatron.actor.moe import MoeStats
 from pacs_megatron.actor.moe_aux import MoeAuxLoss
@@ -87,7 +89,7 @@ def resolve_dtype(name: str, on_gpu: bool) -> torch.dtype:
 class MegatronActor:
     """The trainable policy (see module docstring)."""
 
-    reference: ReferencePolicy | None = None
+    reference: ReferencePolicy | LoRAReference | None = None
     """The frozen reference policy of the KL term (algorithm.kl_loss_coef > 0) and of PACS v2's anchor
     (algorithm.pacs.anchor=reference), else None: nothing built."""
 
@@ -123,7 +125,22 @@ class MegatronActor:
             chunks = build_model_chunks(self.spec, self.config, groups)
         if cfg.model.loads_weights:
             load_hf_weights(chunks, self.spec, self.model_dir, groups)
+        lora = cfg.actor.lora
+        if lora.enabled:  # adapters on the loaded base, which freezes (actor/lora.py, docs/lora.md)
+            for c in chunks:
+                apply_lora(
+                    c,
+                    lora.targets,
+                    lora.rank,
+                    lora.alpha,
+                    lora.dropout,
+                    seed=cfg.model.seed,
+                    tp_rank=groups.tp_rank,
+                    tp_size=groups.tp_size,
+                )
         self.model = wrap_ddp(chunks, self.config, cfg, groups)
+        if lora.enabled:
+            sum_replicated_lora_grads(self.config, self.model, groups.tp_group)
         set_fused_head(chunks, cfg.model.use_fused_lm_head(on_gpu))  # actor/logit_rows.py, ops/head.py
         self.moe_stats = (
             MoeStats(chunks, self.spec.num_layers, self.spec.num_experts, self.spec.num_experts_per_tok)
@@ -147,17 +164,21 @@ class MegatronActor:
         """Steps skipped because the loss or a metric (log-probs, old log-probs) was NaN/inf."""
         self.offloader = ActorOffload(self.model, self.optimizer, groups.device)
         if cfg.algorithm.needs_reference:
-            self.reference = ReferencePolicy(self)
+            self.reference = LoRAReference(self) if lora.enabled else ReferencePolicy(self)
         if cfg.actor.offload_during_rollout:  # free the (empty) grad buffer before the engine sizes its memory
             self.offload()
         n_params = sum(p.numel() for c in self.model for p in c.parameters())
+        self.trainable_params = sum(p.numel() for c in self.model for p in c.parameters() if p.requires_grad)
+        """Parameters the optimizer updates on this rank (LoRA: the adapters only)."""
         logger.info(
-            "actor: %s, %d layers, %s, %d parameters on rank %d, %s optimizer",
+            "actor: %s, %d layers, %s, %d parameters on rank %d (%d trainable, %.2f%%), %s optimizer",
             self.spec.model_type,
             self.spec.num_layers,
             self.param_dtype,
             n_params,
             groups.rank,
+            self.trainable_params,
+            100.0 * self.trainable_params / max(n_params, 1),
             "distributed" if self.distributed_optimizer else "plain",
         )
 

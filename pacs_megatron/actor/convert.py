@@ -183,6 +183,8 @@ def chunk_param_maps(chunk, spec: ModelSpec) -> list[ParamMap]:
     layers = list(chunk.decoder.layers)
     maps = []
     for name, _ in chunk.named_parameters():
+        if name.rsplit(".", 1)[-1].startswith("lora_"):
+            continue  # a LoRA adapter has no HF tensor of its own: it goes out merged into its base (weights.py)
         m = _LAYER_RE.match(name)
         if m:
             layer = layers[int(m.group(1))]

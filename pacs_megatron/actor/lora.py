@@ -14,7 +14,7 @@ matches its slice of ``W`` (the merged weight is a local product: no collective 
 Collectives: none in forward and none per micro-batch beyond what the base layer already does.
 - Column: the base all-reduces the gradient of its input (megatron does it inside the matmul's backward,
   overlapped with the weight gradient). With the base frozen there is no weight gradient to overlap, so
-  :class:`LoRAColumn` moves that one all-reduce in front of base and adapter together
+  the adapted forward moves that one all-reduce in front of base and adapter together
   (``copy_to_tensor_model_parallel_region``): the partial input gradients of both are summed by it.
 - Row: the adapter's partial product ``x_shard A_shard^T B^T`` is added to the base's partial output
   *before* the base's all-reduce, which sums both.
@@ -34,6 +34,7 @@ adapter-only syncs and the PEFT export (docs/lora.md says what is done and what 
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Iterable
 
 import torch
@@ -47,142 +48,200 @@ REPLICATED = "lora_tp_replicated"
 """Attribute set on an adapter factor that every TP rank holds whole: its gradient is partial per rank."""
 
 
-class _LoRA(nn.Module):
-    """The adapter's factors and scaling; the subclasses place them around the base."""
+def _column_forward(self, x: torch.Tensor, *args, **kwargs):
+    """ColumnParallelLinear.forward with the adapter: the input-gradient all-reduce in front of both."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    def __init__(
-        self,
-        base: nn.Module,
-        a_shape: tuple[int, int],
-        b_shape: tuple[int, int],
-        rank: int,
-        alpha: float,
-        dropout: float,
-        replicated: str,
-    ) -> None:
-        super().__init__()
-        self.base = base
-        for p in base.parameters():
-            p.requires_grad_(False)  # the base is frozen: only the adapters reach the optimizer
-        dev, dtype = base.weight.device, base.weight.dtype
-        self.lora_a = nn.Parameter(torch.empty(a_shape, device=dev, dtype=dtype))
-        self.lora_b = nn.Parameter(torch.zeros(b_shape, device=dev, dtype=dtype))
-        # PEFT's init: A Kaiming-uniform (a = sqrt(5), torch's nn.Linear default), B = 0: step 0 is the base
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-        setattr(getattr(self, replicated), REPLICATED, True)
-        self.rank, self.scaling = rank, alpha / rank
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.enabled = True  # off: the base alone (the reference policy without a copy of the model)
-
-    def merged_weight(self) -> torch.Tensor:
-        """This rank's shard of ``W + (alpha / r) B A``, the shape of the base's weight (no collective)."""
-        delta = (self.lora_b.float() @ self.lora_a.float()) * self.scaling
-        return (self.base.weight.float() + delta).to(self.base.weight.dtype)
-
-    def _delta(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.dropout(x) @ self.lora_a.t()) @ self.lora_b.t() * self.scaling
+    if self.tp_group is not None and self.tp_group.size() > 1:
+        x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+    out, bias = type(self).forward(self, x, *args, **kwargs)
+    return (out + _delta(self, x).to(out.dtype) if self.lora_enabled else out), bias
 
 
-class LoRAColumn(_LoRA):
-    """LoRA around a ``ColumnParallelLinear`` without ``gather_output`` (qkv, fc1): A replicated, B sharded."""
+def _row_forward(self, x: torch.Tensor):
+    """RowParallelLinear.forward (input_is_parallel, no SP) with the adapter's partial product added before
+    its all-reduce."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0) -> None:
-        if getattr(base, "gather_output", False) or getattr(base, "sequence_parallel", False):
-            raise ValueError("LoRAColumn: the base must not gather its output nor use sequence parallelism")
-        super().__init__(
-            base, (rank, base.input_size), (base.output_size_per_partition, rank), rank, alpha, dropout, "lora_a"
-        )
+    out = self._forward_impl(
+        input=x,
+        weight=self.weight,
+        bias=None,
+        gradient_accumulation_fusion=False,  # the base weight has no gradient
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        tp_group=None,
+        grad_output_buffer=None,
+    )
+    if self.lora_enabled:
+        out = out + _delta(self, x).to(out.dtype)
+    if self.tp_group is not None and self.tp_group.size() > 1:
+        out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+    if self.skip_bias_add:
+        return out, self.bias
+    return (out + self.bias if self.bias is not None else out), None
+
+
+def _delta(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    a, b = module.lora_a, module.lora_b
+    return (module.lora_dropout(x).to(a.dtype) @ a.t()) @ b.t() * module.lora_scaling
+
+
+def _sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+    """The base layer's checkpoint entries plus the adapter's, each sharded on its TP axis (a replicated
+    factor is saved once, like a bias of a row-parallel layer)."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    axes = {"weight": 0, "bias": 0, "lora_b": 0} if self.lora_kind == "column" else {"weight": 1, "lora_a": 1}
+    return make_sharded_tensors_for_checkpoint(
+        self.state_dict(prefix="", keep_vars=True),
+        prefix,
+        axes,
+        sharded_offsets,
+        tp_group=self.tp_group,
+        dp_cp_group=(metadata or {}).get("dp_cp_group"),
+    )
+
+
+def attach_lora(module: nn.Module, kind: str, rank: int, alpha: float, dropout: float = 0.0) -> nn.Module:
+    """Give one megatron ``ColumnParallelLinear`` (``kind="column"``, no ``gather_output``) or
+    ``RowParallelLinear`` (``kind="row"``, ``input_is_parallel``) an adapter, in place: parameters ``lora_a``
+    and ``lora_b`` on the module (so every existing parameter keeps its name: checkpoints, the HF name maps
+    and the weight sync see the base where it was), its forward and checkpoint entries replaced."""
+    if getattr(module, "sequence_parallel", False) or getattr(module, "explicit_expert_comm", False):
+        raise ValueError("LoRA: sequence parallelism and expert linears are not supported yet")
+    if kind == "column":
+        if getattr(module, "gather_output", False):
+            raise ValueError("LoRA: a column-parallel base must not gather its output")
+        a_shape, b_shape, replicated = (rank, module.input_size), (module.output_size_per_partition, rank), "lora_a"
         # The base's own input-gradient all-reduce moves in front of base and adapter (module docstring).
-        base.allreduce_dgrad = False
-        base.disable_grad_reduce = True
-
-    def forward(self, x: torch.Tensor, *args, **kwargs):
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-        if self.base.tp_group is not None and self.base.tp_group.size() > 1:
-            x = copy_to_tensor_model_parallel_region(x, group=self.base.tp_group)
-        out, bias = self.base(x, *args, **kwargs)
-        if self.enabled:
-            out = out + self._delta(x).to(out.dtype)
-        return out, bias
-
-
-class LoRARow(_LoRA):
-    """LoRA around a ``RowParallelLinear`` with ``input_is_parallel`` (proj, fc2): A sharded, B replicated."""
-
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0) -> None:
-        if not getattr(base, "input_is_parallel", False) or getattr(base, "sequence_parallel", False):
-            raise ValueError("LoRARow: the base must take a parallel input and not use sequence parallelism")
-        super().__init__(
-            base, (rank, base.input_size_per_partition), (base.output_size, rank), rank, alpha, dropout, "lora_b"
-        )
-
-    def forward(self, x: torch.Tensor):
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-        base = self.base
-        # RowParallelLinear.forward with the adapter's partial product added before its all-reduce
-        out = base._forward_impl(
-            input=x,
-            weight=base.weight,
-            bias=None,
-            gradient_accumulation_fusion=False,  # the base weight has no gradient
-            allreduce_dgrad=False,
-            sequence_parallel=False,
-            tp_group=None,
-            grad_output_buffer=None,
-        )
-        if self.enabled:
-            out = out + self._delta(x).to(out.dtype)
-        if base.tp_group is not None and base.tp_group.size() > 1:
-            out = reduce_from_tensor_model_parallel_region(out, group=base.tp_group)
-        if base.skip_bias_add:
-            return out, base.bias
-        return (out + base.bias if base.bias is not None else out), None
+        module.allreduce_dgrad = False
+        module.disable_grad_reduce = True
+        forward = _column_forward
+    elif kind == "row":
+        if not getattr(module, "input_is_parallel", False):
+            raise ValueError("LoRA: a row-parallel base must take a parallel input")
+        a_shape, b_shape, replicated = (rank, module.input_size_per_partition), (module.output_size, rank), "lora_b"
+        forward = _row_forward
+    else:
+        raise ValueError(f"LoRA: kind {kind!r} is neither column nor row")
+    for p in module.parameters():
+        p.requires_grad_(False)  # the base is frozen: only the adapters reach the optimizer
+    module.gradient_accumulation_fusion = False  # no main_grad for the frozen weight to accumulate into
+    dev, dtype = module.weight.device, module.weight.dtype
+    # B = 0 (PEFT's init: step 0 is the base); A is drawn by init_lora_a from its own seed, never from the
+    # global RNG, so adding LoRA leaves the run's sampling streams as they were
+    module.lora_a = nn.Parameter(torch.zeros(a_shape, device=dev, dtype=dtype))
+    module.lora_b = nn.Parameter(torch.zeros(b_shape, device=dev, dtype=dtype))
+    setattr(getattr(module, replicated), REPLICATED, True)
+    module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+    module.lora_kind, module.lora_rank, module.lora_scaling = kind, rank, alpha / rank
+    module.lora_enabled = True  # off: the base alone (the reference policy without a copy of the model)
+    module.forward = types.MethodType(forward, module)
+    module.sharded_state_dict = types.MethodType(_sharded_state_dict, module)
+    return module
 
 
-def apply_lora(module: nn.Module, targets: Iterable[str], rank: int, alpha: float, dropout: float = 0.0) -> list[_LoRA]:
-    """Wrap every child named in ``targets`` (megatron's names: :data:`LORA_TARGETS`) in its adapter, freeze
-    every other parameter of ``module``; returns the adapters. An unknown name, or one that matches nothing,
-    raises ValueError naming the linears the model has."""
+def merged_weight(module: nn.Module) -> torch.Tensor:
+    """This rank's shard of ``W + (alpha / r) B A`` in the base weight's shape and dtype (no collective)."""
+    delta = (module.lora_b.detach().float() @ module.lora_a.detach().float()) * module.lora_scaling
+    return (module.weight.detach().float() + delta).to(module.weight.dtype)
+
+
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name -> module, for every linear of ``model`` that carries an adapter."""
+    return {n: m for n, m in model.named_modules() if hasattr(m, "lora_kind")}
+
+
+def _layer_numbers(model: nn.Module) -> dict[str, int]:
+    """Qualified module name -> megatron's global layer number, for every module inside a transformer layer
+    (the same on every PP / VPP layout: adapters are seeded by it)."""
+    out: dict[str, int] = {}
+    for name, layer in model.named_modules():
+        number = getattr(layer, "layer_number", None)
+        if isinstance(number, int) and not hasattr(layer, "lora_kind"):
+            for sub, _ in layer.named_modules():
+                out.setdefault(f"{name}.{sub}" if sub else name, number)
+    return out
+
+
+def init_lora_a(module: nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
+    """PEFT's init of A (Kaiming-uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))) drawn whole from
+    ``seed`` and cut to this rank's shard, so every layout starts from the same full A; B = 0."""
+    r, cols = module.lora_a.shape
+    full_in = cols * tp_size if module.lora_kind == "row" else cols
+    gen = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(full_in)
+    full = (torch.rand(r, full_in, generator=gen, dtype=torch.float64) * 2 - 1) * bound
+    if module.lora_kind == "row":
+        full = full[:, tp_rank * cols : (tp_rank + 1) * cols]
+    with torch.no_grad():
+        module.lora_a.copy_(full)
+        module.lora_b.zero_()
+
+
+def apply_lora(
+    module: nn.Module,
+    targets: Iterable[str],
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    *,
+    seed: int = 0,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> list[nn.Module]:
+    """Attach an adapter to every linear of ``module`` whose name is in ``targets`` (megatron's names:
+    :data:`LORA_TARGETS`; MoE experts' linears are skipped) and freeze every other parameter; returns the
+    adapted linears. A is seeded by (``seed``, global layer number, target), so it is the same at every
+    TP / PP / DP layout. An unknown name, or one that matches nothing, raises ValueError naming the linears
+    the model has; so does a rank larger than a shard."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     targets = list(targets)
     if rank < 1:
         raise ValueError(f"actor.lora.rank={rank} must be >= 1")
-    found = sorted(
-        {
-            n.rsplit(".", 1)[-1]
-            for n, m in module.named_modules()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-        }
-    )
+    linears = {
+        n: m
+        for n, m in module.named_modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and ".experts." not in f".{n}."
+    }
+    found = sorted({n.rsplit(".", 1)[-1] for n in linears})
     missing = [t for t in targets if t not in found]
     if missing:
         raise ValueError(f"actor.lora.targets: {missing} not in this model; its linears are {found}")
     for p in module.parameters():
         p.requires_grad_(False)
-    adapters: list[_LoRA] = []
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if name not in targets or isinstance(parent, _LoRA):
-                continue
-            kind = LoRAColumn if isinstance(child, ColumnParallelLinear) else LoRARow
-            limit = min(child.weight.shape)
-            if rank > limit:
-                raise ValueError(
-                    f"actor.lora.rank={rank} exceeds {name}'s shard ({tuple(child.weight.shape)}): at most {limit}"
-                )
-            adapter = kind(child, rank, alpha, dropout)
-            setattr(parent, name, adapter)
-            adapters.append(adapter)
-    return adapters
+    layers = _layer_numbers(module)
+    adapted = []
+    for name, m in linears.items():
+        target = name.rsplit(".", 1)[-1]
+        if target not in targets:
+            continue
+        limit = min(m.weight.shape)
+        if rank > limit:
+            raise ValueError(f"actor.lora.rank={rank} exceeds {name}'s shard {tuple(m.weight.shape)}: at most {limit}")
+        attach_lora(m, "column" if isinstance(m, ColumnParallelLinear) else "row", rank, alpha, dropout)
+        m.lora_seed = seed * 1_000_003 + layers.get(name, 0) * 16 + LORA_TARGETS.index(target)
+        init_lora_a(m, m.lora_seed, tp_rank, tp_size)
+        adapted.append(m)
+    return adapted
 
 
-def set_lora_enabled(adapters: Iterable[_LoRA], enabled: bool) -> None:
+@torch.no_grad()
+def merge_and_restart(model: nn.Module, restart: int, tp_rank: int, tp_size: int) -> None:
+    """Fold every adapter into its base (W <- W + (alpha / r) B A, this rank's shard) and start it again
+    from PEFT's init (A redrawn from its seed and ``restart``, B = 0): the model computes the same function
+    and the base is now the live policy (LoRA's PACS v2 reset; docs/lora.md)."""
+    for m in lora_modules(model).values():
+        m.weight.copy_(merged_weight(m))
+        init_lora_a(m, m.lora_seed + 7919 * restart, tp_rank, tp_size)
+
+
+def set_lora_enabled(model: nn.Module, enabled: bool) -> None:
     """Adapters on (the policy) or off (the base model: LoRA's reference policy, no second copy)."""
-    for a in adapters:
-        a.enabled = enabled
+    for m in lora_modules(model).values():
+        m.lora_enabled = enabled
 
 
 def replicated_params(module: nn.Module) -> list[nn.Parameter]:
@@ -204,3 +263,17 @@ def allreduce_replicated_grads(module: nn.Module, tp_group, attr: str = "grad") 
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def sum_replicated_lora_grads(config, chunks: list, tp_group) -> None:
+    """Make megatron's grad finalisation (``config.finalize_model_grads_func``, called by every schedule after
+    the last backward) first sum the replicated adapter factors' partial gradients over the TP group: one
+    coalesced all-reduce per optimizer step, before the data-parallel reduction."""
+    finalize = config.finalize_model_grads_func
+
+    def finalize_with_lora(model, *args, **kwargs):
+        for c in model:
+            allreduce_replicated_grads(c, tp_group, attr="main_grad")
+        return finalize(model, *args, **kwargs)
+
+    config.finalize_model_grads_func = finalize_with_lora

@@ -30,6 +30,7 @@ from pacs_megatron.actor.convert import (
     shard_from_hf,
 )
 from pacs_megatron.actor.hf_io import SafetensorsReader, copy_tokenizer_files, write_safetensors
+from pacs_megatron.actor.lora import lora_modules, merged_weight
 from pacs_megatron.actor.model import ModelSpec
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
@@ -65,7 +66,10 @@ def _local_params(chunks: list, spec: ModelSpec) -> dict[tuple[str, ...], tuple[
     out = {}
     for c in chunks:
         model = unwrap(c)
-        params = dict(model.named_parameters())
+        # a LoRA linear's weight goes out merged, W + (alpha / r) B A: the policy, not its frozen base
+        params = dict(model.named_parameters()) | {
+            f"{n}.weight": merged_weight(m) for n, m in lora_modules(model).items()
+        }
         for pm in chunk_param_maps(model, spec):
             if pm.name == "output_layer.weight" and spec.tie_embeddings:
                 continue
@@ -165,7 +169,10 @@ def swapped_hf_weights(chunks: list, spec: ModelSpec, groups: ParallelGroups, te
     of its HF tensors must be given: q/k/v together), and restored bit for bit on exit. Local, no
     collective: every rank holds every tensor it needs. Costs one copy of the swapped parameters."""
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    lora = [m for c in chunks for m in lora_modules(unwrap(c)).values() if m.lora_enabled]
     try:
+        for m in lora:  # the given tensors are the whole weights (merged): no adapter on top of them
+            m.lora_enabled = False
         with torch.no_grad():
             for c in chunks:
                 model = unwrap(c)
@@ -186,3 +193,5 @@ def swapped_hf_weights(chunks: list, spec: ModelSpec, groups: ParallelGroups, te
         with torch.no_grad():
             for p, original in saved:
                 p.copy_(original)
+        for m in lora:
+            m.lora_enabled = True

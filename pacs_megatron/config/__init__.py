@@ -9,6 +9,7 @@ the fix. Checks that need the model (TP divides the heads, ...) run at start-up 
 that need the device, an import or the file system are launch/preflight.py's. config/ runs no such code.
 """
 
+from pacs_megatron.config.actor import ActorConfig, LoRAConfig
 from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.critic import CriticConfig, critic_enabled, critic_loss_agg
 from pacs_megatron.config.data import ArithTaskConfig, DataConfig, RewardConfig
@@ -19,6 +20,7 @@ from pacs_megatron.config.run import RunConfig, config_from_dict, load_config, t
 from pacs_megatron.config.training import AlgorithmConfig, LoggingConfig, OptimizerConfig, TrainerConfig
 
 __all__ = [
+    "ActorConfig",
     "AlgorithmConfig",
     "ArithTaskConfig",
     "ConfigError",
@@ -26,6 +28,7 @@ __all__ = [
     "DataConfig",
     "LauncherConfig",
     "LoggingConfig",
+    "LoRAConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",

@@ -1,10 +1,46 @@
-"""Actor memory between phases: what the Megatron actor gives back while the rollout engine runs."""
+"""``actor.*``: the actor's memory between phases (what it gives back while the rollout engine runs) and
+its LoRA adapters."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pacs_megatron.config.base import ConfigError
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""Megatron's names of the attention and MLP linears an adapter may wrap (actor/lora.py)."""
+
+
+@dataclass
+class LoRAConfig:
+    """``actor.lora.*``: low-rank adapters on the actor's linears, the base frozen (actor/lora.py,
+    docs/lora.md). Off unless ``rank`` > 0."""
+
+    rank: int = 0
+    """Adapter rank r (0: no LoRA, full fine-tuning)."""
+    alpha: float = 16.0
+    """Scaling numerator: the adapter adds (alpha / rank) * B A x, as PEFT's ``lora_alpha``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (PEFT's ``lora_dropout``); 0 keeps a step deterministic."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Megatron names of the linears to adapt: any of linear_qkv, linear_proj (attention), linear_fc1,
+    linear_fc2 (MLP). MoE experts' linears are not adapted."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"actor.lora.rank={self.rank} must be >= 0 (0: no LoRA)")
+        if not self.alpha > 0:
+            raise ConfigError(f"actor.lora.alpha={self.alpha} must be > 0 (e.g. 2 x rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"actor.lora.dropout={self.dropout} must be in [0, 1)")
+        self.targets = list(self.targets)
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ConfigError(f"actor.lora.targets={self.targets}: choose from {list(LORA_TARGETS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 @dataclass
@@ -32,7 +68,12 @@ class ActorConfig:
     them to the device only for its log-prob pass (actor/reference.py); saves their size (params x 2 bytes
     in bf16, per rank) during rollout and training at the cost of two copies per step."""
 
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters (``actor.lora.rank`` > 0): only they train; the base weights stay frozen."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoRAConfig(**self.lora)
         if self.routing_replay not in ("none", "rollout"):
             raise ConfigError(f"actor.routing_replay={self.routing_replay!r}: use 'none' or 'rollout'")
         if not 0.0 < self.rollout_memory_fraction <= 1.0:

@@ -53,6 +53,11 @@ class RunConfig:
                 f"rollout.n={n} with {key}={estimator} (algorithm.loss={algo.loss}): the estimator compares the "
                 "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
             )
+        if self.actor.lora.enabled and self.parallel.sequence_parallel:
+            raise ConfigError(
+                "actor.lora.rank > 0 with parallel.sequence_parallel=true: LoRA does not support sequence "
+                "parallelism yet (docs/lora.md); turn one of them off"
+            )
         mini = self.mini_batch_prompts
         if self.trainer.train_batch_size % mini:
             raise ConfigError(

@@ -12,6 +12,8 @@ From the Hugging Face ``config.json`` and the run config, for the worst pipeline
   working set; without it ~34 bytes per token per hidden unit and layer (Korthikanti et al. 2022,
   flash attention so no seq^2 term; /TP with sequence parallelism, (10 + 24/TP) without), plus the
   fp32 logits and their gradient (8 bytes x seq x micro-batch x vocab / TP).
+- LoRA (``actor.lora.rank`` > 0): gradients and optimizer state are the adapters' only (r x (in + out/tp) a
+  column adapter, r x (in/tp + out) a row adapter, per layer), and no reference copy (the base is the reference).
 - reference policy (``algorithm.kl_loss_coef`` > 0 or PACS v2's anchor, actor/reference.py): the parameters once more in
   the actor's dtype (2 or 4 bytes per parameter of the rank's shard), no gradients or optimizer state;
   resident in both phases, or in neither with ``actor.offload_reference`` (host memory, brought in
@@ -143,11 +145,15 @@ def estimate(
     replay_rows: tuple[int, int] | None = None,
     reference: bool = False,
     offload_reference: bool = False,
+    lora_rank: int = 0,
+    lora_targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
 ) -> MemoryPlan:
     """The plan for one rank (see the module docstring for each term). ``vllm_utilization=0`` means no
     colocated vLLM (the HF engine); ``offload_during_rollout`` moves the actor to CPU while vLLM runs.
     ``replay_rows``: MoE routing replay, ``(rows the rank trains on, rows its engine replica generates)``
-    per step; ``reference``: a KL reference policy, kept in host memory with ``offload_reference``."""
+    per step; ``reference``: a KL reference policy, kept in host memory with ``offload_reference``.
+    ``lora_rank`` > 0: LoRA adapters on ``lora_targets`` (actor/lora.py) are all that trains: gradients and
+    optimizer state are theirs only, and the reference is the base itself (no copy)."""
     c = param_counts(hf)
     layers = c["layers"] // pp
     stage_layers = layers * (c["layer_split"] / tp + c["layer_norms"] + c["experts"] / ep + c["router"])
@@ -156,12 +162,19 @@ def estimate(
     if pp > 1 and c["lm_head"] == 0:  # tied: the last stage keeps its own copy of the embedding
         last += c["embedding"] / tp
     n = max(first, last)
-    params = n * (2 if bf16 else 4) / GIB
-    grads = n * 4 / GIB
     # MoE: the distributed optimizer shards expert state over the expert-DP ranks only (tp * dp / ep)
     n_exp = layers * c["experts"] / ep
     shards = (dp, max(1, tp * dp // ep)) if distributed_optimizer else (1, 1)
-    optimizer = ((n - n_exp) / shards[0] + n_exp / shards[1]) * (12 if bf16 else 8) / GIB
+    if lora_rank:  # the adapters alone train (dense layers' linears only, never the experts')
+        n_lora = layers * lora_params_per_layer(hf, lora_rank, tp, lora_targets)
+        params = (n * (2 if bf16 else 4) + n_lora * (2 if bf16 else 4)) / GIB
+        grads = n_lora * 4 / GIB
+        optimizer = n_lora / shards[0] * (12 if bf16 else 8) / GIB
+        reference = False  # the base with the adapters off (actor/lora_reference.py)
+    else:
+        params = n * (2 if bf16 else 4) / GIB
+        grads = n * 4 / GIB
+        optimizer = ((n - n_exp) / shards[0] + n_exp / shards[1]) * (12 if bf16 else 8) / GIB
     tokens = seq_len * micro_batch
     hidden = c["hidden"]
     if recompute:
@@ -186,6 +199,25 @@ def estimate(
     return MemoryPlan(
         n, params, grads, optimizer, act_gib, vllm, rollout, train, gpu_gib, replay, replay_host, reference_gib=ref
     )
+
+
+def lora_params_per_layer(hf: dict, rank: int, tp: int, targets: tuple[str, ...]) -> float:
+    """One TP rank's adapter parameters in one transformer layer: a column adapter is A [r, in] + B [out/tp, r],
+    a row adapter A [r, in/tp] + B [out, r] (actor/lora.py)."""
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv, hd = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or h // heads
+    inter = hf.get("intermediate_size", 4 * h)
+    shapes = {  # (in, out, column?)
+        "linear_qkv": (h, (heads + 2 * kv) * hd, True),
+        "linear_proj": (heads * hd, h, False),
+        "linear_fc1": (h, 2 * inter, True),
+        "linear_fc2": (inter, h, False),
+    }
+    total = 0.0
+    for t in targets:
+        i, o, column = shapes[t]
+        total += rank * (i + o / tp) if column else rank * (i / tp + o)
+    return total
 
 
 def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | None = None) -> MemoryPlan:
@@ -220,4 +252,6 @@ def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | N
         replay_rows=replay_rows,
         reference=cfg.algorithm.needs_reference,
         offload_reference=bool(getattr(getattr(cfg, "actor", None), "offload_reference", False)),
+        lora_rank=cfg.actor.lora.rank if hasattr(cfg, "actor") else 0,
+        lora_targets=tuple(cfg.actor.lora.targets) if hasattr(cfg, "actor") else (),
     )

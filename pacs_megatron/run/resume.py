@@ -125,6 +125,20 @@ def check_tiny_model_dir(cfg: RunConfig) -> None:
         )
 
 
+def check_lora_unchanged(saved_config: dict | None, cfg: RunConfig, path: str | Path) -> None:
+    """Raise ConfigError when the adapters asked for differ from the checkpoint's (actor.lora rank or targets):
+    its weights hold other tensors, so the load would fail deep in megatron, or train other parameters."""
+    saved = ((saved_config or {}).get("actor") or {}).get("lora") or {}
+    was = (int(saved.get("rank", 0)), sorted(saved.get("targets") or []) if saved.get("rank") else [])
+    now = (cfg.actor.lora.rank, sorted(cfg.actor.lora.targets) if cfg.actor.lora.enabled else [])
+    if was != now:
+        show = lambda r, t: f"actor.lora.rank={r}" + (f" targets={t}" if r else "")  # noqa: E731
+        raise ConfigError(
+            f"cannot resume from {path}: it was trained with {show(*was)}, this run asks for {show(*now)}; resume "
+            "with the checkpoint's settings, or start a new run (trainer.resume=never, another output_dir)"
+        )
+
+
 def plan_resume(cfg: RunConfig, config_dict: dict, hf_config: dict) -> ResumePlan | None:
     """Collective: the checkpoint to resume from (damaged ones moved aside, see CheckpointManager),
     refused when the model changed; None for a fresh run."""
@@ -134,6 +148,7 @@ def plan_resume(cfg: RunConfig, config_dict: dict, hf_config: dict) -> ResumePla
         return None
     extra = read_extra_state(path)
     check_model_unchanged(extra.get("model"), hf_config, path)
+    check_lora_unchanged(extra.get("config"), cfg, path)
     changes = config_changes(extra["config"], config_dict) if "config" in extra else []
     return ResumePlan(path, int(extra["step"]), changes)
 
@@ -149,7 +164,8 @@ def preflight_resume(cfg: RunConfig) -> None:
     path = mgr.latest() if cfg.trainer.resume == "auto" else Path(cfg.trainer.resume)
     if path is not None and (path / "extra_state.json").is_file():
         try:
-            saved = read_extra_state(path).get("model")
+            extra = read_extra_state(path)
         except ValueError:
             return  # damaged: the ranks fall back to an older checkpoint and say so
-        check_model_unchanged(saved, json.loads(config_json.read_text()), path)
+        check_model_unchanged(extra.get("model"), json.loads(config_json.read_text()), path)
+        check_lora_unchanged(extra.get("config"), cfg, path)

@@ -94,7 +94,12 @@ class RunRecord:
             "last_val": dict(sorted(last.items())),
             "output_dir": str(self.output_dir),
             "last_checkpoint": ckpt,
-            "export_command": shlex.join(["pacs-megatron", "export", ckpt, str(hf_dir)]) if ckpt else None,
+            # a LoRA run's eval needs a whole model: the merged export (a plain export is a PEFT adapter)
+            "export_command": shlex.join(
+                ["pacs-megatron", "export", ckpt, str(hf_dir)] + (["--merge"] if self.cfg.actor.lora.enabled else [])
+            )
+            if ckpt
+            else None,
             "eval_command": self._eval_command(hf_dir),
         }
 

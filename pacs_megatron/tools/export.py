@@ -2,6 +2,9 @@
 
     pacs-megatron export outputs/cpu_tiny/checkpoints/step_00000200 outputs/cpu_tiny/hf [--tp 1 --pp 1]
 
+A LoRA run (``actor.lora.rank`` > 0) exports a PEFT adapter for its base model (actor/lora_export.py;
+``peft.PeftModel.from_pretrained(base, OUT_DIR)``), or with ``--merge`` a whole model with the adapters merged.
+
 Writes ``OUT_DIR/config.json``, ``model*.safetensors`` and the tokenizer files, loadable by
 transformers (``AutoModelForCausalLM.from_pretrained``) and by ``pacs-megatron eval --model``.
 
@@ -60,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--overwrite", action="store_true", help="write into a non-empty OUT_DIR that is not an export of this run"
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA runs: a whole HF model with the adapters merged (default: a PEFT adapter for the base model)",
     )
 
 
@@ -140,8 +148,17 @@ def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
     if not model_dir:
         raise ConfigError(f"no HF config for {ckpt}: its extra_state.json names no model.path; pass --model-dir")
     tokenizer_dir = model_cfg.get("tokenizer") if not args.model_dir else ""
-    hf = check_model_dir(key, model_dir, weights=False, tokenizer_key="model.tokenizer", tokenizer_dir=tokenizer_dir)
+    lora = lora_of(extra)
+    peft = lora is not None and not getattr(args, "merge", False)  # an adapter: no tokenizer files to copy
+    hf = check_model_dir(
+        key, model_dir, weights=False, tokenizer=not peft, tokenizer_key="model.tokenizer", tokenizer_dir=tokenizer_dir
+    )
     check_model_unchanged(extra.get("model"), hf, ckpt)
+    if peft and int(extra.get("reference_reset_step", 0)) > 0:
+        raise ConfigError(
+            f"{ckpt}: a PACS v2 reset (step {extra['reference_reset_step']}) merged this run's LoRA adapters into "
+            "its base, so they are no adapter of the HF base any more: export it with --merge"
+        )
     layout = load_common(ckpt / MEGATRON_DIR).get("layout", {})
     tp, pp = args.tp or layout.get("tp", 1), args.pp or layout.get("pp", 1)
     try:
@@ -149,6 +166,15 @@ def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
     except ConfigError as e:
         raise ConfigError(str(e).replace("parallel.tp", "--tp").replace("parallel.pp", "--pp")) from None
     return model_dir, tokenizer_dir or model_dir, tp, pp
+
+
+def lora_of(extra: dict):
+    """The run's ``actor.lora`` (a LoRAConfig) when it trained adapters, else None."""
+    from pacs_megatron.config import LoRAConfig
+
+    cfg = extra.get("config", {}).get("actor", {}).get("lora") or {}
+    lora = LoRAConfig(**cfg) if cfg else None
+    return lora if lora is not None and lora.enabled else None
 
 
 def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, pp: int) -> int:
@@ -159,6 +185,8 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
 
     from pacs_megatron.actor.actor import resolve_dtype
     from pacs_megatron.actor.checkpoint import load_model_weights
+    from pacs_megatron.actor.lora import apply_lora
+    from pacs_megatron.actor.lora_export import save_peft_adapter
     from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, seed_for_init, transformer_config
     from pacs_megatron.actor.weights import save_hf
     from pacs_megatron.config import ParallelConfig
@@ -178,15 +206,23 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
             seed_for_init(0, on_gpu)  # the weights are overwritten by the load
             chunks = build_model_chunks(spec, config, groups)
+        lora = lora_of(read_extra_state(ckpt))
+        if lora is not None:  # the adapters' entries are in the checkpoint beside their (frozen) bases
+            for c in chunks:
+                apply_lora(c, lora.targets, lora.rank, lora.alpha, tp_rank=groups.tp_rank, tp_size=groups.tp_size)
         load_model_weights(chunks, ckpt)  # model only: optimizer state stays
         out_dtype = None if args.dtype == "auto" else resolve_dtype(args.dtype, on_gpu)
         if groups.rank == 0 and Path(args.out).is_dir():
             removed = clear_weights(Path(args.out))
             if removed:
                 logger.info("removed the earlier weights in %s: %s", args.out, ", ".join(removed))
-        save_hf(chunks, spec, groups, hf_config, args.out, tokenizer_dir, out_dtype)
+        if lora is not None and not getattr(args, "merge", False):
+            save_peft_adapter(chunks, spec, groups, lora, model_dir, args.out)
+        else:  # LoRA with --merge: save_hf writes W + (alpha / r) B A (actor/weights.py)
+            save_hf(chunks, spec, groups, hf_config, args.out, tokenizer_dir, out_dtype)
         if groups.rank == 0:
             record = {"run": _run_dir(ckpt), "checkpoint": str(ckpt.resolve()), "tp": tp, "pp": pp}
+            record["format"] = "hf" if lora is None or getattr(args, "merge", False) else "peft-lora"
             (Path(args.out) / RECORD).write_text(json.dumps(record, indent=2) + "\n")
             logger.info("exported %s (loaded at tp=%d pp=%d) to %s", ckpt, tp, pp, args.out)
         return 0
@@ -200,6 +236,7 @@ def main(args: argparse.Namespace) -> int:
     argv = ["pacs_megatron", "export", args.checkpoint, args.out, "--tp", str(tp), "--pp", str(pp)]
     argv += ["--dtype", args.dtype] + (["--model-dir", args.model_dir] if args.model_dir else [])
     argv += ["--overwrite"] if getattr(args, "overwrite", False) else []
+    argv += ["--merge"] if getattr(args, "merge", False) else []
     return on_ranks(argv, tp * pp, lambda: run(args, model_dir, tokenizer_dir, tp, pp))
 
 

@@ -46,7 +46,7 @@ def _body(rank, world, f):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from pacs_megatron.actor.lora import allreduce_replicated_grads, apply_lora, set_lora_enabled
+    from pacs_megatron.actor.lora import allreduce_replicated_grads, apply_lora, merged_weight, set_lora_enabled
     from pacs_megatron.parallel.cpu_patches import apply_cpu_patches
 
     apply_cpu_patches()
@@ -75,7 +75,7 @@ def _body(rank, world, f):
     y = block.linear_fc2(block.linear_fc1(x)[0])[0]
     (y * f["up"]).sum().backward()
     allreduce_replicated_grads(block, parallel_state.get_tensor_model_parallel_group())
-    set_lora_enabled(adapters, False)
+    set_lora_enabled(block, False)
     with torch.no_grad():
         off = block.linear_fc2(block.linear_fc1(f["x"])[0])[0]
     out = {
@@ -84,7 +84,8 @@ def _body(rank, world, f):
         "x_grad": x.grad,
         "off": off,
         "grads": {"a1": fc1.lora_a.grad, "b1": fc1.lora_b.grad, "a2": fc2.lora_a.grad, "bb2": fc2.lora_b.grad},
-        "merged": (fc1.merged_weight(), fc2.merged_weight()),
+        "merged": (merged_weight(fc1), merged_weight(fc2)),
+        "names": sorted(block.state_dict()),
         "trainable": sorted(n for n, p in block.named_parameters() if p.requires_grad),
     }
     parallel_state.destroy_model_parallel()
@@ -117,6 +118,8 @@ def test_lora_matches_the_dense_formula(tp):
             r["merged"][1], w2[:, sl], atol=1e-5
         )
         assert r["trainable"] == [f"linear_fc{i}.lora_{ab}" for i in (1, 2) for ab in "ab"]
+        # the base keeps its names (checkpoints, HF name maps, weight sync), the adapter sits beside it
+        assert {"linear_fc1.weight", "linear_fc2.weight", "linear_fc2.bias"} <= set(r["names"])
 
 
 def test_bad_targets_and_ranks_name_what_exists():

@@ -10,6 +10,7 @@ from pacs_megatron.config import ConfigError, load_config
 from pacs_megatron.run.metrics import MetricsWriter, Progress
 from pacs_megatron.run.resume import (
     ResumePlan,
+    check_lora_unchanged,
     check_model_unchanged,
     check_tiny_model_dir,
     config_changes,
@@ -29,6 +30,22 @@ def test_changes_listed_and_model_changes_refused(tmp_path):
     check_model_unchanged(None, HF, "ckpt")  # a checkpoint that recorded no shape: nothing to compare
     with pytest.raises(ConfigError, match=r"cannot resume from ckpt: .*vocab_size 16 -> 32; hidden_size 128 -> 64"):
         check_model_unchanged(model_shape(HF), HF | {"hidden_size": 64, "vocab_size": 32}, "ckpt")
+
+
+def test_lora_settings_must_match_the_checkpoint():
+    """LoRA asked of a checkpoint trained without it (or the reverse, or another rank) is refused in one line
+    before any rank loads: the checkpoint holds other tensors than the run would train."""
+    lora = load_config(None, ["actor.lora.rank=8"])
+    full = load_config(None, [])
+    saved_lora = {"actor": {"lora": {"rank": 8, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}}}
+    check_lora_unchanged(saved_lora, lora, "ckpt")
+    check_lora_unchanged({"actor": {}}, full, "ckpt")  # written before LoRA existed: full fine-tuning
+    with pytest.raises(ConfigError, match=r"trained with actor.lora.rank=0, this run asks for actor.lora.rank=8 "):
+        check_lora_unchanged({"actor": {}}, lora, "ckpt")
+    with pytest.raises(ConfigError, match=r"trained with actor.lora.rank=8 targets=.*asks for actor.lora.rank=0;"):
+        check_lora_unchanged(saved_lora, full, "ckpt")
+    with pytest.raises(ConfigError, match=r"actor.lora.rank=4 targets"):
+        check_lora_unchanged(saved_lora, load_config(None, ["actor.lora.rank=4"]), "ckpt")
 
 
 def test_tiny_overrides_must_match_existing_model_dir(tmp_path):

@@ -45,6 +45,21 @@ def test_memory_plan_of_qwen25_7b():
     assert estimate(QWEN25_7B, **kw | {"pp": 2}).params_gib < 0.55 * plan.params_gib
 
 
+def test_memory_plan_with_lora():
+    """LoRA r = 16 on all four linears of Qwen2.5-7B at TP=2 x DP=4: the adapters' gradients and Adam state
+    replace the model's (21 GiB of grads + optimizer -> ~0.1), and PACS v2's reference costs no copy."""
+    from pacs_megatron.launch.memory_plan import lora_params_per_layer
+
+    kw = dict(tp=2, pp=1, dp=4, gpu_gib=80.0, seq_len=4608, micro_batch=8, recompute=True, reference=True)
+    full, lora = estimate(QWEN25_7B, **kw), estimate(QWEN25_7B, **kw, lora_rank=16)
+    # per layer and rank: qkv 16 x (3584 + 4608/2), proj 16 x (3584/2 + 3584), fc1 16 x (3584 + 37888/2),
+    # fc2 16 x (18944/2 + 3584): 0.75 M; 28 layers
+    assert lora_params_per_layer(QWEN25_7B, 16, 2, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) == 749_568
+    assert lora.grads_gib == pytest.approx(28 * 749_568 * 4 / 2**30) and lora.optimizer_gib < 0.1
+    assert full.reference_gib == pytest.approx(full.params_gib) and lora.reference_gib == 0.0
+    assert full.train_gib - lora.train_gib > 30
+
+
 def _doctor(capsys, *argv: str) -> tuple[int, dict]:
     code = main(["doctor", "--json", *argv])
     return code, json.loads(capsys.readouterr().out)

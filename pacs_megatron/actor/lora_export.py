@@ -1,0 +1,92 @@
+"""A LoRA actor's adapters as a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
+that ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the Hugging Face base model.
+
+Megatron fuses what HF keeps apart, and the adapters follow their base (actor/lora.py): ``linear_qkv`` holds
+q, k and v interleaved per query group, ``linear_fc1`` gate and up. One adapter on a fused linear is the same
+map as one adapter per HF projection that *shares A*: B's rows split exactly as the base weight's rows do
+(actor/convert.py ``hf_from_shards``, applied to B as to a weight whose input width is r), and each projection
+gets (A, its rows of B). So the PEFT adapter has the same rank and scaling and gives the same function:
+
+    linear_qkv  (A, B)  ->  q_proj (A, B_q), k_proj (A, B_k), v_proj (A, B_v)
+    linear_fc1  (A, B)  ->  gate_proj (A, B_gate), up_proj (A, B_up)
+    linear_proj, linear_fc2  ->  o_proj, down_proj (A gathered over TP along its input, B as is)
+
+An adapter that a PACS v2 reset merged into its base (actor/lora_reference.py) is no longer an adapter of the
+HF base: such a checkpoint exports merged (``pacs-megatron export --merge``); ``tools/export.py`` says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pacs_megatron.actor.convert import chunk_param_maps, hf_from_shards
+from pacs_megatron.actor.lora import lora_modules
+from pacs_megatron.actor.model import ModelSpec
+from pacs_megatron.actor.weights import unwrap
+from pacs_megatron.parallel import ParallelGroups
+
+PEFT_PREFIX = "base_model.model."
+"""What PEFT puts before a module's HF name in adapter_model.safetensors."""
+
+
+def _gather(t: torch.Tensor, dim: int, groups: ParallelGroups) -> list[torch.Tensor]:
+    if groups.tp_size == 1:
+        return [t.detach()]
+    shards = [torch.empty_like(t) for _ in range(groups.tp_size)]
+    dist.all_gather(shards, t.detach().contiguous(), group=groups.tp_group)
+    return shards
+
+
+@torch.no_grad()
+def peft_tensors(chunks: list, spec: ModelSpec, groups: ParallelGroups) -> dict[str, torch.Tensor]:
+    """This rank's stages' adapters as PEFT-named full CPU tensors (collective over TP)."""
+    out: dict[str, torch.Tensor] = {}
+    for c in chunks:
+        model = unwrap(c)
+        maps = {pm.name: pm for pm in chunk_param_maps(model, spec)}
+        for name, m in lora_modules(model).items():
+            pm = maps[f"{name}.weight"]
+            if m.lora_kind == "column":  # A whole on every rank, B split by output rows like the weight
+                a_full = [m.lora_a.detach()] * len(pm.hf_names)
+                b_full = hf_from_shards(pm.kind, _gather(m.lora_b, 0, groups), spec)
+            else:  # A split by input columns like the weight ("row"), B whole
+                a_full = hf_from_shards("row", _gather(m.lora_a, 1, groups), spec)
+                b_full = [m.lora_b.detach()]
+            for hf_name, a, b in zip(pm.hf_names, a_full, b_full):
+                stem = PEFT_PREFIX + hf_name.removesuffix(".weight")
+                out[f"{stem}.lora_A.weight"] = a.float().cpu().clone()  # q, k, v share A: one copy each
+                out[f"{stem}.lora_B.weight"] = b.float().cpu().clone()
+    return out
+
+
+def save_peft_adapter(chunks: list, spec: ModelSpec, groups: ParallelGroups, lora_cfg, base_dir: str, out: str) -> None:
+    """Write the PEFT adapter directory from global rank 0 (collective: every rank takes part)."""
+    from safetensors.torch import save_file
+
+    local = peft_tensors(chunks, spec, groups)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)  # the stages' adapters, megabytes at most
+    if groups.rank == 0:
+        tensors = {k: v for part in gathered for k, v in part.items()}
+        targets = sorted({k.removeprefix(PEFT_PREFIX).split(".")[-3] for k in tensors})
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": str(base_dir),
+            "r": lora_cfg.rank,
+            "lora_alpha": lora_cfg.alpha,
+            "lora_dropout": lora_cfg.dropout,
+            "target_modules": targets,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+        }
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    dist.barrier()

@@ -122,7 +122,7 @@ class MegatronActor:
         # A fixed seed for initialisation only; the caller's RNG streams are left as they were.
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
             seed_for_init(cfg.model.seed, on_gpu)
-            chunks = build_model_chunks(self.spec, self.config, groups)
+            chunks = build_model_chunks(self.spec, self.config, groups, local_spec=cfg.actor.lora.enabled)
         if cfg.model.loads_weights:
             load_hf_weights(chunks, self.spec, self.model_dir, groups)
         lora = cfg.actor.lora

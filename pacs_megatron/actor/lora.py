@@ -1,4 +1,4 @@
-"""LoRA adapters on megatron-core's tensor-parallel linears (issue 43, first part: the layer and its maths).
+"""LoRA adapters on megatron-core's tensor-parallel linears (``actor.lora``, issue 43; docs/lora.md).
 
     y = W x + (alpha / r) * B A dropout(x)        W frozen; A [r, in] (Kaiming-uniform), B [out, r] = 0 (PEFT's init)
 
@@ -27,18 +27,23 @@ Collectives: none in forward and none per micro-batch beyond what the base layer
 
 Sequence parallelism is not supported yet (the column adapter would need the gathered sequence; SP needs
 Transformer Engine or Apex, which this machine has not): :func:`apply_lora` refuses it in one line.
-Not yet wired: ``actor.lora`` in the config, the optimizer over adapters only, checkpoints, the merged and
-adapter-only syncs and the PEFT export (docs/lora.md says what is done and what is next).
+The adapter is attached in place (:func:`attach_lora`): ``lora_a`` / ``lora_b`` sit on the base module, so
+every base parameter keeps its name for checkpoints, the HF name maps and the weight sync, which sends the
+merged weight (actor/weights.py). The reference policy is the base with the adapters off
+(actor/lora_reference.py); the PEFT export is actor/lora_export.py. Megatron's own layers only: with LoRA the
+actor builds the local layer spec even where Transformer Engine imports (written for GPU, never run there).
 """
 
 from __future__ import annotations
 
 import math
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -48,31 +53,26 @@ REPLICATED = "lora_tp_replicated"
 """Attribute set on an adapter factor that every TP rank holds whole: its gradient is partial per rank."""
 
 
-def _column_forward(self, x: torch.Tensor, *args, **kwargs):
-    """ColumnParallelLinear.forward with the adapter: the input-gradient all-reduce in front of both."""
+def _column_forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+    """ColumnParallelLinear.forward with the adapter: the input-gradient all-reduce in front of both. The frozen
+    base multiplies through ``F.linear``, not megatron's autograd function, which computes a weight gradient
+    whether the weight wants one or not (a third of the layer's backward, thrown away)."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     if self.tp_group is not None and self.tp_group.size() > 1:
         x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
-    out, bias = type(self).forward(self, x, *args, **kwargs)
-    return (out + _delta(self, x).to(out.dtype) if self.lora_enabled else out), bias
+    out = F.linear(x, self.weight if weight is None else weight, None if self.skip_bias_add else self.bias)
+    if self.lora_enabled:
+        out = out + _delta(self, x).to(out.dtype)
+    return out, (self.bias if self.skip_bias_add else None)
 
 
 def _row_forward(self, x: torch.Tensor):
     """RowParallelLinear.forward (input_is_parallel, no SP) with the adapter's partial product added before
-    its all-reduce."""
+    its all-reduce; the frozen base through ``F.linear`` (see _column_forward)."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    out = self._forward_impl(
-        input=x,
-        weight=self.weight,
-        bias=None,
-        gradient_accumulation_fusion=False,  # the base weight has no gradient
-        allreduce_dgrad=False,
-        sequence_parallel=False,
-        tp_group=None,
-        grad_output_buffer=None,
-    )
+    out = F.linear(x, self.weight)
     if self.lora_enabled:
         out = out + _delta(self, x).to(out.dtype)
     if self.tp_group is not None and self.tp_group.size() > 1:
@@ -117,7 +117,7 @@ def attach_lora(module: nn.Module, kind: str, rank: int, alpha: float, dropout: 
         # The base's own input-gradient all-reduce moves in front of base and adapter (module docstring).
         module.allreduce_dgrad = False
         module.disable_grad_reduce = True
-        forward = _column_forward
+        forward: Callable[..., Any] = _column_forward
     elif kind == "row":
         if not getattr(module, "input_is_parallel", False):
             raise ValueError("LoRA: a row-parallel base must take a parallel input")
@@ -134,6 +134,12 @@ def attach_lora(module: nn.Module, kind: str, rank: int, alpha: float, dropout: 
     module.lora_a = nn.Parameter(torch.zeros(a_shape, device=dev, dtype=dtype))
     module.lora_b = nn.Parameter(torch.zeros(b_shape, device=dev, dtype=dtype))
     setattr(getattr(module, replicated), REPLICATED, True)
+    # megatron counts a parameter without these attributes once per TP group (a duplicate on every rank): the
+    # sharded factor must carry them, or the gradient norm (and its clipping) misses the other ranks' shards
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    sharded, axis = ("lora_b", 0) if kind == "column" else ("lora_a", 1)
+    set_tensor_model_parallel_attributes(getattr(module, sharded), is_parallel=True, dim=axis, stride=1)
     module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     module.lora_kind, module.lora_rank, module.lora_scaling = kind, rank, alpha / rank
     module.lora_enabled = True  # off: the base alone (the reference policy without a copy of the model)

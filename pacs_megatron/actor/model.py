@@ -280,8 +280,9 @@ def seed_for_init(seed: int, on_gpu: bool) -> None:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
-def build_model_chunks(spec: ModelSpec, config, groups: ParallelGroups) -> list:
-    """This rank's GPTModel chunks (one per virtual pipeline stage), on ``groups.device``."""
+def build_model_chunks(spec: ModelSpec, config, groups: ParallelGroups, local_spec: bool = False) -> list:
+    """This rank's GPTModel chunks (one per virtual pipeline stage), on ``groups.device``. ``local_spec``:
+    megatron's own layers even where Transformer Engine imports (LoRA wraps megatron's linears, not TE's)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -290,7 +291,7 @@ def build_model_chunks(spec: ModelSpec, config, groups: ParallelGroups) -> list:
 
     from pacs_megatron.actor.attention import use_sdpa_attention
 
-    te = have_transformer_engine()
+    te = have_transformer_engine() and not local_spec
     if te:
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:  # torch SDPA core attention (also for THD-packed micro-batches), actor/attention.py

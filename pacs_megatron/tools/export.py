@@ -203,10 +203,10 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
         on_gpu = groups.device.type == "cuda"
         dtype = parameter_dtype(ckpt)
         config = transformer_config(spec, groups, dtype, sequence_parallel=False, recompute=False)
+        lora = lora_of(read_extra_state(ckpt))
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
             seed_for_init(0, on_gpu)  # the weights are overwritten by the load
-            chunks = build_model_chunks(spec, config, groups)
-        lora = lora_of(read_extra_state(ckpt))
+            chunks = build_model_chunks(spec, config, groups, local_spec=lora is not None)
         if lora is not None:  # the adapters' entries are in the checkpoint beside their (frozen) bases
             for c in chunks:
                 apply_lora(c, lora.targets, lora.rank, lora.alpha, tp_rank=groups.tp_rank, tp_size=groups.tp_size)

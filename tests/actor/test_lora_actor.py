@@ -1,4 +1,4 @@
-"""The Megatron actor with LoRA (``actor.lora.rank`` > 0), at TP = 2 on two gloo ranks, in one launch.
+"""The Megatron actor with LoRA (``actor.lora.rank`` > 0), at TP = 2 on two gloo ranks.
 
 PACS v2's anchor on, so the reference policy is the LoRA one (actor/lora_reference.py). Checked: only the
 adapters are trainable; at step 0 the actor's log-probs equal the plain actor's bit for bit (B = 0) and so do
@@ -7,7 +7,8 @@ exported (merged) weights, loaded by transformers, give the actor's log-probs, w
 sync sends; the factors both TP ranks hold whole stay equal (their gradients are summed over TP); the
 reference stays the base; `pacs-megatron export` of a checkpoint writes a PEFT adapter that PEFT puts on the HF
 base with the actor's log-probs (within 1e-5, fp32); a v2 reset merges the adapters (the policy is unchanged, the
-reference becomes it, B = 0 again); a checkpoint round trip restores adapters and merged base.
+reference becomes it, B = 0 again); a checkpoint round trip restores adapters and merged base. A second
+launch at TP=1 x PP=2 makes the same update (the adapters are seeded by global layer number, not by rank).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _actor_helpers import hf_config, hf_logprobs, make_qwen2, run_config, sample_batch, valid_positions
+from _actor_helpers import (
+    hf_config,
+    hf_logprobs,
+    make_qwen2,
+    rel_update_diff,
+    run_config,
+    sample_batch,
+    valid_positions,
+)
 from _dist import run_distributed
 
 from pacs_megatron.config import ConfigError, LoRAConfig, load_config
@@ -29,8 +38,8 @@ from pacs_megatron.data.batching import as_train_batch
 VOCAB = 255
 
 
-def _cfg(model_dir, rank):
-    cfg = run_config(model_dir, tp=2, lr=0.05)
+def _cfg(model_dir, rank, tp=2, pp=1):
+    cfg = run_config(model_dir, tp=tp, pp=pp, lr=0.05)
     algo = replace(cfg.algorithm, pacs=replace(cfg.algorithm.pacs, anchor="reference"))
     return replace(cfg, algorithm=algo, actor=replace(cfg.actor, lora=LoRAConfig(rank=rank, alpha=8.0)))
 
@@ -99,6 +108,21 @@ def _body(rank, world, model_dir, out_dir, ckpt_dir):
     }
 
 
+def _pp_body(rank, world, model_dir):
+    """The same two updates at TP=1 x PP=2: the merged weights every rank exports."""
+    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.parallel import initialize_parallel
+
+    cfg = _cfg(model_dir, 4, tp=1, pp=2)
+    actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+    batch = sample_batch(VOCAB)
+    for _ in range(2):
+        old = actor.compute_logprobs(batch, 4, 1.0).token_logp
+        actor.train_step(as_train_batch(batch, old, ref_logp=actor.compute_ref_logprobs(batch, 4, 1.0)))
+    merged = {n: t.detach().clone() for n, t in actor.export_hf_weights()}  # collective: every rank iterates
+    return merged if rank == 0 else None
+
+
 def _peft_logprobs(model_dir, adapter_dir, input_ids):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -148,6 +172,13 @@ def test_lora_actor_trains_adapters_syncs_merged_and_resets(tmp_path):
         assert (r["after_reset"] - r["trained"])[valid].abs().max() < 1e-4
         assert torch.equal(r["ref_reset"], r["after_reset"]) and r["b_zero_after_reset"]
         assert r["restored"]  # adapters and merged base come back from the checkpoint
+    # another layout, TP=1 x PP=2: the adapters are seeded by global layer, so the same updates come out
+    from safetensors.torch import load_file
+
+    base, tp2 = load_file(f"{model_dir}/model.safetensors"), load_file(str(out_dir / "model.safetensors"))
+    pp2 = run_distributed(_pp_body, 2, model_dir)[0]
+    # (it caught the sharded factors counted as TP duplicates: the clipped gradient norm missed rank 1's shards)
+    assert rel_update_diff(base, tp2, base, pp2) < 1e-3
 
 
 def test_bad_lora_settings_get_one_line():

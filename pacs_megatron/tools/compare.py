@@ -27,8 +27,10 @@ hashes the run's resolved config (config file, overrides, ``--steps``, seed, lrs
 ``final.json`` is done *for those settings*; any other is (re)started and resumes from its own
 checkpoint, so the whole command is resumable: rerun it with the same arguments; changed settings
 (``--steps 6`` after ``--steps 4``) get new runs, never the old ones' results. At most ``--jobs`` runs
-at a time (default: CPU cores // ranks per run). ``OUT/progress.json`` and the log show progress;
-``--background`` detaches the command (log in ``OUT/compare.log``).
+at a time (default: CPU cores // ranks per run). On GPUs, runs that share one are pinned to the least busy
+and each process may hold 0.85 / (runs on it) of its memory (``PACS_CUDA_MEMORY_FRACTION``); a colocated vLLM
+engine must ask for at most half of that (``rollout.vllm.gpu_memory_utilization``), else the command refuses.
+``OUT/progress.json`` and the log show progress; ``--background`` detaches the command (log in ``OUT/compare.log``).
 
 Before any run starts, the config must validate (``trainer.test_freq`` > 0 and <= the steps): the
 comparison is scored on validations. Runs die with the command: SIGTERM / Ctrl-C stop them
@@ -441,6 +443,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="a.b=c overrides applied to every run")
 
 
+def check_engine_share(cfg, fraction: float | None, jobs: int) -> None:
+    """Runs sharing a GPU (``fraction`` of its memory each): a colocated vLLM engine sizes itself by
+    ``rollout.vllm.gpu_memory_utilization`` of the *whole* GPU, beyond the cap the runs' allocators keep to,
+    so more than the share is refused before any run starts (ConfigError naming the key and a value)."""
+    from pacs_megatron.config import ConfigError
+
+    if fraction is None or cfg.rollout.engine != "vllm" or cfg.actor.offload_during_rollout:
+        return  # (with the offload vLLM takes actor.rollout_memory_fraction of what is free when it starts)
+    if cfg.rollout.vllm.gpu_memory_utilization > fraction / 2:
+        raise ConfigError(
+            f"rollout.vllm.gpu_memory_utilization={cfg.rollout.vllm.gpu_memory_utilization} with --jobs {jobs} "
+            f"sharing a GPU: each run may hold {fraction:.3f} of it, its actor included; set "
+            f"rollout.vllm.gpu_memory_utilization={fraction / 2:.3f} (or fewer --jobs, or rollout.engine=hf)"
+        )
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Parse and check every flag before any run starts; ConfigError naming the flag and the fix."""
     from pacs_megatron.config import ConfigError
@@ -487,6 +505,7 @@ def main(args: argparse.Namespace) -> int:
     args.jobs = args.jobs or max(1, (os.cpu_count() or 1) // ranks)
     args.threads_per_rank = max(1, (os.cpu_count() or 1) // (args.jobs * ranks))
     args.ranks_per_run = ranks
+    check_engine_share(cfg, share_gpus(args.jobs, ranks, visible_gpus())[1], args.jobs)
     # SIGTERM (kill PID) unwinds like Ctrl-C, so Runner stops its runs: none is left going. A second one
     # kills them all at once, even while this process waits in a native call (utils/preemption.py).
     unwind_on_signals("the runs' current steps were not saved (rerun the command to resume them)")

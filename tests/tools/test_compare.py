@@ -318,3 +318,21 @@ def test_runs_sharing_a_gpu_are_pinned_and_capped(tmp_path, monkeypatch):
     assert memory_fraction({MEMORY_FRACTION_ENV: "0.25"}) == 0.25 and memory_fraction({}) is None
     with pytest.raises(ConfigError, match=MEMORY_FRACTION_ENV):
         memory_fraction({MEMORY_FRACTION_ENV: "1.5"})
+
+
+def test_a_vllm_engine_must_fit_its_share_of_a_shared_gpu():
+    """A colocated vLLM engine sizes itself by a fraction of the whole GPU, outside the runs' allocator caps:
+    runs sharing a GPU must ask for at most half their share (the actor keeps the other half)."""
+    from pacs_megatron.config import ConfigError, load_config
+    from pacs_megatron.tools.compare import check_engine_share
+
+    vllm = load_config(GENERALIZE, ["rollout.engine=vllm"])
+    check_engine_share(vllm, None, 4)  # no GPU shared: nothing to check
+    check_engine_share(load_config(GENERALIZE, ["rollout.engine=hf"]), 0.2125, 4)
+    with pytest.raises(
+        ConfigError, match=r"gpu_memory_utilization=0.5 with --jobs 4 .* set rollout.vllm.gpu_memory_utilization=0.106"
+    ):
+        check_engine_share(vllm, 0.2125, 4)
+    check_engine_share(
+        load_config(GENERALIZE, ["rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=0.1"]), 0.2125, 4
+    )

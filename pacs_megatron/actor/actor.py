@@ -140,7 +140,7 @@ class MegatronActor:
                 )
         self.model = wrap_ddp(chunks, self.config, cfg, groups)
         if lora.enabled:
-            sum_replicated_lora_grads(self.config, self.model, groups.tp_group)
+            sum_replicated_lora_grads(self.config, groups.tp_group)
         set_fused_head(chunks, cfg.model.use_fused_lm_head(on_gpu))  # actor/logit_rows.py, ops/head.py
         self.moe_stats = (
             MoeStats(chunks, self.spec.num_layers, self.spec.num_experts, self.spec.num_experts_per_tok)

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -244,10 +245,19 @@ def merge_and_restart(model: nn.Module, restart: int, tp_rank: int, tp_size: int
         init_lora_a(m, m.lora_seed + 7919 * restart, tp_rank, tp_size)
 
 
-def set_lora_enabled(model: nn.Module, enabled: bool) -> None:
-    """Adapters on (the policy) or off (the base model: LoRA's reference policy, no second copy)."""
-    for m in lora_modules(model).values():
-        m.lora_enabled = enabled
+@contextmanager
+def adapters_off(models: Iterable[nn.Module]) -> Iterator[None]:
+    """Every adapter of ``models`` off inside the block (the base model: LoRA's reference policy, no second
+    copy), and as it was after."""
+    adapted = [m for model in models for m in lora_modules(model).values()]
+    was = [m.lora_enabled for m in adapted]
+    for m in adapted:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m, on in zip(adapted, was):
+            m.lora_enabled = on
 
 
 def replicated_params(module: nn.Module) -> list[nn.Parameter]:
@@ -255,12 +265,14 @@ def replicated_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if getattr(p, REPLICATED, False)]
 
 
-def allreduce_replicated_grads(module: nn.Module, tp_group, attr: str = "grad") -> None:
-    """Sum the replicated factors' partial gradients over ``tp_group``, all in one coalesced all-reduce;
-    ``attr`` names where the gradient lives (``grad``, or ``main_grad`` under megatron's DDP)."""
+def allreduce_replicated_grads(modules: nn.Module | Iterable[nn.Module], tp_group, attr: str = "grad") -> None:
+    """Sum the replicated factors' partial gradients of ``modules`` (a model, or its VPP chunks) over
+    ``tp_group``, all in one coalesced all-reduce; ``attr`` names where the gradient lives (``grad``, or
+    ``main_grad`` under megatron's DDP)."""
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return
-    grads = [getattr(p, attr) for p in replicated_params(module) if getattr(p, attr, None) is not None]
+    params = [p for m in ([modules] if isinstance(modules, nn.Module) else modules) for p in replicated_params(m)]
+    grads = [getattr(p, attr) for p in params if getattr(p, attr, None) is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -271,15 +283,14 @@ def allreduce_replicated_grads(module: nn.Module, tp_group, attr: str = "grad") 
         offset += g.numel()
 
 
-def sum_replicated_lora_grads(config, chunks: list, tp_group) -> None:
+def sum_replicated_lora_grads(config, tp_group) -> None:
     """Make megatron's grad finalisation (``config.finalize_model_grads_func``, called by every schedule after
     the last backward) first sum the replicated adapter factors' partial gradients over the TP group: one
     coalesced all-reduce per optimizer step, before the data-parallel reduction."""
     finalize = config.finalize_model_grads_func
 
     def finalize_with_lora(model, *args, **kwargs):
-        for c in model:
-            allreduce_replicated_grads(c, tp_group, attr="main_grad")
+        allreduce_replicated_grads(model, tp_group, attr="main_grad")  # every chunk's in one call
         return finalize(model, *args, **kwargs)
 
     config.finalize_model_grads_func = finalize_with_lora

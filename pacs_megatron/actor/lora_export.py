@@ -26,19 +26,11 @@ import torch.distributed as dist
 from pacs_megatron.actor.convert import chunk_param_maps, hf_from_shards
 from pacs_megatron.actor.lora import lora_modules
 from pacs_megatron.actor.model import ModelSpec
-from pacs_megatron.actor.weights import unwrap
+from pacs_megatron.actor.weights import tp_shards, unwrap
 from pacs_megatron.parallel import ParallelGroups
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module's HF name in adapter_model.safetensors."""
-
-
-def _gather(t: torch.Tensor, dim: int, groups: ParallelGroups) -> list[torch.Tensor]:
-    if groups.tp_size == 1:
-        return [t.detach()]
-    shards = [torch.empty_like(t) for _ in range(groups.tp_size)]
-    dist.all_gather(shards, t.detach().contiguous(), group=groups.tp_group)
-    return shards
 
 
 @torch.no_grad()
@@ -52,9 +44,9 @@ def peft_tensors(chunks: list, spec: ModelSpec, groups: ParallelGroups) -> dict[
             pm = maps[f"{name}.weight"]
             if m.lora_kind == "column":  # A whole on every rank, B split by output rows like the weight
                 a_full = [m.lora_a.detach()] * len(pm.hf_names)
-                b_full = hf_from_shards(pm.kind, _gather(m.lora_b, 0, groups), spec)
+                b_full = hf_from_shards(pm.kind, tp_shards(m.lora_b, groups), spec)
             else:  # A split by input columns like the weight ("row"), B whole
-                a_full = hf_from_shards("row", _gather(m.lora_a, 1, groups), spec)
+                a_full = hf_from_shards("row", tp_shards(m.lora_a, groups), spec)
                 b_full = [m.lora_b.detach()]
             for hf_name, a, b in zip(pm.hf_names, a_full, b_full):
                 stem = PEFT_PREFIX + hf_name.removesuffix(".weight")

@@ -1,7 +1,7 @@
 """The reference policy of a LoRA actor: the base model, its adapters switched off (no second copy).
 
 With ``actor.lora.rank`` > 0 the KL term's and PACS v2's reference is the actor's own chunks with every
-adapter off (actor/lora.py ``set_lora_enabled``): the frozen base is exactly the policy RL started from
+adapter off (actor/lora.py ``adapters_off``): the frozen base is exactly the policy RL started from
 (B = 0 at step 0), so no weights are copied, offloaded or checkpointed apart from the actor's.
 
 A v2 hard reset (``algorithm.reference_reset_every``) merges the adapters into the base and starts them
@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pacs_megatron.actor.forward import forward_logprobs
-from pacs_megatron.actor.lora import merge_and_restart, set_lora_enabled
+from pacs_megatron.actor.lora import adapters_off, merge_and_restart
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.data.batching import Rollouts
 from pacs_megatron.utils.logging import get_logger
@@ -64,24 +64,23 @@ class LoRAReference:
     ):
         """No-grad ``[B, T]`` log-probs of the base (adapters off) on the actor's micro-batches (collective)."""
         for c in actor.model:
-            set_lora_enabled(unwrap(c), False)
             c.eval()
         try:
-            token_logp, _ = forward_logprobs(
-                actor.model,
-                batch,
-                micro_batch_size,
-                self.spec,
-                self.groups,
-                temperature,
-                False,
-                packed,
-                thd,
-                response_only,
-            )
+            with adapters_off([unwrap(c) for c in actor.model]):
+                token_logp, _ = forward_logprobs(
+                    actor.model,
+                    batch,
+                    micro_batch_size,
+                    self.spec,
+                    self.groups,
+                    temperature,
+                    False,
+                    packed,
+                    thd,
+                    response_only,
+                )
         finally:
             for c in actor.model:
-                set_lora_enabled(unwrap(c), True)
                 c.train()
         return token_logp
 

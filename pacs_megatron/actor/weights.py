@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from pacs_megatron.actor.convert import (
     shard_from_hf,
 )
 from pacs_megatron.actor.hf_io import SafetensorsReader, copy_tokenizer_files, write_safetensors
-from pacs_megatron.actor.lora import lora_modules, merged_weight
+from pacs_megatron.actor.lora import adapters_off, lora_modules, merged_weight
 from pacs_megatron.actor.model import ModelSpec
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
@@ -61,19 +62,19 @@ def layer_owner(spec: ModelSpec, groups: ParallelGroups):
     return lambda layer: (layer // per_virtual) % groups.pp_size
 
 
-def _local_params(chunks: list, spec: ModelSpec) -> dict[tuple[str, ...], tuple[str, torch.Tensor]]:
-    """HF names -> (kind, local shard) for every parameter this rank holds (tied LM-head copy excluded)."""
+def _local_params(chunks: list, spec: ModelSpec) -> dict[tuple[str, ...], tuple[str, torch.Tensor, Any]]:
+    """HF names -> (kind, local shard, its LoRA linear or None) for every parameter this rank holds (tied
+    LM-head copy excluded). A LoRA linear's weight goes out merged, W + (alpha / r) B A (the policy, not its
+    frozen base), merged when it is exported: one merged copy at a time, as the export holds one tensor."""
     out = {}
     for c in chunks:
         model = unwrap(c)
-        # a LoRA linear's weight goes out merged, W + (alpha / r) B A: the policy, not its frozen base
-        params = dict(model.named_parameters()) | {
-            f"{n}.weight": merged_weight(m) for n, m in lora_modules(model).items()
-        }
+        params = dict(model.named_parameters())
+        lora = {f"{n}.weight": m for n, m in lora_modules(model).items()}
         for pm in chunk_param_maps(model, spec):
             if pm.name == "output_layer.weight" and spec.tie_embeddings:
                 continue
-            out[pm.hf_names] = (pm.kind, params[pm.name])
+            out[pm.hf_names] = (pm.kind, params[pm.name], lora.get(pm.name))
     return out
 
 
@@ -98,14 +99,9 @@ def export_hf_weights(
         elif groups.pp_rank == owner:
             if hf_names not in local:
                 raise RuntimeError(f"stage {owner} should hold {hf_names} but has no such parameter")
-            kind, shard = local[hf_names]
-            shard = shard.detach()
-            if groups.tp_size > 1:
-                shards = [torch.empty_like(shard) for _ in range(groups.tp_size)]
-                dist.all_gather(shards, shard.contiguous(), group=groups.tp_group)
-            else:
-                shards = [shard]
-            tensors = [t.to(out_dtype) for t in hf_from_shards(kind, shards, spec)]
+            kind, shard, lora = local[hf_names]
+            shard = merged_weight(lora) if lora is not None else shard
+            tensors = [t.to(out_dtype) for t in hf_from_shards(kind, tp_shards(shard, groups), spec)]
             if groups.pp_size > 1:  # collectives need contiguous buffers; a local consumer does not
                 tensors = [t.contiguous() for t in tensors]
         else:
@@ -115,10 +111,20 @@ def export_hf_weights(
         yield from zip(hf_names, tensors)
 
 
+def tp_shards(shard: torch.Tensor, groups: ParallelGroups) -> list[torch.Tensor]:
+    """Every TP rank's shard of a tensor in TP-rank order (the shard itself, detached, at TP = 1)."""
+    shard = shard.detach()
+    if groups.tp_size == 1:
+        return [shard]
+    shards = [torch.empty_like(shard) for _ in range(groups.tp_size)]
+    dist.all_gather(shards, shard.contiguous(), group=groups.tp_group)
+    return shards
+
+
 def _expert_tensors(local, hf_names, ep_owner, shapes, spec, groups, out_dtype) -> list[torch.Tensor]:
     """One expert's HF tensors on every rank of the EP group: its holder broadcasts them."""
     if groups.ep_rank == ep_owner:
-        kind, shard = local[hf_names]
+        kind, shard, _ = local[hf_names]  # experts carry no adapter (actor/lora.py)
         tensors = [t.to(out_dtype).contiguous() for t in hf_from_shards(kind, [shard.detach()], spec)]
     else:
         tensors = [torch.empty(shapes[n], dtype=out_dtype, device=groups.device) for n in hf_names]
@@ -169,29 +175,26 @@ def swapped_hf_weights(chunks: list, spec: ModelSpec, groups: ParallelGroups, te
     of its HF tensors must be given: q/k/v together), and restored bit for bit on exit. Local, no
     collective: every rank holds every tensor it needs. Costs one copy of the swapped parameters."""
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    lora = [m for c in chunks for m in lora_modules(unwrap(c)).values() if m.lora_enabled]
-    try:
-        for m in lora:  # the given tensors are the whole weights (merged): no adapter on top of them
-            m.lora_enabled = False
-        with torch.no_grad():
-            for c in chunks:
-                model = unwrap(c)
-                params = dict(model.named_parameters())
-                for pm in chunk_param_maps(model, spec):
-                    if not any(n in tensors for n in pm.hf_names):
-                        continue
-                    missing = [n for n in pm.hf_names if n not in tensors]
-                    if missing:
-                        raise KeyError(f"swapped_hf_weights: {pm.name} needs {missing} as well")
-                    p = params[pm.name]
-                    hf = [tensors[n].to(p.device, p.dtype) for n in pm.hf_names]
-                    shard = shard_from_hf(pm.kind, hf, spec, groups.tp_rank, groups.tp_size)
-                    saved.append((p, p.detach().clone()))
-                    p.copy_(shard)
-        yield
-    finally:
-        with torch.no_grad():
-            for p, original in saved:
-                p.copy_(original)
-        for m in lora:
-            m.lora_enabled = True
+    # the given tensors are whole weights (a LoRA actor's merged ones): no adapter on top of them
+    with adapters_off([unwrap(c) for c in chunks]):
+        try:
+            with torch.no_grad():
+                for c in chunks:
+                    model = unwrap(c)
+                    params = dict(model.named_parameters())
+                    for pm in chunk_param_maps(model, spec):
+                        if not any(n in tensors for n in pm.hf_names):
+                            continue
+                        missing = [n for n in pm.hf_names if n not in tensors]
+                        if missing:
+                            raise KeyError(f"swapped_hf_weights: {pm.name} needs {missing} as well")
+                        p = params[pm.name]
+                        hf = [tensors[n].to(p.device, p.dtype) for n in pm.hf_names]
+                        shard = shard_from_hf(pm.kind, hf, spec, groups.tp_rank, groups.tp_size)
+                        saved.append((p, p.detach().clone()))
+                        p.copy_(shard)
+            yield
+        finally:
+            with torch.no_grad():
+                for p, original in saved:
+                    p.copy_(original)

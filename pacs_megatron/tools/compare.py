@@ -41,19 +41,14 @@ kills them at once), and SIGKILL kills them (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
-from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.tools.compare_report import (
     FINAL_DEFINITION,
     find_val_key,
@@ -63,49 +58,14 @@ from pacs_megatron.tools.compare_report import (
     run_score,
     table,
 )
-from pacs_megatron.tools.plot import read_metrics
-from pacs_megatron.utils.devices import MEMORY_FRACTION_ENV, share_gpus, visible_gpus
+from pacs_megatron.tools.compare_runs import METHODS, Runner, Spec, check_engine_share, uses_critic
+from pacs_megatron.utils.devices import share_gpus, visible_gpus
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.preemption import unwind_on_signals
-from pacs_megatron.utils.proc import die_with_parent
 
 logger = get_logger(__name__)
 
-METHODS: dict[str, list[str]] = {
-    "pacs": ["algorithm.loss=pacs"],
-    "grpo": ["algorithm.loss=grpo", "algorithm.policy.adv_estimator=grpo"],
-    # The paper's PPO baseline: GAE advantages from a learned critic.
-    "ppo": ["algorithm.loss=ppo", "algorithm.policy.adv_estimator=gae"],
-    # PPO-clip with the critic-free leave-one-out baseline (this project's earlier "ppo").
-    "ppo_rloo": ["algorithm.loss=ppo", "algorithm.policy.adv_estimator=rloo"],
-    # PACS v2: r anchored on a reference policy, hard-reset every 10 steps (the config's mini-batching).
-    "pacs_v2": ["algorithm.loss=pacs", "algorithm.pacs.anchor=reference", "algorithm.reference_reset_every=10"],
-    # The control: PACS with one update per rollout batch, where psi = 0 and the loss is class-weighted
-    # REINFORCE with a leave-one-out baseline (README, "What PACS is").
-    "reinforce": ["algorithm.loss=pacs", "algorithm.mini_batch_size=0"],
-    # GSPO (sequence-level ratio; verl's defaults in algorithm.gspo: clip 3e-4 / 4e-4, GRPO advantages).
-    "gspo": ["algorithm.loss=gspo"],
-}
 TUNE_SEED0 = 1000
-TRAIN = (sys.executable, "-m", "pacs_megatron", "train")
-
-
-def uses_critic(method: str) -> bool:
-    return "algorithm.policy.adv_estimator=gae" in METHODS[method]
-
-
-class Spec(NamedTuple):
-    """One run: a method at an lr (and a critic lr for critic methods) on a seed."""
-
-    method: str
-    lr: float
-    seed: int
-    critic_lr: float | None = None
-
-
-def run_name(method: str, lr: float, seed: int, critic_lr: float | None = None) -> str:
-    critic = f"_clr{critic_lr:g}" if critic_lr is not None else ""
-    return f"{method}_lr{lr:g}{critic}_s{seed}"
 
 
 def grid_step(grid: list[float], side: int) -> float:
@@ -155,165 +115,6 @@ def tune(
         if not todo:
             return out
         grids = todo  # only the grown methods need new runs; the others keep their results in `out`
-
-
-class Runner:
-    """Launches ``pacs-megatron train`` runs, at most ``jobs`` at a time; resumable by final.json."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args, self.out = args, Path(args.out)
-        self.done = 0
-        self.total = 0
-        self._dirs: dict[tuple, Path] = {}
-        self._builds_model: dict[tuple, bool] = {}
-        # The cores are split between the runs going at once: torch's default (every core per process)
-        # oversubscribes them, and OpenMP's spinning threads then cost several times the work (measured:
-        # 2 runs x 2 threads on 2 cores ran 5x slower per step than one). The shell's value wins.
-        threads = str(getattr(args, "threads_per_rank", 1))
-        self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
-        # Runs that share a GPU each keep to their share of its memory: on one H200, 12 SmolLM2 runs whose
-        # caching allocators each grew to ~12.5 GB filled its 140 GB and 13 of 24 runs died of CUDA OOM
-        # (2026-11-28). One-rank runs are pinned to the least busy GPU; larger ones see every GPU.
-        ranks = getattr(args, "ranks_per_run", 1)
-        self.gpus = visible_gpus() if getattr(args, "share_gpus", True) else []
-        per_gpu, self.memory_fraction = share_gpus(getattr(args, "jobs", 1) or 1, ranks, self.gpus)
-        self.pin = ranks == 1 and len(self.gpus) > 0
-        self._gpu_of: dict[tuple, str] = {}
-        if self.memory_fraction is not None:
-            logger.info(
-                "%d run(s) share each of %d GPU(s): each process may hold %.0f%% of its GPU's memory (%s)",
-                per_gpu,
-                len(self.gpus),
-                100 * self.memory_fraction,
-                MEMORY_FRACTION_ENV,
-            )
-
-    def settings(self, method: str, lr: float, seed: int, critic_lr: float | None = None) -> list[str]:
-        """The overrides that make this run (all but its directories)."""
-        return [
-            *METHODS[method],
-            f"optimizer.lr={lr}",
-            *([f"critic.optim.lr={critic_lr}"] if critic_lr is not None else []),
-            f"trainer.seed={seed}",
-            f"model.seed={seed}",
-            f"data.seed={seed}",
-            f"rollout.seed={seed}",
-            "logging.progress_bar=false",
-            "logging.tensorboard=false",
-            *([f"trainer.total_steps={self.args.steps}"] if self.args.steps else []),
-            *self.args.overrides,
-        ]
-
-    def run_dir(self, method: str, lr: float, seed: int, critic_lr: float | None = None) -> Path:
-        """``OUT/runs/NAME-KEY``: KEY hashes the resolved config, so other settings never reuse this run."""
-        from pacs_megatron.config import load_config, to_yaml
-
-        spec = Spec(method, lr, seed, critic_lr)
-        if spec not in self._dirs:
-            cfg = load_config(self.args.config, self.settings(*spec))
-            key = hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:10]
-            self._dirs[spec] = self.out / "runs" / f"{run_name(*spec)}-{key}"
-            self._builds_model[spec] = cfg.model.init != "pretrained"
-        return self._dirs[spec]
-
-    def command(self, *spec) -> list[str]:
-        d = self.run_dir(*spec)
-        # A model the run builds (tiny, random, a GGUF import) goes into the run's own directory, so
-        # concurrent runs never write one path; a pretrained model is read where the user put it.
-        own_model = [f"model.path={d}/model"] if self._builds_model[Spec(*spec)] else []
-        return [*TRAIN, f"--config={self.args.config}", *self.settings(*spec), f"trainer.output_dir={d}", *own_model]
-
-    def run_all(self, specs: list[Spec]) -> dict[Spec, list[dict] | None]:
-        """Run every spec not yet done; return each spec's metrics rows (None when it failed)."""
-        specs = list(dict.fromkeys(Spec(*s) for s in specs))
-        todo = [s for s in specs if not RunLayout(self.run_dir(*s)).final.is_file()]
-        self.total += len(specs)
-        self.done += len(specs) - len(todo)
-        running: dict[Spec, tuple[subprocess.Popen, object]] = {}
-        failed: set = set()
-        try:
-            self._run(todo, running, failed)
-        finally:  # stopped (SIGTERM, Ctrl-C) or failed: the runs stop with the command
-            _stop_runs(running)
-        out = {}
-        for spec in specs:
-            d = self.run_dir(*spec)
-            out[spec] = None if spec in failed or not RunLayout(d).metrics.is_file() else read_metrics(d)
-        return out
-
-    def _run(self, todo: list, running: dict, failed: set) -> None:
-        while todo or running:
-            while todo and len(running) < self.args.jobs:
-                spec = todo.pop(0)
-                d = self.run_dir(*spec)
-                d.mkdir(parents=True, exist_ok=True)
-                log = (d / "train.log").open("a")
-                proc = subprocess.Popen(
-                    self.command(*spec),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=self.run_env(spec),
-                    preexec_fn=die_with_parent,
-                )
-                running[spec] = (proc, log)
-                logger.info("started %s", run_name(*spec))
-            time.sleep(1.0)
-            for spec, (proc, log) in list(running.items()):
-                if proc.poll() is None:
-                    continue
-                log.close()
-                del running[spec]
-                self._gpu_of.pop(spec, None)
-                self.done += 1
-                if proc.returncode != 0:
-                    failed.add(spec)
-                    logger.error("%s failed (exit %d): see its train.log", run_name(*spec), proc.returncode)
-                logger.info("progress: %d/%d runs done", self.done, self.total)
-                self._progress(list(running))
-
-    def run_env(self, spec: tuple) -> dict[str, str]:
-        """The environment of one run: the threads, and on GPUs its device and memory share."""
-        env = dict(self.env)
-        if self.memory_fraction is not None:
-            env[MEMORY_FRACTION_ENV] = str(self.memory_fraction)
-        if self.pin:
-            busy = list(self._gpu_of.values())
-            gpu = min(self.gpus, key=busy.count)  # the first of the least busy
-            self._gpu_of[spec] = env["CUDA_VISIBLE_DEVICES"] = gpu
-        return env
-
-    def _progress(self, running: list[tuple]) -> None:
-        state = {"done": self.done, "total": self.total, "running": [run_name(*s) for s in running]}
-        (self.out / "progress.json").write_text(json.dumps(state, indent=1))
-
-
-def _stop_runs(running: dict) -> None:
-    """SIGTERM every run still going: each checkpoints after its current step and exits 143, however long
-    that step takes (it was a fixed 120 s: a SmolLM2 step under load took 165 s, the run was killed and
-    lost its steps). A second SIGTERM or Ctrl-C while waiting kills them at once."""
-    if not running:
-        return
-    logger.warning(
-        "stopping %d runs: each checkpoints after its current step (rerun the command to resume; a second "
-        "Ctrl-C or SIGTERM kills them now)",
-        len(running),
-    )
-    for proc, _ in running.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    try:
-        for proc, _ in running.values():
-            proc.wait()
-    except (KeyboardInterrupt, SystemExit):
-        for proc, _ in running.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        raise
-    finally:
-        for _, log in running.values():
-            log.close()
-        running.clear()
 
 
 def check_validates(args: argparse.Namespace) -> str | None:
@@ -443,22 +244,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="a.b=c overrides applied to every run")
 
 
-def check_engine_share(cfg, fraction: float | None, jobs: int) -> None:
-    """Runs sharing a GPU (``fraction`` of its memory each): a colocated vLLM engine sizes itself by
-    ``rollout.vllm.gpu_memory_utilization`` of the *whole* GPU, beyond the cap the runs' allocators keep to,
-    so more than the share is refused before any run starts (ConfigError naming the key and a value)."""
-    from pacs_megatron.config import ConfigError
-
-    if fraction is None or cfg.rollout.engine != "vllm" or cfg.actor.offload_during_rollout:
-        return  # (with the offload vLLM takes actor.rollout_memory_fraction of what is free when it starts)
-    if cfg.rollout.vllm.gpu_memory_utilization > fraction / 2:
-        raise ConfigError(
-            f"rollout.vllm.gpu_memory_utilization={cfg.rollout.vllm.gpu_memory_utilization} with --jobs {jobs} "
-            f"sharing a GPU: each run may hold {fraction:.3f} of it, its actor included; set "
-            f"rollout.vllm.gpu_memory_utilization={fraction / 2:.3f} (or fewer --jobs, or rollout.engine=hf)"
-        )
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Parse and check every flag before any run starts; ConfigError naming the flag and the fix."""
     from pacs_megatron.config import ConfigError
@@ -505,7 +290,8 @@ def main(args: argparse.Namespace) -> int:
     args.jobs = args.jobs or max(1, (os.cpu_count() or 1) // ranks)
     args.threads_per_rank = max(1, (os.cpu_count() or 1) // (args.jobs * ranks))
     args.ranks_per_run = ranks
-    check_engine_share(cfg, share_gpus(args.jobs, ranks, visible_gpus())[1], args.jobs)
+    args.gpus = visible_gpus()  # once: the engine check here and the Runner's pinning read the same list
+    check_engine_share(cfg, share_gpus(args.jobs, ranks, args.gpus)[1], args.jobs)
     # SIGTERM (kill PID) unwinds like Ctrl-C, so Runner stops its runs: none is left going. A second one
     # kills them all at once, even while this process waits in a native call (utils/preemption.py).
     unwind_on_signals("the runs' current steps were not saved (rerun the command to resume them)")

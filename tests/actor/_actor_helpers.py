@@ -88,7 +88,12 @@ def hf_logprobs(model_dir: str, input_ids: torch.Tensor, temperature: float = 1.
     """``[B, T]`` transformers log-probs in fp32 (column 0 = 0)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return causal_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), input_ids, temperature)
+
+
+def causal_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, T]`` log-probs of ``input_ids`` under a transformers (or PEFT) causal LM, fp32, column 0 = 0."""
+    model.eval()
     with torch.no_grad():
         logits = model(input_ids=input_ids).logits.float() / temperature
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)

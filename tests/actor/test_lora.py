@@ -46,7 +46,7 @@ def _body(rank, world, f):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from pacs_megatron.actor.lora import allreduce_replicated_grads, apply_lora, merged_weight, set_lora_enabled
+    from pacs_megatron.actor.lora import adapters_off, allreduce_replicated_grads, apply_lora, merged_weight
     from pacs_megatron.parallel.cpu_patches import apply_cpu_patches
 
     apply_cpu_patches()
@@ -75,8 +75,7 @@ def _body(rank, world, f):
     y = block.linear_fc2(block.linear_fc1(x)[0])[0]
     (y * f["up"]).sum().backward()
     allreduce_replicated_grads(block, parallel_state.get_tensor_model_parallel_group())
-    set_lora_enabled(block, False)
-    with torch.no_grad():
+    with adapters_off([block]), torch.no_grad():
         off = block.linear_fc2(block.linear_fc1(f["x"])[0])[0]
     out = {
         "base_only": base_only,

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from _actor_helpers import (
+    causal_logprobs,
     hf_config,
     hf_logprobs,
     make_qwen2,
@@ -128,11 +129,7 @@ def _peft_logprobs(model_dir, adapter_dir, input_ids):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapter_dir).eval()
-    with torch.no_grad():
-        logits = model(input_ids=input_ids).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(lp, (1, 0))
+    return causal_logprobs(PeftModel.from_pretrained(base, adapter_dir), input_ids)
 
 
 @pytest.mark.distributed

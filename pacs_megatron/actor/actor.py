@@ -23,7 +23,8 @@ import torch
 from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, gather_rows, run_schedule
 from pacs_megatron.actor.logit_rows import set_fused_head
-from pacs_megatron.actor.lora import apply_lora, sum_replicated_lora_grads
+from pacs_megatron.actor.lora import adapters_off, apply_lora, sum_replicated_lora_grads
+from pacs_megatron.actor.lora_export import gather_peft_tensors, peft_config
 from pacs_megatron.actor.lora_reference import LoRAReference
 from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, seed_for_init, transformer_config
 from pacs_megatron.actor.moe import MoeStats
@@ -48,7 +49,7 @@ from pacs_megatron.actor.train_step import (
     step_loss_config,
     train_loss_func,
 )
-from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights
+from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights, unwrap
 from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.data.batching import Rollouts, TrainBatch, TrainRows, split_micro_batches
 from pacs_megatron.data.packing import pack_micro_batches, token_budget
@@ -380,6 +381,17 @@ class MegatronActor:
     def export_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, one at a time, same order on every rank (collective)."""
         return export_hf_weights(self.model, self.spec, self.groups, dtype)
+
+    def export_base_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`export_hf_weights` with every LoRA adapter off: the frozen base (the adapter-only sync's)."""
+        with adapters_off([unwrap(c) for c in self.model]):
+            yield from export_hf_weights(self.model, self.spec, self.groups)
+
+    def peft_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Every stage's LoRA adapters as PEFT-named full CPU tensors on every rank, with their
+        ``adapter_config.json`` (collective over TP and PP; actor/lora_export.py): the adapter-only sync's."""
+        tensors = gather_peft_tensors(self.model, self.spec, self.groups)
+        return tensors, peft_config(tensors, self.cfg.actor.lora, self.model_dir)
 
     def swapped_hf_weights(self, tensors: dict[str, torch.Tensor]):
         """Context manager: hold these full HF-named tensors instead of the trained ones (restored on exit)."""

@@ -90,11 +90,15 @@ def _delta(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
     """The base layer's checkpoint entries plus the adapter's, each sharded on its TP axis (a replicated
-    factor is saved once, like a bias of a row-parallel layer)."""
+    factor is saved once, like a bias of a row-parallel layer). A gated MLP's ``linear_fc1`` holds its gate
+    and up rows per TP rank as ``[gate_r; up_r]``, which megatron's MLP saves through its SwiGLU factory (two
+    shards a rank, so the global tensor is ``[gate; up]`` at any TP); its B gets the same factory, or a
+    checkpoint loaded at another TP would pair B's rows with the wrong weight rows."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
     axes = {"weight": 0, "bias": 0, "lora_b": 0} if self.lora_kind == "column" else {"weight": 1, "lora_a": 1}
-    return make_sharded_tensors_for_checkpoint(
+    sd = make_sharded_tensors_for_checkpoint(
         self.state_dict(prefix="", keep_vars=True),
         prefix,
         axes,
@@ -102,6 +106,10 @@ def _sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         tp_group=self.tp_group,
         dp_cp_group=(metadata or {}).get("dp_cp_group"),
     )
+    if getattr(self, "lora_target", "") == "linear_fc1" and getattr(self.config, "gated_linear_unit", False):
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        sd[f"{prefix}lora_b"] = apply_swiglu_sharded_factory(sd[f"{prefix}lora_b"], sharded_offsets, singleton)
+    return sd
 
 
 def attach_lora(module: nn.Module, kind: str, rank: int, alpha: float, dropout: float = 0.0) -> nn.Module:
@@ -144,15 +152,24 @@ def attach_lora(module: nn.Module, kind: str, rank: int, alpha: float, dropout: 
     module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     module.lora_kind, module.lora_rank, module.lora_scaling = kind, rank, alpha / rank
     module.lora_enabled = True  # off: the base alone (the reference policy without a copy of the model)
+    # the adapters merged into the base so far, (A, B, scaling) on the host: an adapter-only checkpoint
+    # replays them onto the pretrained base (actor/checkpoint.py); None once a checkpoint holds the base whole
+    module.lora_merges = []
     module.forward = types.MethodType(forward, module)
     module.sharded_state_dict = types.MethodType(_sharded_state_dict, module)
     return module
 
 
+def _merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``W + scaling B A`` in fp32, cast to W's dtype: the one formula of every merge (weight sync, export,
+    a v2 reset and its replay on load), so that a replay on the same layout gives the same bits."""
+    delta = (b.detach().float() @ a.detach().float()) * scaling
+    return (weight.detach().float() + delta).to(weight.dtype)
+
+
 def merged_weight(module: nn.Module) -> torch.Tensor:
     """This rank's shard of ``W + (alpha / r) B A`` in the base weight's shape and dtype (no collective)."""
-    delta = (module.lora_b.detach().float() @ module.lora_a.detach().float()) * module.lora_scaling
-    return (module.weight.detach().float() + delta).to(module.weight.dtype)
+    return _merged(module.weight, module.lora_a, module.lora_b, module.lora_scaling)
 
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -229,6 +246,7 @@ def apply_lora(
         if rank > limit:
             raise ValueError(f"actor.lora.rank={rank} exceeds {name}'s shard {tuple(m.weight.shape)}: at most {limit}")
         attach_lora(m, "column" if isinstance(m, ColumnParallelLinear) else "row", rank, alpha, dropout)
+        m.lora_target = target  # linear_fc1's B is saved as its weight is (_sharded_state_dict)
         m.lora_seed = seed * 1_000_003 + layers.get(name, 0) * 16 + LORA_TARGETS.index(target)
         init_lora_a(m, m.lora_seed, tp_rank, tp_size)
         adapted.append(m)
@@ -239,10 +257,28 @@ def apply_lora(
 def merge_and_restart(model: nn.Module, restart: int, tp_rank: int, tp_size: int) -> None:
     """Fold every adapter into its base (W <- W + (alpha / r) B A, this rank's shard) and start it again
     from PEFT's init (A redrawn from its seed and ``restart``, B = 0): the model computes the same function
-    and the base is now the live policy (LoRA's PACS v2 reset; docs/lora.md)."""
+    and the base is now the live policy (LoRA's PACS v2 reset; docs/lora.md). The merged adapters are kept
+    on the host (``lora_merges``) for an adapter-only checkpoint to replay (:func:`replay_merges`)."""
     for m in lora_modules(model).values():
+        if m.lora_merges is not None:
+            merged = (m.lora_a.detach().to("cpu", copy=True), m.lora_b.detach().to("cpu", copy=True), m.lora_scaling)
+            m.lora_merges.append(merged)
         m.weight.copy_(merged_weight(m))
         init_lora_a(m, m.lora_seed + 7919 * restart, tp_rank, tp_size)
+
+
+@torch.no_grad()
+def replay_merges(module: nn.Module, merges: list[tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+    """Fold ``merges`` ((A, B, scaling) of this rank's shards, oldest first) into the base, as
+    :func:`merge_and_restart` did: the same formula in the same order, so on the same layout the base comes
+    back bit for bit (a different TP layout multiplies other shard shapes: equal up to fp32 rounding). They
+    are appended to the module's ``lora_merges`` (on the host)."""
+    dev = module.weight.device
+    kept = module.lora_merges if module.lora_merges is not None else []
+    for a, b, scaling in merges:
+        module.weight.copy_(_merged(module.weight, a.to(dev), b.to(dev), scaling))
+        kept.append((a.to("cpu"), b.to("cpu"), scaling))
+    module.lora_merges = kept
 
 
 @contextmanager

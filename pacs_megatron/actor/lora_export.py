@@ -55,6 +55,38 @@ def peft_tensors(chunks: list, spec: ModelSpec, groups: ParallelGroups) -> dict[
     return out
 
 
+def gather_peft_tensors(chunks: list, spec: ModelSpec, groups: ParallelGroups) -> dict[str, torch.Tensor]:
+    """Every stage's adapters as PEFT-named full CPU tensors on every rank of the pipeline (collective over TP
+    and PP): the adapter-only weight sync's payload (weight_sync/adapter.py). TP shards are gathered as the
+    export gathers weights (:func:`peft_tensors`); the stages' sets, megabytes at most, are exchanged over the
+    PP group in one object all-gather, where the weight export broadcasts tensor by tensor (its tensors are the
+    whole model; these are ``r * (in + out)`` numbers a linear)."""
+    local = peft_tensors(chunks, spec, groups)
+    if groups.pp_size == 1:
+        return local
+    gathered: list = [None] * groups.pp_size
+    dist.all_gather_object(gathered, local, group=groups.pp_group)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+def peft_config(tensors: dict[str, torch.Tensor], lora_cfg, base_dir: str) -> dict:
+    """``adapter_config.json`` of PEFT-named ``tensors``: rank, alpha and dropout of ``actor.lora``, the HF
+    projections that carry an adapter as its target modules."""
+    targets = sorted({k.removeprefix(PEFT_PREFIX).split(".")[-3] for k in tensors})
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_dir),
+        "r": lora_cfg.rank,
+        "lora_alpha": lora_cfg.alpha,
+        "lora_dropout": lora_cfg.dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+
+
 def save_peft_adapter(chunks: list, spec: ModelSpec, groups: ParallelGroups, lora_cfg, base_dir: str, out: str) -> None:
     """Write the PEFT adapter directory from global rank 0 (collective: every rank takes part)."""
     from safetensors.torch import save_file
@@ -64,21 +96,9 @@ def save_peft_adapter(chunks: list, spec: ModelSpec, groups: ParallelGroups, lor
     dist.all_gather_object(gathered, local)  # the stages' adapters, megabytes at most
     if groups.rank == 0:
         tensors = {k: v for part in gathered for k, v in part.items()}
-        targets = sorted({k.removeprefix(PEFT_PREFIX).split(".")[-3] for k in tensors})
-        config = {
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": str(base_dir),
-            "r": lora_cfg.rank,
-            "lora_alpha": lora_cfg.alpha,
-            "lora_dropout": lora_cfg.dropout,
-            "target_modules": targets,
-            "bias": "none",
-            "fan_in_fan_out": False,
-            "inference_mode": True,
-        }
         path = Path(out)
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = peft_config(tensors, lora_cfg, base_dir)
         (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     dist.barrier()

@@ -8,8 +8,9 @@ A v2 hard reset (``algorithm.reference_reset_every``) merges the adapters into t
 again from PEFT's init (``merge_and_restart``): the reference becomes the live policy, as the paper asks,
 and the policy is unchanged by the reset itself. The other choice, keeping the base and snapshotting the
 adapters as the reference's, would keep an adapter-only export valid but costs a copy of the adapters and
-a second adapter set in every forward; docs/lora.md compares the two. The merged base is in every actor
-checkpoint (its sharded state holds the base weights), so a resume across a reset is exact.
+a second adapter set in every forward; docs/lora.md compares the two. An actor checkpoint keeps the merged
+adapters and replays them onto the pretrained base on load (actor/lora_checkpoint.py), so a resume across a
+reset is exact.
 
 The interface is :class:`~pacs_megatron.actor.reference.ReferencePolicy`'s.
 """
@@ -85,7 +86,7 @@ class LoRAReference:
         return token_logp
 
     def save(self, actor, path: str | Path) -> None:
-        """Nothing beyond the actor's checkpoint, which holds the (merged) base."""
+        """Nothing beyond the actor's checkpoint, from which the (merged) base is rebuilt."""
 
     def load(self, path: str | Path) -> None:
         """Nothing beyond the actor's checkpoint."""

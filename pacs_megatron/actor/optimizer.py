@@ -4,10 +4,12 @@
   all-reduce is a plain SUM because the train step uses ``calculate_per_token_loss`` (see
   train_step.py for the full gradient convention).
 * Optimizer: ``get_megatron_optimizer``. The distributed optimizer (state sharded over DP) is used
-  with GPUs only by default (``optimizer.use_distributed_optimizer=auto``): on CPU without Apex/TE
-  its resume path has known bugs in megatron-core 0.16.1, so CPU runs use the plain optimizer.
-  bf16 parameters keep fp32 main weights inside the optimizer; fp32 runs use the FP32 optimizer.
-  On CPU the inner torch Adam runs its fused kernel (:func:`use_fused_adam`).
+  with GPUs only by default (``optimizer.use_distributed_optimizer=auto``; "true" runs it on CPU too).
+  Without Apex / TE its inner optimizer is torch's Adam, whose checkpointing megatron-core 0.16.1 gets
+  wrong in three places; :func:`init_adam_state` and :func:`torch_adam_load` bridge them (checkpoint.py
+  calls both), so its resume is exact. bf16 parameters keep fp32 main weights inside the optimizer;
+  fp32 runs use the FP32 optimizer. On CPU the inner torch Adam runs its fused kernel
+  (:func:`use_fused_adam`).
 * Schedule: ``OptimizerParamScheduler`` with linear warm-up, then constant / linear / cosine decay to
   ``min_lr`` over :func:`total_optimizer_steps`. Megatron's convention: the scheduler advances after
   each successful update, so update k (0-based) uses lr(k) (with warm-up the first update has lr 0).
@@ -17,6 +19,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -209,3 +213,84 @@ def apply_lr_config(optimizer, scheduler, cfg: RunConfig) -> None:
         if "min_lr" in group:
             group["min_lr"] = cfg.optimizer.min_lr
     scheduler.step(increment=0)  # recompute every group's lr at the current step
+
+
+def _torch_adams(optimizer) -> list:
+    """megatron's DistributedOptimizers whose inner optimizer is torch's Adam(W) (no Apex / TE)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [
+        opt
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+        if isinstance(opt, DistributedOptimizer) and isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    ]
+
+
+@torch.no_grad()
+def init_adam_state(optimizer) -> None:
+    """Give every parameter of a distributed optimizer's torch Adam that has no state yet the state its first
+    ``step()`` would create: step 0 (on the parameter's device when fused, as torch keeps it) and zero moments.
+    Adam's update is then the same as from no state (torch only fills an empty state; a step-0 state is what
+    :func:`reset_optimizer_state` leaves, too).
+
+    Why: megatron-core 0.16.1's ``DistributedOptimizer.state_dict`` (distrib_optimizer.py, "Extract 'step',
+    for non-Apex/TE support") asserts that the per-parameter steps hold exactly one value, and its
+    ``sharded_state_dict`` calls it at save and at load; a torch Adam that never stepped has no steps, so
+    loading a checkpoint into a fresh actor failed there (``assert len(steps) == 1``). megatron's own
+    ``init_state_fn`` (optimizer/__init__.py) creates the moments but not the step."""
+    for opt in _torch_adams(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            on_param = bool(group.get("fused") or group.get("capturable"))
+            for p in group["params"]:
+                state = inner.state[p]
+                if state:
+                    continue
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _set_states_but_step(opt, set_states, model_param, tensors: dict) -> None:
+    """megatron's ``_set_main_param_and_optimizer_states`` with torch Adam's per-parameter step left out of
+    the copy: it copies every key of the live state from the loaded tensors, which never hold the step
+    (megatron restores it from the param groups), so it raised ``KeyError: 'step'``."""
+    if "step" in tensors:
+        return set_states(model_param, tensors)
+    group_index, group_order = opt.model_param_group_index_map[model_param]
+    state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+    step = state.pop("step", None)
+    try:
+        return set_states(model_param, tensors)
+    finally:
+        if step is not None:
+            state["step"] = step
+
+
+@contextmanager
+def torch_adam_load(optimizer) -> Iterator[None]:
+    """Around ``optimizer.load_state_dict`` of a distributed optimizer over torch's Adam (no Apex / TE): two
+    fixes of megatron-core 0.16.1's load (``DistributedOptimizer.load_state_dict``, then
+    ``load_parameter_state_from_fully_reshardable``):
+
+    * the loaded moments are copied without the step (:func:`_set_states_but_step`), which raised
+      ``KeyError: 'step'``;
+    * megatron puts ONE step tensor into every parameter's state (``s["step"] = step`` for all of them) and
+      torch's ``load_state_dict`` keeps it shared, so each Adam step then added 1 to it once per parameter
+      (``torch._foreach_add_`` over the list of steps): the bias correction drifted from the first step after
+      a resume. After the load every parameter gets a step tensor of its own, of the loaded value.
+    """
+    opts = _torch_adams(optimizer)
+    for opt in opts:  # an instance attribute, shadowing the class's method for this load only
+        set_states = opt._set_main_param_and_optimizer_states
+        opt._set_main_param_and_optimizer_states = lambda p, t, o=opt, f=set_states: _set_states_but_step(o, f, p, t)
+    try:
+        yield
+    finally:
+        for opt in opts:
+            del opt._set_main_param_and_optimizer_states
+            for state in opt.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()

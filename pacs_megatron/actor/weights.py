@@ -100,7 +100,8 @@ def export_hf_weights(
             if hf_names not in local:
                 raise RuntimeError(f"stage {owner} should hold {hf_names} but has no such parameter")
             kind, shard, lora = local[hf_names]
-            shard = merged_weight(lora) if lora is not None else shard
+            # adapters off (adapters_off): the base alone, which the adapter-only sync sends (weight_sync/adapter.py)
+            shard = merged_weight(lora) if lora is not None and lora.lora_enabled else shard
             tensors = [t.to(out_dtype) for t in hf_from_shards(kind, tp_shards(shard, groups), spec)]
             if groups.pp_size > 1:  # collectives need contiguous buffers; a local consumer does not
                 tensors = [t.contiguous() for t in tensors]

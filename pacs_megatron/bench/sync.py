@@ -20,6 +20,10 @@ target (>= 0.5 on CPU). With
 ``--tp N`` the command re-launches itself as N local gloo ranks (each rank receives the full model, as
 every trainer rank does); the report is rank 0's, with every rank's numbers in the JSON. On CUDA the
 GPU target (a 7B-shaped sync within 3x of the NVLink/HBM floor) needs NCCL ranks and was never measured.
+
+With ``--lora-rank R --config FILE [--set key=value ...]`` it times the three syncs of a LoRA actor into vLLM
+instead, side by side on the run's own model, layout and engine (bench/sync_lora.py): full, merged and
+adapter-only (``sync.lora``; docs/lora.md, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions after one warm-up (median)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--config", default=None, help="with --lora-rank: the run config whose model and layout to use")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --config: an override")
+    p.add_argument(
+        "--lora-rank", type=int, default=0, help="> 0: full vs merged vs adapter-only syncs into vLLM (--config)"
+    )
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)  # set by the launching process
 
 
@@ -185,9 +194,10 @@ def _cpu_name() -> str:
 def _flags(args) -> list[str]:
     out = []
     for k, v in vars(args).items():
-        if v in (None, False) or k == "workdir":
+        if v in (None, False, []) or k == "workdir" or (k == "lora_rank" and not v):
             continue
-        out.append(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}"))
+        for item in v if isinstance(v, list) else [v]:  # --set, once per override
+            out.append(f"--{k.replace('_', '-')}" + ("" if item is True else f" {item}"))
     return out
 
 
@@ -246,6 +256,10 @@ def _rank_main(args: argparse.Namespace, workdir: Path) -> int:
 def main(args: argparse.Namespace) -> int:
     from pacs_megatron.launch.local import on_ranks
 
+    if args.lora_rank:
+        from pacs_megatron.bench.sync_lora import main as lora_main
+
+        return lora_main(args, _environment(args))
     if args.workdir:  # one rank of the --tp N job started below
         return _rank_main(args, Path(args.workdir))
     env = _environment(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pacs_megatron.config.base import ConfigError, _choice, _positive
+from pacs_megatron.config.multi_turn import MultiTurnConfig
 
 
 @dataclass
@@ -86,6 +87,8 @@ class RolloutConfig:
     """Engine processes (replicas) with rollout.placement=separate; each one GPU on GPU machines."""
     engine_timeout_s: float = 900.0
     """Separate placement: how long the trainer waits for the engine processes to start and answer."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Tool-integrated rollouts: the turn loop's limits and call format (off by default; docs/tools.md)."""
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
@@ -142,7 +145,14 @@ class SyncConfig:
     Costs about one pass over the weights on each side (docs/weight_sync.md gives the seconds); tensors an
     engine cannot read back (vLLM's MoE experts, vLLM with TP > 1) are left to the probe, and logged once."""
 
+    lora: str = "merged"
+    """With LoRA (``actor.lora.rank`` > 0), what reaches the engine at every sync: "merged" (W + (alpha/r) B A
+    through the full reshard, any engine) or "adapter" (vLLM only: the adapters alone, as a PEFT adapter vLLM
+    serves through a LoRA request; the base is sent only at the first sync and after a PACS v2 reset merged
+    the adapters into it). docs/lora.md compares the two."""
+
     def __post_init__(self) -> None:
+        _choice("sync.lora", self.lora, ("merged", "adapter"))
         _positive("sync.bucket_mb", self.bucket_mb)
         _choice("sync.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _positive("sync.probe_sequences", self.probe_sequences, allow_zero=True)
@@ -150,3 +160,28 @@ class SyncConfig:
             value = getattr(self, key)
             if not (value == -1 or value > 0):
                 raise ConfigError(f"sync.{key}={value} must be > 0, or -1 for the dtype's default")
+
+
+def check_lora_sync(sync: SyncConfig, rollout: RolloutConfig, lora_rank: int) -> None:
+    """The run-level conditions of ``sync.lora=adapter`` (RunConfig calls it): one line naming the field and
+    the fix. Adapters reach only an in-process vLLM engine (vLLM serves them through a LoRA request; the HF
+    engine and the engine processes of the separate placement take whole weights), unquantized."""
+    if sync.lora != "adapter":
+        return
+    if lora_rank <= 0:
+        raise ConfigError("sync.lora=adapter needs LoRA: set actor.lora.rank > 0 (e.g. 8), or sync.lora=merged")
+    if rollout.engine != "vllm":
+        raise ConfigError(
+            f"sync.lora=adapter needs rollout.engine=vllm (it serves the adapter; rollout.engine={rollout.engine} "
+            "takes whole weights): set rollout.engine=vllm, or sync.lora=merged"
+        )
+    if rollout.placement != "colocated":
+        raise ConfigError(
+            "sync.lora=adapter needs rollout.placement=colocated (engine processes take whole weights over their "
+            "group): set rollout.placement=colocated, or sync.lora=merged"
+        )
+    if rollout.quantization != "none":
+        raise ConfigError(
+            f"sync.lora=adapter with rollout.quantization={rollout.quantization}: the adapter sync sends "
+            "unquantized weights: set rollout.quantization=none, or sync.lora=merged"
+        )

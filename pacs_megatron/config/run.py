@@ -19,8 +19,10 @@ from pacs_megatron.config.critic import CriticConfig
 from pacs_megatron.config.data import DataConfig, RewardConfig
 from pacs_megatron.config.launcher import LauncherConfig
 from pacs_megatron.config.model import ModelConfig, ParallelConfig
-from pacs_megatron.config.rollout import RolloutConfig, SyncConfig
+from pacs_megatron.config.multi_turn import check_multi_turn
+from pacs_megatron.config.rollout import RolloutConfig, SyncConfig, check_lora_sync
 from pacs_megatron.config.switches import check_run_switches
+from pacs_megatron.config.tools import ToolsConfig
 from pacs_megatron.config.training import AlgorithmConfig, LoggingConfig, OptimizerConfig, TrainerConfig
 
 
@@ -43,6 +45,8 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The learned critic (used when algorithm.policy.adv_estimator=gae)."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """The tools of tool-integrated rollouts (rollout.multi_turn) and their sandbox."""
 
     def __post_init__(self) -> None:
         n, algo, dp = self.rollout.n, self.algorithm, self.parallel.dp
@@ -58,6 +62,14 @@ class RunConfig:
                 "actor.lora.rank > 0 with parallel.sequence_parallel=true: LoRA does not support sequence "
                 "parallelism yet (docs/lora.md); turn one of them off"
             )
+        check_lora_sync(self.sync, self.rollout, self.actor.lora.rank)  # sync.lora=adapter: vLLM, LoRA
+        check_multi_turn(
+            self.rollout.multi_turn,
+            self.tools.enabled,
+            self.actor.routing_replay,
+            self.rollout.placement,
+            self.trainer.sft_warmup_steps,
+        )
         mini = self.mini_batch_prompts
         if self.trainer.train_batch_size % mini:
             raise ConfigError(

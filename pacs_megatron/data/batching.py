@@ -35,8 +35,13 @@ def build_rollouts(
     group_size: int,
     pad_id: int,
     pad_to_multiple: int = 1,
+    policy_masks: Sequence[Sequence[bool] | None] | None = None,
 ) -> Rollouts:
     """Pack per-row prompt/response token lists (row b's prompt is its group's prompt) into padded rows.
+
+    ``policy_masks[b]`` (multi-turn rollouts, ``Response.policy_mask``) marks which response tokens the policy
+    sampled: the others (tool output) stay in ``input_ids``, read by every forward, but off ``response_mask``,
+    so no loss, log-prob sum, entropy or KL counts them. None (or a None entry): all of them.
 
     Example:
         >>> b = build_rollouts([[5, 6], [5, 6]], [[7], [8, 9]], [1.0, 0.0], group_size=2, pad_id=0)
@@ -55,7 +60,10 @@ def build_rollouts(
         ids[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         if len(r):
             ids[b, len(p) : len(p) + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-            mask[b, len(p) : len(p) + len(r)] = True
+            policy = policy_masks[b] if policy_masks is not None else None
+            if policy is not None and len(policy) != len(r):
+                raise ValueError(f"row {b}: a policy mask of {len(policy)} for {len(r)} response tokens")
+            mask[b, len(p) : len(p) + len(r)] = True if policy is None else torch.as_tensor(list(policy))
     return Rollouts(
         input_ids=ids,
         response_mask=mask,

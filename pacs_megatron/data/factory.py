@@ -28,29 +28,45 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-def load_dataset(name_or_path: str, data: DataConfig, tokenizer, limit: int = 0) -> tuple[str, list[PromptRecord]]:
-    """``(name, records)`` of one math set: read, render, tokenize, filter; the first ``limit`` if > 0."""
+def load_dataset(
+    name_or_path: str, data: DataConfig, tokenizer, limit: int = 0, suffix: str = ""
+) -> tuple[str, list[PromptRecord]]:
+    """``(name, records)`` of one math set: read, render, tokenize, filter; the first ``limit`` if > 0;
+    ``suffix`` ends each user prompt (:func:`tool_suffix`)."""
     name, path = resolve_dataset(name_or_path, data.resolved_root())
     problems = load_problems(path, data.bad_records, source=name)
     if limit:
         problems = problems[:limit]
     records = build_records(
-        problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name, data.shots
+        problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name, data.shots, suffix
     )
     logger.info("dataset %s: %d prompts from %s", name, len(records), path)
     return name, records
 
 
-def arith_prompt_records(problems, data: DataConfig, tokenizer, name: str) -> list[PromptRecord]:
+def tool_suffix(cfg: RunConfig) -> str:
+    """The tool instruction every prompt ends with when rollouts call tools (rollout.multi_turn), else ""."""
+    mt = cfg.rollout.multi_turn
+    return mt.instruction if mt.enabled else ""
+
+
+def arith_prompt_records(problems, data: DataConfig, tokenizer, name: str, suffix: str = "") -> list[PromptRecord]:
     """The synthetic task's records, through the same ``data.max_prompt_length`` /
     ``data.overlong_prompts`` check as every other source of prompts: the raw problem text is the
     prompt, or (``data.arith.style=words``) the problem is rendered as a math problem (instruction and
     ``data.chat_template``)."""
     if data.arith.style == "words":
         return build_records(
-            problems, tokenizer, data.chat_template, data.max_prompt_length, data.overlong_prompts, name, data.shots
+            problems,
+            tokenizer,
+            data.chat_template,
+            data.max_prompt_length,
+            data.overlong_prompts,
+            name,
+            data.shots,
+            suffix,
         )
-    texts = [p.problem for p in problems]
+    texts = [f"{p.problem} {suffix}" if suffix else p.problem for p in problems]
     return tokenize_prompts(problems, texts, tokenizer, data.max_prompt_length, data.overlong_prompts, name)
 
 
@@ -58,12 +74,12 @@ def build_train_dataset(cfg: RunConfig, tokenizer) -> PromptDataset:
     """The train stream of ``cfg.data`` (all train files concatenated, shuffled per epoch)."""
     data = cfg.data
     if data.task == "arith":
-        arith = arith_prompt_records(arith_split(data.arith)[0], data, tokenizer, "arith")
+        arith = arith_prompt_records(arith_split(data.arith)[0], data, tokenizer, "arith", tool_suffix(cfg))
         return PromptDataset(arith, data.seed, data.shuffle, name="arith")
     records: list[PromptRecord] = []
     names = []
     for f in data.train_files:
-        name, recs = load_dataset(f, data, tokenizer)
+        name, recs = load_dataset(f, data, tokenizer, suffix=tool_suffix(cfg))
         records.extend(recs)
         names.append(name)
     return PromptDataset(records, data.seed, data.shuffle, name="+".join(names))
@@ -75,13 +91,13 @@ def build_val_datasets(cfg: RunConfig, tokenizer) -> dict[str, list[PromptRecord
     if data.task == "arith":
         splits = arith_splits(data.arith)
         name = "arith_heldout" if data.arith.test_fraction else "arith"  # held-out problems only
-        sets = {name: arith_prompt_records(splits["test"], data, tokenizer, name)}
+        sets = {name: arith_prompt_records(splits["test"], data, tokenizer, name, tool_suffix(cfg))}
         if splits["val"]:  # the validation split (tuning), disjoint from the held-out one
-            sets["arith_val"] = arith_prompt_records(splits["val"], data, tokenizer, "arith_val")
+            sets["arith_val"] = arith_prompt_records(splits["val"], data, tokenizer, "arith_val", tool_suffix(cfg))
         return {k: v[:limit] if limit else v for k, v in sets.items()}
     out: dict[str, list[PromptRecord]] = {}
     for f in data.val_files:
-        name, recs = load_dataset(f, data, tokenizer, limit)
+        name, recs = load_dataset(f, data, tokenizer, limit, tool_suffix(cfg))
         if name in out:
             raise ValueError(f"data.val_files names {name!r} twice")
         out[name] = recs

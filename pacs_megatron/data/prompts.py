@@ -110,7 +110,7 @@ def load_tokenizer(path: str | Path, template: str = "auto"):
     return tok
 
 
-def render(problem: Problem, tokenizer, template: str, shots: Sequence[Sequence[str]] = ()) -> str:
+def render(problem: Problem, tokenizer, template: str, shots: Sequence[Sequence[str]] = (), suffix: str = "") -> str:
     """The prompt text of a math problem under ``template`` (any of :data:`CHOICES`; the tokenizer's
     ``chat_template`` is the one :func:`load_tokenizer` selected).
 
@@ -119,11 +119,13 @@ def render(problem: Problem, tokenizer, template: str, shots: Sequence[Sequence[
     earlier user/assistant turns after the row's system turn(s), if any: a system message opens a
     conversation, so a shot placed before it would be outside it. With ``template="none"`` the text is the
     shots (question, then response) above the last turn; the row's system text is left out, as it is
-    without shots.
+    without shots. ``suffix`` (the tool instruction of multi-turn rollouts) ends the row's last user turn.
     """
     messages = [{"role": r, "content": c} for r, c in problem.messages or ()] or [
         {"role": "user", "content": with_instruction(problem.problem)}
     ]
+    if suffix:
+        messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']} {suffix}"}
     examples = [
         {"role": role, "content": text}
         for question, response in shots
@@ -196,7 +198,8 @@ def build_records(
     overlong: str = "drop",
     name="",
     shots: Sequence[Sequence[str]] = (),
+    suffix: str = "",
 ) -> list[PromptRecord]:
     """Render and tokenize math problems (shots + instruction + template), applying the length filter."""
-    texts = [render(p, tokenizer, template, shots) for p in problems]
+    texts = [render(p, tokenizer, template, shots, suffix) for p in problems]
     return tokenize_prompts(problems, texts, tokenizer, max_prompt_length, overlong, name)

@@ -46,14 +46,17 @@ def arith_problems(cfg: ArithTaskConfig, seed: int = 0) -> list[Problem]:
         (25, '4+4=', '8', '8')
     """
     span = range(cfg.min_operand, cfg.max_operand + 1)
-    pairs = [(a, b) for a in span for b in span]
-    if cfg.num_problems:
-        if cfg.num_problems > len(pairs):
-            raise ValueError(
-                f"data.arith.num_problems={cfg.num_problems} exceeds the {len(pairs)} distinct problems of "
-                f"operands {cfg.min_operand}..{cfg.max_operand}"
-            )
-        pairs = sorted(random.Random(seed).sample(pairs, cfg.num_problems))
+    if cfg.num_problems and cfg.num_problems > len(span) ** 2:
+        raise ValueError(
+            f"data.arith.num_problems={cfg.num_problems} exceeds the {len(span) ** 2} distinct problems of "
+            f"operands {cfg.min_operand}..{cfg.max_operand}"
+        )
+    if cfg.num_problems and len(span) ** 2 > ENUMERATE_PAIRS:  # 3-4 digit operands: 10^8 pairs, never listed
+        pairs = sorted(_sample_pairs(span, cfg.num_problems, random.Random(seed)))
+    else:
+        pairs = [(a, b) for a in span for b in span]
+        if cfg.num_problems:
+            pairs = sorted(random.Random(seed).sample(pairs, cfg.num_problems))
     out = []
     for a, b in pairs:
         answer = (a + b) % cfg.modulo if cfg.modulo else a + b
@@ -61,6 +64,19 @@ def arith_problems(cfg: ArithTaskConfig, seed: int = 0) -> list[Problem]:
         problem = f"What is {a} + {b}?" if cfg.style == "words" else f"{a}+{b}="
         out.append(Problem(id=f"arith-{a}+{b}", problem=problem, answer=text, source="arith"))
     return out
+
+
+ENUMERATE_PAIRS = 1_000_000
+"""Above this many operand pairs the task draws its problems without listing every pair (the draw differs from
+the listed one, which smaller tasks keep so that their problem sets stay what they were)."""
+
+
+def _sample_pairs(span: range, k: int, rng: random.Random) -> set[tuple[int, int]]:
+    """``k`` distinct (a, b) pairs of ``span``, uniformly (rejection of repeats: k is far below the pair count)."""
+    pairs: set[tuple[int, int]] = set()
+    while len(pairs) < k:
+        pairs.add((rng.choice(span), rng.choice(span)))
+    return pairs
 
 
 def _operands(p: Problem) -> tuple[int, int]:

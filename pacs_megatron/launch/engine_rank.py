@@ -84,6 +84,7 @@ def serve() -> int:
     from pacs_megatron.config import config_from_dict
     from pacs_megatron.data import load_tokenizer
     from pacs_megatron.rollout import build_engine
+    from pacs_megatron.rollout.multi_turn import with_tools
     from pacs_megatron.rollout.protocol import Failed, Ready, connect_store, engine_listen, recv, send
     from pacs_megatron.rollout.server import EngineServer
     from pacs_megatron.weight_sync.quantize import vllm_fp8_config
@@ -111,6 +112,7 @@ def serve() -> int:
             send(conn, Ready(engine=index, device=str(device)))
             group = WeightGroup(init.backend, store, 1 + index, 1 + init.engines, device, timeout_s)
             receive = lambda msg: receive_buckets(group, msg.layout)  # noqa: E731
+            engine = with_tools(engine, cfg, tokenizer)  # multi-turn rollouts: the turn loop runs here too
             code = EngineServer(index, engine, conn, receive, verify=cfg.sync.verify_bitwise).serve()
             engine.close()
         return code

@@ -35,6 +35,8 @@ the RLOO / GRPO estimators, divisibility, choices) is already checked by the con
   under the data root and its rows parse (a byte that is not UTF-8 is named with its line);
 - ``rollout.engine=vllm``: ``data.max_prompt_length + rollout.max_response_length`` fits the model's
   ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start);
+- ``rollout.multi_turn``: the sandbox starts here, the tools load, the template renders a tool turn
+  (launch/tool_checks.py);
 - ``rollout.placement=separate`` on a GPU machine started by the local launcher: a GPU for every trainer
   rank and every engine (written for GPU, never run there).
 
@@ -50,6 +52,7 @@ from pathlib import Path
 from pacs_megatron.config import ConfigError, RunConfig
 from pacs_megatron.launch.device_checks import check_device
 from pacs_megatron.launch.optional_deps import check_optional_deps
+from pacs_megatron.launch.tool_checks import check_tools
 from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.run.resume import preflight_resume
 
@@ -64,6 +67,7 @@ def preflight(cfg: RunConfig) -> None:
     check_run_dir(cfg)
     preflight_resume(cfg)
     check_data(cfg)
+    check_tools(cfg)
     check_vllm_context(cfg)
     check_engine_gpus(cfg)
     warn_unused(cfg)

@@ -243,6 +243,7 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     from pacs_megatron.data import build_train_dataset, build_val_datasets, load_tokenizer
     from pacs_megatron.reward import RewardScorer
     from pacs_megatron.rollout import build_engine
+    from pacs_megatron.rollout.multi_turn import with_tools
     from pacs_megatron.weight_sync import WeightSync
     from pacs_megatron.weight_sync.quantize import vllm_fp8_config
 
@@ -258,8 +259,9 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
         dataset, engine, sync = _separate_engines(cfg, rt, prompts, actor)
     else:
         # FP8 rollouts on vLLM: the sync tells the engine the layout of the weights it will send
-        engine = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
-        sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
+        inner = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
+        sync = WeightSync(actor, inner, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
+        engine = with_tools(inner, cfg, tokenizer)  # multi-turn rollouts: the turn loop over the engine
     critic = build_critic(cfg, rt.groups, actor)
     return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync, critic)
 

@@ -122,7 +122,7 @@ def shape_overlong(cfg: RunConfig, batch: Rollouts, scored: ScoredGroups) -> tup
     if not over.buffer_len and not over.mask_truncated:
         return batch, {}
     responses = [resp for _, resp in scored.rows()]
-    lengths = torch.tensor([len(r.token_ids) for r in responses])
+    lengths = torch.tensor([r.policy_tokens for r in responses])  # tool output is not the policy's length
     truncated = torch.tensor([r.truncated for r in responses], dtype=torch.bool)
     penalty = overlong_penalty(lengths, cfg.rollout.max_response_length, over.buffer_len, over.penalty_factor)
     metrics = overlong_metrics(penalty, truncated, over.mask_truncated)

@@ -20,6 +20,7 @@ from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.reward.verifiers import has_boxed
 from pacs_megatron.rollout.collect import generate_sharded
+from pacs_megatron.rollout.multi_turn import turn_metrics
 from pacs_megatron.rollout.types import Response, SamplingParams
 
 if TYPE_CHECKING:
@@ -113,13 +114,19 @@ def assemble_batch(cfg: RunConfig, c: Components, scored: ScoredGroups, step: in
     """Pack scored rollouts into the step's batch, with its metrics and a few samples for rollouts.jsonl."""
     flat, scores, reward_metrics = scored.rows(), scored.scores, scored.reward_metrics
     batch = build_rollouts(
-        [rec.prompt_ids for rec, _ in flat], [resp.token_ids for _, resp in flat], scores, cfg.rollout.n, c.pad_id, 8
+        [rec.prompt_ids for rec, _ in flat],
+        [resp.token_ids for _, resp in flat],
+        scores,
+        cfg.rollout.n,
+        c.pad_id,
+        8,
+        policy_masks=[resp.policy_mask for _, resp in flat],
     )
     batch = replace(batch, rollout_logp=response_values(batch, [resp.logprobs for _, resp in flat]))
     if cfg.actor.routing_replay == "rollout":  # MoE: the actor replays the engine's experts (data/routing.py)
         routed = RoutedExperts.from_records([resp.routed_experts for _, resp in flat], batch.seq_lens)
         batch = replace(batch, routed_experts=routed)  # this replica's rows only, until prepare_local_batch
-    lengths = torch.tensor([len(resp.token_ids) for _, resp in flat], dtype=torch.float32)
+    lengths = torch.tensor([resp.policy_tokens for _, resp in flat], dtype=torch.float32)
     s = batch.scores.reshape(-1, cfg.rollout.n)
     metrics = {
         "reward/mean": batch.scores.mean(),
@@ -132,6 +139,7 @@ def assemble_batch(cfg: RunConfig, c: Components, scored: ScoredGroups, step: in
         "response/boxed_rate": torch.tensor([float(has_boxed(resp.text)) for _, resp in flat]).mean(),
         "data/tokens": float(batch.seq_lens.sum()),
         **reward_metrics,
+        **turn_metrics([resp for _, resp in flat]),
     }
     samples = [
         {"step": step, "prompt": rec.prompt_text, "response": resp.text, "answer": rec.answer, "score": sc}

@@ -16,13 +16,12 @@ checked on every call by :func:`check_score`.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import numbers
 from collections.abc import Callable
 from typing import Any
 
 from pacs_megatron.reward.verifiers import arith_reward, boxed_math_reward, math_reward
+from pacs_megatron.utils.specs import load_callable
 
 RewardFn = Callable[[str, str, str, Any], float]
 
@@ -74,38 +73,9 @@ def load_reward_fn(spec: str) -> RewardFn:
         >>> load_reward_fn("pacs_megatron.reward.registry:arith_score") is arith_score
         True
     """
-    if spec in REWARDS:
-        return REWARDS[spec]
-    if ":" not in spec:
-        raise RewardFunctionError(
-            f"reward.fn={spec!r} is neither a built-in ({sorted(REWARDS)}) nor 'package.module:function'"
-        )
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise RewardFunctionError(f"reward.fn={spec!r}: write it as 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise RewardFunctionError(
-            f"reward.fn={spec!r}: module {module_name!r} not found ({e}); is it on PYTHONPATH?"
-        ) from None
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise RewardFunctionError(f"reward.fn={spec!r}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise RewardFunctionError(f"reward.fn={spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    try:
-        inspect.signature(fn).bind("prompt", "response", "ground_truth", None)
-    except TypeError:
-        raise RewardFunctionError(
-            f"reward.fn={spec!r}: signature {inspect.signature(fn)} cannot take "
-            "(prompt, response, ground_truth, extra) positionally"
-        ) from None
-    except ValueError:  # builtins without a signature: trust them
-        pass
-    return fn
+    where = f"reward.fn={spec!r}"
+    sample = ["prompt", "response", "ground_truth", None]
+    return load_callable(spec, REWARDS, where, RewardFunctionError, sample, "(prompt, response, ground_truth, extra)")
 
 
 def check_score(spec: str, value: Any) -> float:

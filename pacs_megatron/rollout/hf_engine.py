@@ -298,10 +298,15 @@ class HFEngine:
         alive = torch.arange(rows, device=dev)  # rows still decoding; a finished row leaves the batch
         tokens = torch.full((rows, sampling.max_tokens), self.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((rows, sampling.max_tokens), dtype=torch.float32, device=dev)
+        ends = torch.zeros(rows, dtype=torch.long, device=dev)  # > 0: the row stopped on a string, this long
         for t in range(sampling.max_tokens):
             tok, lp = sample_tokens(logits, sampling, generator)
             tokens[alive, t], logps[alive, t] = tok, lp.float()
             running = ~torch.isin(tok, stop_ids)
+            if sampling.stop:
+                hit = self._stop_string_hit(tokens[alive, : t + 1], sampling.stop) & running
+                ends[alive[hit]] = t + 1
+                running &= ~hit
             if t == sampling.max_tokens - 1 or not bool(running.any()):
                 tokens, logps = tokens[:, : t + 1], logps[:, : t + 1]
                 break
@@ -322,7 +327,7 @@ class HFEngine:
                 step[alive.cpu()] = self.routing.take((len(alive), 1))
                 steps.append(step)
             next_pos = next_pos + 1
-        responses = self._to_responses(tokens, logps, stop_ids, len(prompts), n)
+        responses = self._to_responses(tokens, logps, stop_ids, len(prompts), n, ends)
         if self.routing:
             responses = self.routing.attach(responses, torch.cat(steps, dim=1), [len(p) for p in prompts], width)
         return responses
@@ -332,14 +337,26 @@ class HFEngine:
         r = self.routing
         return torch.arange(r.topk, dtype=torch.int16).expand(rows, 1, r.num_layers, r.topk).clone()
 
-    def _to_responses(self, tokens: torch.Tensor, logps: torch.Tensor, stop_ids, num_prompts: int, n: int) -> list:
-        """[R, L] sampled tokens -> Responses cut after the first stop token."""
+    def _stop_string_hit(self, tokens: torch.Tensor, stops: Sequence[str]) -> torch.Tensor:
+        """[R] bool: the rows whose text now ends a stop string. Only the last few tokens are decoded (a stop
+        string of c characters spans at most c tokens), every step, so the first completing token is found."""
+        window = max(len(s) for s in stops) + 2
+        texts = self.tokenizer.batch_decode(tokens[:, -window:].tolist(), skip_special_tokens=False)
+        return torch.tensor([any(s in x for s in stops) for x in texts], dtype=torch.bool, device=tokens.device)
+
+    def _to_responses(
+        self, tokens: torch.Tensor, logps: torch.Tensor, stop_ids, num_prompts: int, n: int, ends: torch.Tensor
+    ) -> list:
+        """[R, L] sampled tokens -> Responses cut after the first stop token, or where a stop string ended
+        (``ends`` > 0)."""
         is_stop = torch.isin(tokens, stop_ids)
         has_stop = is_stop.any(1)
         first = torch.where(
             has_stop, is_stop.int().argmax(1), torch.full_like(has_stop, tokens.shape[1], dtype=torch.long)
         )
-        lengths = torch.where(has_stop, first + 1, first).tolist()
+        by_string = ends > 0  # such a row left the batch there: what follows is padding (maybe the EOS id)
+        lengths = torch.where(by_string, ends, torch.where(has_stop, first + 1, first)).tolist()
+        has_stop = has_stop | by_string
         tok_rows, lp_rows = tokens.cpu().tolist(), logps.float().cpu().tolist()
         seqs = [tuple(row[:k]) for row, k in zip(tok_rows, lengths)]
         texts = self.tokenizer.batch_decode([list(s) for s in seqs], skip_special_tokens=True)

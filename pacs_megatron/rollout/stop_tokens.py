@@ -51,3 +51,27 @@ def resolve_stop_token_ids(tokenizer, model_dir: str | Path, configured: Sequenc
             "set rollout.stop_token_ids=[...]"
         )
     return tuple(sorted(ids))
+
+
+def stop_string_cut(token_ids: Sequence[int], stops: Sequence[str], decode) -> int | None:
+    """Length of the shortest prefix of ``token_ids`` whose text (``decode``, special tokens kept) contains one
+    of ``stops``; None when the whole text contains none. Engines stop on strings as an optimisation; this
+    cut is the rule (a token past the stop string would be a sample the turn loop never asked for).
+
+    Binary search: whether a prefix's text holds a stop string only grows with the prefix.
+
+    Example:
+        >>> text = {1: "a", 2: "</", 3: "call>", 4: "b"}
+        >>> stop_string_cut([1, 2, 3, 4], ["</call>"], lambda ids: "".join(text[i] for i in ids))
+        3
+    """
+    if not stops or not any(s in decode(list(token_ids)) for s in stops):
+        return None
+    lo, hi = 1, len(token_ids)  # the answer lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(list(token_ids[:mid])) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -29,6 +29,9 @@ class SamplingParams:
     """Seed of this call (None: engine default)."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra stop tokens besides the tokenizer's EOS."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (a multi-turn rollout's tool-call close, rollout/multi_turn.py): a response ends with the
+    token whose text completes one of them, that token included (both engines; finish_reason "stop")."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,24 @@ class Response:
     """MoE routing replay: ``[prompt + response tokens, layers, k]`` int16 tensor of the experts the
     engine's routers chose for each token (None unless the engine records them)."""
 
+    policy_mask: tuple[bool, ...] | None = field(default=None, compare=False)
+    """Multi-turn rollouts: per token of ``token_ids``, True where the policy sampled it and False on tool
+    output (context the model reads but never chose: no loss, no log-prob, no KL). None: every token is the
+    policy's. ``logprobs`` then holds the policy tokens' values only, in order."""
+    turns: Any = field(default=None, compare=False, repr=False)
+    """Multi-turn rollouts: the trajectory's counters (rollout/multi_turn.py ``TurnStats``); None otherwise."""
+
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    @property
+    def policy_tokens(self) -> int:
+        """How many of ``token_ids`` the policy sampled (all of them in a single-turn rollout).
+
+        Example:
+            >>> r = Response(token_ids=(5, 6, 7), text="", finish_reason="stop", policy_mask=(True, False, True))
+            >>> r.policy_tokens
+            2
+        """
+        return len(self.token_ids) if self.policy_mask is None else sum(self.policy_mask)

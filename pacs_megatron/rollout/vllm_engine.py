@@ -28,6 +28,9 @@ Weights: vLLM's layerwise reload (``Worker.reload_weights`` via ``LLM.collective
 the external launcher), which restores the checkpoint layout, loads, and re-runs the post-load processing
 (CPU repacking, FP8 scales): see rollout/vllm_reload.py and docs/weight_sync.md. MoE models (Qwen3-MoE) take
 per-expert checkpoint names; on CPU the expert kernel's prepack, which vLLM skips on a reload, is re-run.
+With ``sync.lora=adapter`` the engine is built with LoRA on and serves the actor's adapter over its base:
+:meth:`VLLMEngine.load_adapter` and every generate / logprobs call pass the current ``LoRARequest``
+(rollout/vllm_lora.py, docs/lora.md); on GPU (never run) it then sleeps at level 1, which keeps the base.
 
 Routing replay (``actor.routing_replay=rollout``, R3). CPU: refused by the preflight
 (launch/device_checks.py) and here: vLLM 0.32 returns routed experts only from its Model Runner V2, which
@@ -69,6 +72,7 @@ from pacs_megatron.rollout import vllm_quiet
 from pacs_megatron.rollout.base import NamedTensors
 from pacs_megatron.rollout.stop_tokens import resolve_stop_token_ids
 from pacs_megatron.rollout.types import Response, SamplingParams
+from pacs_megatron.rollout.vllm_lora import AdapterSlot, lora_llm_kwargs
 from pacs_megatron.rollout.vllm_params import (  # re-exported: the engine's public helpers
     has_weights,
     llm_kwargs,
@@ -253,11 +257,18 @@ class VLLMEngine:
                 free_total[0] / 2**30,
                 kwargs["gpu_memory_utilization"],
             )
+        self.serves_adapters = cfg.sync.lora == "adapter"
+        """``sync.lora=adapter``: the engine serves the actor's LoRA adapter over its base (rollout/vllm_lora.py)."""
+        if self.serves_adapters:
+            kwargs.update(lora_llm_kwargs(cfg.actor.lora.rank, cfg.actor.lora.targets))
         if device.type == "cpu":
             _job_unique_cpu_shm_names()
         with _quiet_chat_warmup():
             self.llm = vllm.LLM(**kwargs)
         self._state = "awake"  # "awake" | "asleep" | "weights" (weights resident, KV cache asleep)
+        # an adapter-only sync leaves the base in place: a level-2 sleep would drop it (GPU, never run)
+        self._sleep_level = 1 if self.serves_adapters else SLEEP_LEVEL
+        self._adapter = AdapterSlot(self.llm) if self.serves_adapters else None
         self.fp8_weights = fp8_config is not None
         """Weight sync sends FP8 data + scales (weight_sync/quantize.py), loaded by vLLM's FP8 linear method."""
         self._scales = ("_scale", "_scale_inv") if self.fp8_weights else ()
@@ -297,7 +308,7 @@ class VLLMEngine:
             self._vllm.SamplingParams(**{**base, "seed": request_seed(seed, k)}) for k in range(len(prompt_token_ids))
         ]
         self.wake()
-        outputs = self.llm.generate(self._prompts(prompt_token_ids), params, use_tqdm=False)
+        outputs = self.llm.generate(self._prompts(prompt_token_ids), params, use_tqdm=False, lora_request=self._lora())
         routing = None
         if self._record_routing:  # GPU path, never run
             routing = ([len(p) for p in prompt_token_ids], *self._routing_layers)
@@ -313,7 +324,7 @@ class VLLMEngine:
             return []
         self.wake()
         params = self._vllm.SamplingParams(**prompt_logprob_kwargs())
-        outputs = self.llm.generate(self._prompts(token_ids), params, use_tqdm=False)
+        outputs = self.llm.generate(self._prompts(token_ids), params, use_tqdm=False, lora_request=self._lora())
         return [prompt_logprobs_tensor(list(s), o.prompt_logprobs) for s, o in zip(token_ids, outputs)]
 
     def update_weights(self, buckets: Iterable[NamedTensors]) -> int:
@@ -324,9 +335,23 @@ class VLLMEngine:
         if self._state == "asleep":
             self.llm.wake_up(tags=["weights"])
             self._state = "weights"
+        if self._adapter is not None:
+            self._adapter.clear()  # vLLM drops its adapters on a base reload (rollout/vllm_lora.py)
         count = reload_weights(self.llm, buckets, SyncStream(self._expected, self._scales))
         self._weights_valid = True
         return count
+
+    def _lora(self):
+        """The LoRA request every generate / logprobs call passes (None without ``sync.lora=adapter``)."""
+        return self._adapter.current() if self._adapter is not None else None
+
+    def load_adapter(self, path: str, adapter_id: int, name: str) -> None:
+        """Serve the PEFT adapter directory ``path`` (written by weight_sync/adapter.py) as ``adapter_id`` from
+        the next generate / logprobs call on, and remove the previous one (rollout/vllm_lora.py)."""
+        if self._adapter is None:
+            raise RuntimeError("vLLM engine built without sync.lora=adapter serves no adapter (enable_lora is off)")
+        self.wake()
+        self._adapter.load(path, adapter_id, name)
 
     def weight_checksums(self) -> list | None:
         """The weights as this rank's worker holds them, fingerprinted for the bitwise sync check
@@ -346,9 +371,9 @@ class VLLMEngine:
         if self._sleep_mode and self._state != "asleep":
             if self._state == "weights":  # vLLM sleeps from a fully awake state
                 self.llm.wake_up(tags=["kv_cache"])
-            self.llm.sleep(level=SLEEP_LEVEL)
+            self.llm.sleep(level=self._sleep_level)
             self._state = "asleep"
-            self._weights_valid = SLEEP_LEVEL == 1
+            self._weights_valid = self._sleep_level == 1
 
     def wake(self) -> None:
         """Make weights and KV cache resident again (generate / logprobs call it themselves)."""

@@ -166,7 +166,11 @@ def sampling_kwargs(sampling: SamplingParams, stop_token_ids: Sequence[int], see
         raise ValueError(f"SamplingParams.temperature={sampling.temperature} must be > 0 (greedy: top_k=1)")
     if sampling.max_tokens <= 0:
         raise ValueError(f"SamplingParams.max_tokens={sampling.max_tokens} must be > 0")
+    stops: dict[str, Any] = {}
+    if sampling.stop:  # stop strings need vLLM's detokenizer; special tokens kept so a tag token counts
+        stops = {"stop": list(sampling.stop), "include_stop_str_in_output": True, "skip_special_tokens": False}
     return {
+        **stops,
         "n": sampling.n,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -176,7 +180,7 @@ def sampling_kwargs(sampling: SamplingParams, stop_token_ids: Sequence[int], see
         "stop_token_ids": sorted({*stop_token_ids, *sampling.stop_token_ids}),
         "ignore_eos": True,  # the stop set above is the whole rule (no model / generation-config EOS added)
         "logprobs": 0,  # the sampled token's log-prob only
-        "detokenize": False,
+        "detokenize": bool(sampling.stop),
     }
 
 

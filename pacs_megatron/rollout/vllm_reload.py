@@ -222,6 +222,10 @@ def reload_weights(llm, buckets: Iterable[Iterable[NamedTensor]], stream: SyncSt
 #                        own packed copy of the embedding that vLLM's reload once left stale
 #                        (refresh_tied_lm_head above).
 #     tied LM head       reported with the embedding as its one part
+#     LoRA wrappers      with ``enable_lora`` (sync.lora=adapter) vLLM wraps each adapted linear X in a
+#                        ``...WithLoRA`` module around ``X.base_layer``: the wrapper is skipped (it forwards to
+#                        its base) and the base is reported under X's name. The adapters themselves are the
+#                        probe's (rollout/vllm_lora.py)
 #
 # Not read back (the log-prob probe still covers them): FusedMoE experts (``w13_weight`` / ``w2_weight`` in
 # the CPU kernel's prepacked grouped layout; the router gate is a plain linear and is read back), and any
@@ -252,17 +256,27 @@ def _read_through_kernel(module, inputs: int, dtype: torch.dtype) -> torch.Tenso
     return total
 
 
+_LORA_BASE = ".base_layer"
+"""What vLLM's LoRA wrappers call the linear they wrap (``qkv_proj.base_layer``)."""
+
+
+def _is_lora_wrapper(module) -> bool:
+    """A vLLM LoRA layer around a base layer (it forwards attribute look-ups to it: read the base instead)."""
+    return type(module).__name__.endswith("WithLoRA") and hasattr(module, "base_layer")
+
+
 def held_checksums(model, dtype: torch.dtype) -> list[Held]:
     """Every tensor the model holds that maps to HF tensors, fingerprinted in ``dtype`` (the engine's)."""
     packed = getattr(model, "packed_modules_mapping", None) or {}
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    modules = [(n.replace(_LORA_BASE, ""), m) for n, m in model.named_modules() if not _is_lora_wrapper(m)]
     embed = next(
-        (n for n, m in model.named_modules() if _is(m, "VocabParallelEmbedding") and not _is(m, "ParallelLMHead")),
+        (n for n, m in modules if _is(m, "VocabParallelEmbedding") and not _is(m, "ParallelLMHead")),
         None,
     )
     out: list[Held] = []
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for name, module in modules:
             if _is(module, "FusedMoE"):
                 continue  # prepacked grouped experts: probe only (module docstring)
             prefix, _, leaf = name.rpartition(".")

@@ -8,7 +8,10 @@ resume the new config is compared with it:
   LR schedule is rebuilt from the new config at the checkpoint's position (actor/optimizer.py);
 * the parallel layout may change: the weights and optimizer state are resharded on load
   (dist_checkpointing), the RNG streams of the old layout are dropped;
-* the model's shape and vocabulary cannot: the run is refused with one line naming what differs.
+* the model's shape and vocabulary cannot: the run is refused with one line naming what differs;
+* nor can LoRA be turned on or off, or its rank and targets change; and the base model of a checkpoint that
+  holds only LoRA adapters must be the one it was trained on: this run's ``model.*`` must give the same
+  base hash (run/checkpoint_base.py), checked by rank 0 before any model is built (:func:`check_lora_base`).
 
 ``model.init=tiny`` writes ``model.path/config.json`` only when missing; a config.json that
 disagrees with ``model.tiny.*`` is refused too (:func:`check_tiny_model_dir`), since it would
@@ -24,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from pacs_megatron.config import ConfigError, RunConfig
-from pacs_megatron.run.checkpoint import CheckpointManager
+from pacs_megatron.run.checkpoint import CheckpointManager, _from_rank0, _rank
+from pacs_megatron.run.checkpoint_base import base_problem, describe_base, lora_record
 from pacs_megatron.run.checkpoint_check import read_extra_state
 
 # HF config keys that fix the weights' shapes (max_position_embeddings does not: RoPE has no table).
@@ -139,6 +143,29 @@ def check_lora_unchanged(saved_config: dict | None, cfg: RunConfig, path: str | 
         )
 
 
+def check_lora_base(extra: dict, cfg: RunConfig, path: str | Path) -> None:
+    """Collective: a checkpoint holding only LoRA adapters resumes on the base it was trained on, else one
+    line naming the path, both hashes and the fix. Rank 0 hashes the base (once per process: the actor's
+    checkpoint load reuses it) and tells the others, before anything heavy is built."""
+    record = lora_record(extra)
+    if not record or not record.get("adapters_only"):
+        return
+    problem = None
+    if _rank() == 0:
+        import torch  # here only: a random base depends on the device it is drawn on
+
+        p, m = cfg.parallel, cfg.model
+        layout = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "ep": p.ep}
+        try:
+            now = describe_base(m.init, m.path, m.seed, layout, torch.cuda.is_available())
+            problem = base_problem(record, now, path)
+        except (OSError, ValueError) as e:
+            problem = f"cannot resume from {path}: it holds LoRA adapters, not their base, which cannot be read ({e})"
+    problem = _from_rank0(problem)
+    if problem:
+        raise ConfigError(problem)
+
+
 def plan_resume(cfg: RunConfig, config_dict: dict, hf_config: dict) -> ResumePlan | None:
     """Collective: the checkpoint to resume from (damaged ones moved aside, see CheckpointManager),
     refused when the model changed; None for a fresh run."""
@@ -149,6 +176,7 @@ def plan_resume(cfg: RunConfig, config_dict: dict, hf_config: dict) -> ResumePla
     extra = read_extra_state(path)
     check_model_unchanged(extra.get("model"), hf_config, path)
     check_lora_unchanged(extra.get("config"), cfg, path)
+    check_lora_base(extra, cfg, path)
     changes = config_changes(extra["config"], config_dict) if "config" in extra else []
     return ResumePlan(path, int(extra["step"]), changes)
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.tools.plot import read_metrics
@@ -110,12 +110,12 @@ class Runner:
 
     def run_dir(self, method: str, lr: float, seed: int, critic_lr: float | None = None) -> Path:
         """``OUT/runs/NAME-KEY``: KEY hashes the resolved config, so other settings never reuse this run."""
-        from pacs_megatron.config import load_config, to_yaml
+        from pacs_megatron.config import load_config
 
         spec = Spec(method, lr, seed, critic_lr)
         if spec not in self._dirs:
             cfg = load_config(self.args.config, self.settings(*spec))
-            key = hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:10]
+            key = config_key(cfg)
             self._dirs[spec] = self.out / "runs" / f"{run_name(*spec)}-{key}"
             self._builds_model[spec] = cfg.model.init != "pretrained"
         return self._dirs[spec]
@@ -218,6 +218,26 @@ def _stop_runs(running: dict) -> None:
         for _, log in running.values():
             log.close()
         running.clear()
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    return {k: v for key, sub in d.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+
+
+def config_key(cfg: Any) -> str:
+    """10 hex digits of the settings of ``cfg`` that differ from the defaults. A field a later version adds
+    with its default leaves the key (and so a protocol's finished runs, days of CPU) as it was; any setting
+    that changes what a run computes changes it."""
+    from omegaconf import OmegaConf
+
+    from pacs_megatron.config import RunConfig
+
+    ours = _flat(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    base = _flat(OmegaConf.to_container(OmegaConf.structured(RunConfig()), resolve=True))
+    diff = sorted((k, repr(v)) for k, v in ours.items() if k not in base or base[k] != v)
+    return hashlib.sha256(repr(diff).encode()).hexdigest()[:10]
 
 
 def check_engine_share(cfg, fraction: float | None, jobs: int) -> None:

@@ -32,6 +32,7 @@ from pacs_megatron.config import ConfigError
 from pacs_megatron.launch.local import on_ranks
 from pacs_megatron.launch.model_dir import check_model_dir
 from pacs_megatron.run.checkpoint import MARKER
+from pacs_megatron.run.checkpoint_base import WEIGHT_INITS, export_base_problem
 from pacs_megatron.run.checkpoint_check import MEGATRON_DIR, checkpoint_problem, parameter_dtype, read_extra_state
 from pacs_megatron.run.checkpoint_data import TRUST, load_common
 from pacs_megatron.run.layout import RunLayout, StepLayout
@@ -161,6 +162,9 @@ def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
         )
     layout = load_common(ckpt / MEGATRON_DIR).get("layout", {})
     tp, pp = args.tp or layout.get("tp", 1), args.pp or layout.get("pp", 1)
+    problem = export_base_problem(extra, ckpt, model_dir, tp, pp)  # an adapter-only LoRA checkpoint's base
+    if problem:
+        raise ConfigError(problem)
     try:
         check_layout(ParallelConfig(tp=tp, pp=pp), hf, training=False)
     except ConfigError as e:
@@ -188,7 +192,7 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
     from pacs_megatron.actor.lora import apply_lora
     from pacs_megatron.actor.lora_export import save_peft_adapter
     from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, seed_for_init, transformer_config
-    from pacs_megatron.actor.weights import save_hf
+    from pacs_megatron.actor.weights import load_hf_weights, save_hf
     from pacs_megatron.config import ParallelConfig
     from pacs_megatron.parallel import destroy_parallel, init_distributed, initialize_parallel
 
@@ -203,14 +207,18 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
         on_gpu = groups.device.type == "cuda"
         dtype = parameter_dtype(ckpt)
         config = transformer_config(spec, groups, dtype, sequence_parallel=False, recompute=False)
-        lora = lora_of(read_extra_state(ckpt))
+        extra = read_extra_state(ckpt)
+        lora, run_model = lora_of(extra), extra.get("config", {}).get("model", {})
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
-            seed_for_init(0, on_gpu)  # the weights are overwritten by the load
+            # the run's seed: an adapter-only LoRA checkpoint's random base is drawn again; else overwritten
+            seed_for_init(int(run_model.get("seed", 0)), on_gpu)
             chunks = build_model_chunks(spec, config, groups, local_spec=lora is not None)
         if lora is not None:  # the adapters' entries are in the checkpoint beside their (frozen) bases
             for c in chunks:
                 apply_lora(c, lora.targets, lora.rank, lora.alpha, tp_rank=groups.tp_rank, tp_size=groups.tp_size)
-        load_model_weights(chunks, ckpt)  # model only: optimizer state stays
+        pretrained = run_model.get("init", "pretrained") in WEIGHT_INITS  # an adapter-only checkpoint's base
+        load_base = (lambda: load_hf_weights(chunks, spec, model_dir, groups)) if pretrained else None
+        load_model_weights(chunks, ckpt, load_base)  # model only: optimizer state stays
         out_dtype = None if args.dtype == "auto" else resolve_dtype(args.dtype, on_gpu)
         if groups.rank == 0 and Path(args.out).is_dir():
             removed = clear_weights(Path(args.out))

@@ -32,10 +32,15 @@ training" and must never be trained on silently. Two bounds, one tolerance (docs
 
 ``sync.probe_tolerance`` bounds the first (1e-4 float32, 5e-2 bfloat16), ``sync.probe_greedy_tolerance`` the
 second (1e-4 float32, 0.25 bfloat16); the measurements behind the bf16 defaults are in docs/weight_sync.md.
+
+A LoRA actor with ``sync.lora=adapter`` (vLLM) sends its adapters alone (weight_sync/adapter.py): the base,
+adapters off, goes through the stream above only at the first sync and after a PACS v2 reset; the probe
+then checks base + adapter as the engine serves them.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -96,9 +101,17 @@ class SyncResult:
     (nan: not checked)."""
     bitwise_tensors: int = 0
     """HF tensors the bitwise check found bit for bit in the engine (0: not checked)."""
+    adapter_gbytes: float = float("nan")
+    """``sync.lora=adapter``: the adapter file's size in GB, included in ``gbytes`` (nan: a merged sync)."""
+    base_sent: float = float("nan")
+    """``sync.lora=adapter``: 1 when this sync sent the base too (first sync, PACS v2 reset), else 0."""
 
     def metrics(self) -> dict[str, float]:
-        return {
+        adapter = {} if math.isnan(self.base_sent) else {
+            "sync/adapter_gbytes": self.adapter_gbytes,
+            "sync/base_sent": self.base_sent,
+        }  # fmt: skip
+        return adapter | {
             "sync/seconds": self.seconds,
             "sync/gbytes": self.gbytes,
             "sync/gbytes_per_s": self.gbytes / self.seconds if self.seconds > 0 else float("nan"),
@@ -203,6 +216,12 @@ class WeightSync:
         self.recorder: Recorder | None = None
         """The fingerprints of the sync in flight (set by :meth:`push`, used by :meth:`check_bitwise`)."""
         self._told = False  # what the bitwise check cannot read back is logged once
+        self.adapter = None
+        """``sync.lora=adapter``: the adapter-only sync (weight_sync/adapter.py); None sends merged weights."""
+        if cfg.lora == "adapter":
+            from pacs_megatron.weight_sync.adapter import AdapterSync
+
+            self.adapter = AdapterSync(actor, engine, getattr(engine, "weight_dtype", None))
 
     def push(self) -> SyncResult:
         """Stream the weights into the engine (no probe)."""
@@ -254,6 +273,8 @@ class WeightSync:
         """The actor's export, through the quantizer when rollouts are quantized. An engine with FP8
         kernels (``fp8_weights = True``: vLLM) gets FP8 data + scales; others the quantize-dequantize.
         With a probe, the dequantized selected tensors are kept (host memory) for the transfer check."""
+        if self.adapter is not None:  # the base alone: the adapters travel on their own (adapter.py)
+            return self.actor.export_base_weights()
         stream = self.actor.export_hf_weights()
         if self.quantizer is None:
             return stream
@@ -340,12 +361,22 @@ class WeightSync:
         """Push, then probe; raise :class:`WeightSyncError` above the tolerance. ``version`` (the RL step of the
         weights) matters only to engines on other ranks, which stamp their samples with it (remote.py); an
         engine in process is verified before this returns, ``wait`` or not."""
-        pushed = self.push()
-        bit_s, bit_n = self.check_bitwise()  # exact: first, and its error names the tensor
+        if self.adapter is not None:
+            pushed, (bit_s, bit_n) = self.adapter.push_all(self)  # the base too when due
+        else:
+            pushed = self.push()
+            bit_s, bit_n = self.check_bitwise()  # exact: first, and its error names the tensor
         diff, scaled, greedy, gap = self.check()
         self.raise_if_off(diff, scaled, greedy)
         self.verified = (diff, gap)
-        return SyncResult(pushed.seconds, pushed.gbytes, diff, pushed.buckets, gap, greedy, bit_s, bit_n)
+        return replace(
+            pushed,
+            max_logprob_diff=diff,
+            quant_logprob_diff=gap,
+            greedy_logprob_diff=greedy,
+            bitwise_seconds=bit_s,
+            bitwise_tensors=bit_n,
+        )
 
     def verify(self, upto: int) -> tuple[float, float]:  # noqa: ARG002
         """The last sync's ``(diff, gap)``: an engine in process was verified as it loaded, nothing is pending."""

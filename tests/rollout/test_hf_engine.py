@@ -161,6 +161,22 @@ def test_stop_token_ids_and_length_truncation(model_dirs, tok):
             assert r.token_ids == (plus,) * 4 and r.finish_reason == "length" and r.truncated and r.text == "++++"
 
 
+def test_stop_strings_end_a_response_with_the_completing_token(model_dirs, tok, engine):
+    plus = tok.convert_tokens_to_ids("+")
+    eng = forced_engine(model_dirs[1], tok, plus)
+    [g] = eng.generate(ids(tok, ["3+5="]), SamplingParams(n=2, max_tokens=8, seed=0, stop=("+++", "=")))
+    assert [(r.token_ids, r.finish_reason, r.text) for r in g] == [((plus,) * 3, "stop", "+++")] * 2
+    assert all(len(r.logprobs) == 3 for r in g)
+    # rows that stop on a string leave the batch while the others go on; lengths come out per row
+    sp = SamplingParams(n=4, max_tokens=12, seed=3, stop=("5",))
+    for r in (r for g in engine.generate(ids(tok, ["3+5=", "9+9="]), sp) for r in g):
+        text = tok.decode(list(r.token_ids), skip_special_tokens=False)
+        if r.finish_reason == "stop" and "5" in text:
+            assert text.endswith("5") and text.count("5") == 1
+        else:
+            assert "5" not in text
+
+
 def test_top_k_one_is_greedy(engine, tok):
     g = engine.generate(ids(tok, ["2+2="]), SamplingParams(n=3, top_k=1, max_tokens=4, seed=0))[0]
     assert g[0].token_ids == g[1].token_ids == g[2].token_ids

@@ -1,0 +1,167 @@
+"""The multi-turn turn loop (rollout/multi_turn.py) over a scripted engine: tool calls, tool turns rendered by the
+chat template and masked off the policy, the token budget, malformed calls, the turn limit and the metrics."""
+
+from __future__ import annotations
+
+import pytest
+from _ascii import CHATML, ascii_tokenizer
+
+from pacs_megatron.config.base import ConfigError
+from pacs_megatron.config.multi_turn import MultiTurnConfig
+from pacs_megatron.envs.result import ToolResult
+from pacs_megatron.rollout.multi_turn import HermesFormat, MultiTurnEngine, ToolTurn, turn_metrics
+from pacs_megatron.rollout.types import Response, SamplingParams
+
+TOK = ascii_tokenizer()
+CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
+
+
+class ScriptedEngine:
+    """Answers by reading its context: a call first, the tool's answer once it has one. Past a stop string it
+    keeps writing (``tail``), as an engine that does not stop on strings would; the loop must cut it there."""
+
+    def __init__(self, first: str = CALL, tail: str = "junk", always_call: bool = False) -> None:
+        self.first, self.tail, self.always_call, self.calls = first, tail, always_call, []
+        self.dp_rank = 3  # an engine attribute the wrapper must pass through
+
+    def generate(self, prompts, sampling: SamplingParams) -> list[list[Response]]:
+        self.calls.append((len(prompts), sampling))
+        out = []
+        for p in prompts:
+            text = TOK.decode(list(p))
+            if self.always_call or "<|im_start|>tool" not in text:
+                reply, reason = self.first + self.tail, "stop"
+            else:
+                answer = text.rsplit("<|im_start|>tool\n", 1)[-1].split("<|im_end|>")[0].strip()
+                reply, reason = f"So \\boxed{{{answer}}}", "stop"
+            ids = [*TOK.encode(reply, add_special_tokens=False), TOK.eos_token_id]
+            if len(ids) > sampling.max_tokens:
+                ids, reason = ids[: sampling.max_tokens], "length"
+            lps = tuple(-0.01 * (i + 1) for i in range(len(ids)))
+            out.append([Response(tuple(ids), TOK.decode(ids), reason, lps) for _ in range(sampling.n)])
+        return out
+
+
+class FakePool:
+    """A stand-in for the sandbox pool (envs/pool.py): evaluates the one expression the scripted call prints."""
+
+    closed = False
+
+    def run(self, calls):
+        out = []
+        for name, args in calls:
+            code = args["code"]
+            if name == "python" and code.startswith("print("):
+                out.append(ToolResult(str(eval(code[6:-1])), "ok", 0.5, name))
+            else:
+                out.append(ToolResult("Error: unknown tool", "bad_call", 0.0, name))
+        return out
+
+    def close(self):
+        self.closed = True
+
+
+def engine(first=CALL, max_turns=3, **kw) -> tuple[MultiTurnEngine, ScriptedEngine]:
+    inner = ScriptedEngine(first, **kw)
+    return MultiTurnEngine(inner, TOK, MultiTurnConfig(max_turns=max_turns), FakePool(), use_template=True), inner
+
+
+def prompt(text="What is 6*7?"):
+    text = TOK.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return TOK.encode(text, add_special_tokens=False)
+
+
+def test_a_call_runs_the_tool_and_its_turn_is_context_not_policy():
+    mt, inner = engine()
+    [[r, r2]] = mt.generate([prompt()], SamplingParams(n=2, max_tokens=400, seed=5))
+    assert r == r2 and r.finish_reason == "stop"
+    text = TOK.decode(list(r.token_ids))
+    tool_turn = "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert text == CALL + tool_turn + "So \\boxed{42}<|im_end|>"  # "junk" after the stop string is cut
+    mask = r.policy_mask
+    policy = TOK.decode([t for t, m in zip(r.token_ids, mask) if m], skip_special_tokens=False)
+    tool = TOK.decode([t for t, m in zip(r.token_ids, mask) if not m], skip_special_tokens=False)
+    assert policy == CALL + "So \\boxed{42}<|im_end|>" and tool == tool_turn
+    assert len(r.logprobs) == r.policy_tokens == sum(mask)
+    assert r.text == CALL + "So \\boxed{42}"  # the verifier reads the policy's words only
+    assert r.turns.turns == 2 and r.turns.tool_calls == 1 and r.turns.tool_errors == 0
+    assert "42" in r.turns.transcript
+    # round 0: one request for the prompt's n samples; round 1: each sample its own context, n=1, new seed
+    assert [(k, s.n, s.seed) for k, s in inner.calls] == [(1, 2, 5), (2, 1, 5 + 7_919)]
+    assert all("</tool_call>" in s.stop for _, s in inner.calls)
+    assert mt.dp_rank == 3
+
+
+def test_the_budget_counts_tool_tokens_and_ends_as_length():
+    mt, _ = engine()
+    full = mt.generate([prompt()], SamplingParams(n=1, max_tokens=400))[0][0]
+    for budget in (len(CALL) - 5, len(CALL) + 10, len(full.token_ids) - 2):
+        [[r]] = mt.generate([prompt()], SamplingParams(n=1, max_tokens=budget))
+        assert r.finish_reason == "length" and len(r.token_ids) == budget, budget
+        assert len(r.logprobs) == r.policy_tokens
+
+
+def test_malformed_calls_and_unknown_tools_answer_with_an_error_and_count():
+    bad = '<tool_call>{"name": "python", "arguments": </tool_call>'
+    mt, _ = engine(first=bad)
+    [[r]] = mt.generate([prompt()], SamplingParams(n=1, max_tokens=600))
+    assert r.turns.tool_calls == 1 and r.turns.tool_errors == 1
+    assert "not valid JSON" in r.turns.transcript
+    mt, _ = engine(first='<tool_call>{"name": "shell", "arguments": {"code": "ls"}}</tool_call>')
+    [[r]] = mt.generate([prompt()], SamplingParams(n=1, max_tokens=600))
+    assert r.turns.tool_errors == 1 and "Error: unknown tool" in r.turns.transcript
+
+
+def test_the_last_turn_runs_no_call_and_the_metrics():
+    always = ScriptedEngine(tail="", always_call=True)
+    mt = MultiTurnEngine(always, TOK, MultiTurnConfig(max_turns=2), FakePool(), use_template=True)
+    [[r]] = mt.generate([prompt()], SamplingParams(n=1, max_tokens=600))
+    assert r.turns.turns == 2 and r.turns.tool_calls == 1 and r.finish_reason == "stop"
+    assert TOK.decode(list(r.token_ids)).endswith("</tool_call>")  # closed in the last turn: not run
+    single = Response((1, 2), "x", "stop")
+    m = turn_metrics([r, r])
+    assert m["tools/calls_mean"] == 1 and m["tools/call_rate"] == 1 and m["tools/error_rate"] == 0
+    assert m["tools/seconds_mean"] == 0.5 and turn_metrics([single]) == {}
+
+
+def test_hermes_parse_and_tool_turns_without_a_template():
+    f = HermesFormat()
+    assert f.parse('x <tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>') == (
+        "python",
+        {"code": "1"},
+    )
+    assert "without" in f.parse("</tool_call>")
+    assert "JSON object" in f.parse('<tool_call>{"name": "p", "arguments": 3}</tool_call>')
+    raw = ToolTurn(TOK, use_template=False)
+    assert raw.text("7") == "\n<tool_response>\n7\n</tool_response>\n"
+    assert (
+        ToolTurn(TOK, use_template=True).text("7")
+        == "<|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_a_template_that_cannot_render_a_tool_turn_is_one_line():
+    no_tool = CHATML.replace("{%- for m in messages -%}", "{%- for m in messages if m['role'] != 'tool' -%}")
+    with pytest.raises(ValueError, match="does not render a tool message"):
+        ToolTurn(ascii_tokenizer(no_tool), use_template=True)
+    raising = "{{ raise_exception('no tools') }}"
+    with pytest.raises(ValueError, match="cannot render a tool turn"):
+        ToolTurn(ascii_tokenizer(raising), use_template=True)
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match="max_turns=1"):
+        MultiTurnConfig(max_turns=1)
+    with pytest.raises(ConfigError, match="format"):
+        MultiTurnConfig(max_turns=2, format="xml")
+    assert not MultiTurnConfig().enabled and MultiTurnConfig(max_turns=4).enabled
+    from pacs_megatron.config.run import load_config
+
+    on = ["rollout.multi_turn.max_turns=3"]
+    for extra, field in (
+        (["tools.enabled=[]"], "tools.enabled"),
+        (["actor.routing_replay=rollout"], "actor.routing_replay"),
+        (["rollout.placement=separate"], "trainer.sft_warmup_steps"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            load_config("examples/configs/cpu_tiny.yaml", [*on, *extra])

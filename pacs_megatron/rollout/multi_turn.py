@@ -178,8 +178,9 @@ class MultiTurnEngine:
         """Append one generated turn; decide whether the trajectory ends or calls a tool."""
         tokens = list(out.token_ids)
         cut = stop_string_cut(tokens, stop, self._decode)  # the rule; engines stop on strings to save work
-        closed = cut is not None and self.format.close in self._decode(tokens[:cut])
         tokens = tokens[:cut] if cut is not None else tokens
+        text = self._decode(tokens)
+        closed = cut is not None and self.format.close in text
         room = budget - len(t.tokens)
         t.stats.turns += 1
         t.add(tokens[:room], True, out.logprobs)
@@ -188,7 +189,7 @@ class MultiTurnEngine:
         elif not closed or last:  # EOS (or a user stop string), or no turn left to read a tool's answer
             t.finish = "stop"
         else:
-            t.call = self.format.parse(self._decode(tokens))
+            t.call = self.format.parse(text)
 
     def _run_tools(self, waiting: list[_Trajectory], budget: int) -> None:
         """Run the round's parsed calls together; answer malformed ones with their error."""

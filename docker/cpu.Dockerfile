@@ -28,11 +28,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PACS_DATA_ROOT=/data
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# Python 3.11 (bookworm's), a compiler for the extension, and a venv the image's commands run in.
+# Python 3.11 (bookworm's), a compiler for the extension, bubblewrap (the sandbox of tool-integrated rollouts,
+# docs/tools.md: without it tools.sandbox=auto falls back to rlimits only), and a venv the commands run in.
 # Unpinned on purpose: a stable release's point updates replace these versions (exact pins would break).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ ca-certificates bubblewrap \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 

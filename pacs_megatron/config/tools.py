@@ -16,6 +16,16 @@ _TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TOOL_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
+def tool_name(spec: str) -> str:
+    """The name the model calls ``spec`` by: a built-in's name, or a user function's own name.
+
+    Example:
+        >>> tool_name("python"), tool_name("my_pkg.tools:search")
+        ('python', 'search')
+    """
+    return spec.rpartition(":")[2].rpartition(".")[2]
+
+
 @dataclass
 class ToolsConfig:
     """The tools a rollout may call, and the limits of every call of untrusted code."""
@@ -77,6 +87,11 @@ class ToolsConfig:
         for name in self.packages:
             if not isinstance(name, str) or not _TOOL_NAME.match(name):
                 raise ConfigError(f"tools.packages has {name!r}: give top-level package names, e.g. 'numpy'")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names the model calls the enabled tools by (what a dataset row's ``tools`` list names)."""
+        return tuple(tool_name(spec) for spec in self.enabled)
 
     @property
     def output_bytes(self) -> int:

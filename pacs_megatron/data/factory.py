@@ -13,10 +13,11 @@ part, keyed ``"arith_heldout"``, and with ``data.arith.val_fraction`` a disjoint
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from pacs_megatron.data.prompts import build_records, tokenize_prompts
-from pacs_megatron.data.records import PromptRecord
+from pacs_megatron.data.prompts import build_records, row_tools, tokenize_prompts
+from pacs_megatron.data.records import DataFormatError, PromptRecord
 from pacs_megatron.data.sampler import PromptDataset
 from pacs_megatron.data.sources import load_problems, resolve_dataset
 from pacs_megatron.data.synthetic import arith_split, arith_splits
@@ -50,6 +51,25 @@ def tool_suffix(cfg: RunConfig) -> str:
     return mt.instruction if mt.enabled else ""
 
 
+def check_row_tools(records: list[PromptRecord], cfg: RunConfig, name: str) -> list[PromptRecord]:
+    """``records`` with the tools each row may call (its ``tools`` list: the task definition of which tools its
+    prompt may call), once every name is one the run enables; else one line naming the row, the tool and the
+    fix. Single-turn runs never read the field (a column of that name may mean something else there)."""
+    if not cfg.rollout.multi_turn.enabled:
+        return records
+    enabled, out = cfg.tools.names, []
+    for rec in records:
+        tools = row_tools(rec)
+        unknown = [t for t in tools or () if t not in enabled]
+        if unknown:
+            raise DataFormatError(
+                f"dataset {name}: problem {rec.id!r} may call tools {unknown}, which this run does not enable "
+                f"(tools.enabled={list(cfg.tools.enabled)}): enable them, or drop them from the row's tools list"
+            )
+        out.append(replace(rec, tools=tools))
+    return out
+
+
 def arith_prompt_records(problems, data: DataConfig, tokenizer, name: str, suffix: str = "") -> list[PromptRecord]:
     """The synthetic task's records, through the same ``data.max_prompt_length`` /
     ``data.overlong_prompts`` check as every other source of prompts: the raw problem text is the
@@ -80,7 +100,7 @@ def build_train_dataset(cfg: RunConfig, tokenizer) -> PromptDataset:
     names = []
     for f in data.train_files:
         name, recs = load_dataset(f, data, tokenizer, suffix=tool_suffix(cfg))
-        records.extend(recs)
+        records.extend(check_row_tools(recs, cfg, name))
         names.append(name)
     return PromptDataset(records, data.seed, data.shuffle, name="+".join(names))
 
@@ -100,8 +120,17 @@ def build_val_datasets(cfg: RunConfig, tokenizer) -> dict[str, list[PromptRecord
         name, recs = load_dataset(f, data, tokenizer, limit, tool_suffix(cfg))
         if name in out:
             raise ValueError(f"data.val_files names {name!r} twice")
-        out[name] = recs
+        out[name] = check_row_tools(recs, cfg, name)
     return out
+
+
+def prompt_records(cfg: RunConfig, tokenizer) -> list[PromptRecord]:
+    """Every prompt of the run, train and validation (where a process that only generates, an engine rank,
+    learns which tools each may call); none for single-turn runs, whose prompts call no tool."""
+    if not cfg.rollout.multi_turn.enabled:
+        return []
+    val = build_val_datasets(cfg, tokenizer) if cfg.trainer.test_freq else {}
+    return [*build_train_dataset(cfg, tokenizer).records, *(r for recs in val.values() for r in recs)]
 
 
 def build_prompt_dataset(cfg: RunConfig, tokenizer, split: str = "train"):

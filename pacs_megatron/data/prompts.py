@@ -110,6 +110,25 @@ def load_tokenizer(path: str | Path, template: str = "auto"):
     return tok
 
 
+def row_tools(problem: Problem | PromptRecord) -> tuple[str, ...] | None:
+    """The tools a row may call: its ``tools`` field (a list of tool names, ``[]`` for none), or None when the
+    row has none (every enabled tool). A malformed field raises naming the row.
+
+    Example:
+        >>> row_tools(Problem("p1", "1+1", "2", "mine", extra={"tools": ["python"]}))
+        ('python',)
+    """
+    tools = problem.extra.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, str) and t for t in tools):
+        raise DataFormatError(
+            f"dataset {problem.source}: problem {problem.id!r} has tools={tools!r}: give a list of tool names "
+            '(e.g. ["python"]; [] for none), or leave the field out for every tool of tools.enabled'
+        )
+    return tuple(tools)
+
+
 def render(problem: Problem, tokenizer, template: str, shots: Sequence[Sequence[str]] = (), suffix: str = "") -> str:
     """The prompt text of a math problem under ``template`` (any of :data:`CHOICES`; the tokenizer's
     ``chat_template`` is the one :func:`load_tokenizer` selected).
@@ -200,6 +219,8 @@ def build_records(
     shots: Sequence[Sequence[str]] = (),
     suffix: str = "",
 ) -> list[PromptRecord]:
-    """Render and tokenize math problems (shots + instruction + template), applying the length filter."""
-    texts = [render(p, tokenizer, template, shots, suffix) for p in problems]
+    """Render and tokenize math problems (shots + instruction + template), applying the length filter. A row
+    whose ``tools`` list is empty gets no ``suffix`` (the tool instruction): it may call none."""
+    # the row's tools are read only when there is a tool instruction to give: single-turn runs never parse them
+    texts = [render(p, tokenizer, template, shots, suffix if suffix and row_tools(p) != () else "") for p in problems]
     return tokenize_prompts(problems, texts, tokenizer, max_prompt_length, overlong, name)

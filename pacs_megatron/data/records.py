@@ -60,3 +60,6 @@ class PromptRecord:
     """Dataset name."""
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
     """Row metadata, passed to user reward functions as ``extra``."""
+    tools: tuple[str, ...] | None = None
+    """The tools this prompt may call in tool-integrated rollouts, as its row's ``tools`` list names them
+    (``[]``: none, and no tool instruction in the prompt); None: every tool of ``tools.enabled``."""

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from pacs_megatron.config.tools import tool_name
 from pacs_megatron.envs.python_tool import PYTHON_SCHEMA, python_tool
 from pacs_megatron.envs.result import ToolResult, truncate
 from pacs_megatron.envs.sandbox import Sandbox
@@ -47,16 +48,6 @@ _LOGGED_ERRORS = 5
 
 class ToolError(ValueError):
     """A tool cannot be loaded: the message names the spec and the fix."""
-
-
-def tool_name(spec: str) -> str:
-    """The name the model calls ``spec`` by: a built-in's name, or a user function's own name.
-
-    Example:
-        >>> tool_name("python"), tool_name("my_pkg.tools:search")
-        ('python', 'search')
-    """
-    return spec.rpartition(":")[2].rpartition(".")[2]
 
 
 def load_tool(spec: str) -> ToolFn:

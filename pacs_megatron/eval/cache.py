@@ -69,6 +69,12 @@ def cache_key(args, model_dir: Path, data_root: Path) -> dict[str, Any]:
         "max_prompt_length": args.max_prompt_length,
         "reward": args.reward,
         "engine": args.engine,
+        # tool-integrated evaluation only: keys of single-turn runs stay as they were
+        **(
+            {"tool_turns": args.tool_turns, "tools": args.tools, "tool_instruction": args.tool_instruction}
+            if getattr(args, "tool_turns", 0)
+            else {}
+        ),
     }
 
 

@@ -34,6 +34,7 @@ from typing import Any
 from pacs_megatron.eval.passk import dataset_metrics
 from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.reward.verifiers import has_boxed
+from pacs_megatron.rollout.multi_turn import turn_metrics
 from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.utils.logging import get_logger
 
@@ -130,6 +131,8 @@ def evaluate(
                 "scores": [float(s) for s in scores[i * n : (i + 1) * n]],
                 "finish_reasons": [r.finish_reason for r in group],
                 "num_tokens": [len(r.token_ids) for r in group],
+                # tool-integrated rollouts: every turn, tool output included (responses hold the policy's own)
+                **({"transcripts": [r.turns.transcript for r in group]} if group and group[0].turns else {}),
                 # the PACS reference's field names (src/inference.py), for existing analysis scripts
                 "data_source": name,
                 "output": [r.text for r in group],
@@ -142,6 +145,9 @@ def evaluate(
             logger.info("validation (step %d): %s", step, line)
     metrics = flatten_metrics(per_set, prefix)
     p = f"{prefix}/" if prefix else ""
+    for name in datasets:  # tool-integrated rollouts: each set's call rate, turns, errors (none single-turn)
+        responses = [r for (ds, _), group in zip(flat, groups) if ds == name for r in group]
+        metrics.update({f"{p}{name}/{k}": v for k, v in turn_metrics(responses).items()})
     metrics[f"{p}reward_timeouts"] = float(reward_metrics.get("reward/timeouts", 0.0))
     metrics[f"{p}reward_errors"] = float(reward_metrics.get("reward/errors", 0.0))
     return metrics, rows

@@ -83,6 +83,7 @@ def serve() -> int:
 
     from pacs_megatron.config import config_from_dict
     from pacs_megatron.data import load_tokenizer
+    from pacs_megatron.data.factory import prompt_records
     from pacs_megatron.rollout import build_engine
     from pacs_megatron.rollout.multi_turn import with_tools
     from pacs_megatron.rollout.protocol import Failed, Ready, connect_store, engine_listen, recv, send
@@ -112,7 +113,7 @@ def serve() -> int:
             send(conn, Ready(engine=index, device=str(device)))
             group = WeightGroup(init.backend, store, 1 + index, 1 + init.engines, device, timeout_s)
             receive = lambda msg: receive_buckets(group, msg.layout)  # noqa: E731
-            engine = with_tools(engine, cfg, tokenizer)  # multi-turn rollouts: the turn loop runs here too
+            engine = with_tools(engine, cfg, tokenizer, prompt_records(cfg, tokenizer))  # the turn loop runs here too
             code = EngineServer(index, engine, conn, receive, verify=cfg.sync.verify_bitwise).serve()
             engine.close()
         return code

@@ -261,7 +261,8 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
         # FP8 rollouts on vLLM: the sync tells the engine the layout of the weights it will send
         inner = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
         sync = WeightSync(actor, inner, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
-        engine = with_tools(inner, cfg, tokenizer)  # multi-turn rollouts: the turn loop over the engine
+        # multi-turn rollouts: the turn loop over the engine, knowing which tools each prompt may call
+        engine = with_tools(inner, cfg, tokenizer, [*prompts.records, *(r for v in val_sets.values() for r in v)])
     critic = build_critic(cfg, rt.groups, actor)
     return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync, critic)
 

@@ -142,7 +142,15 @@ def assemble_batch(cfg: RunConfig, c: Components, scored: ScoredGroups, step: in
         **turn_metrics([resp for _, resp in flat]),
     }
     samples = [
-        {"step": step, "prompt": rec.prompt_text, "response": resp.text, "answer": rec.answer, "score": sc}
+        {
+            "step": step,
+            "prompt": rec.prompt_text,
+            "response": resp.text,  # the policy's own words: what the verifier scored
+            "answer": rec.answer,
+            "score": sc,
+            # tool-integrated rollouts: every turn, the tools' output included
+            **({"transcript": resp.turns.transcript} if resp.turns is not None else {}),
+        }
         for (rec, resp), sc in list(zip(flat, scores))[: cfg.trainer.log_rollouts]
     ]
     return batch, metrics, samples

@@ -51,8 +51,8 @@ def _sft_step(c: Components, shard: Rollouts) -> dict:
 
 def tool_warmup(cfg: RunConfig, rt: Runtime, c: Components) -> dict:
     """Supervised warm-up on :data:`TOOL_DEMOS` tool-call demonstrations (rollout/multi_turn.py
-    ``tool_demonstration``): the call syntax and reading the tool's answer. Each step trains on the handful of
-    demonstrations, repeated to a mini-batch; their tool turns are context (off the loss), so the policy is
+    ``tool_demonstration``): the call syntax and reading the tool's answer. Each step is one optimizer step on
+    the handful of demonstrations; their tool turns are context (off the loss), so the policy is
     never trained to write a problem's answer except by copying it from the tool's output in front of it."""
     from pacs_megatron.rollout.multi_turn import MultiTurnEngine, tool_demonstration
 
@@ -61,7 +61,10 @@ def tool_warmup(cfg: RunConfig, rt: Runtime, c: Components) -> dict:
     rng = random.Random(cfg.trainer.seed)
     records = rng.sample(c.dataset.records, min(TOOL_DEMOS, len(c.dataset.records)))
     demos = [tool_demonstration(c.engine, rec) for rec in records]
-    rows = cfg.mini_batch_prompts * cfg.rollout.n
+    # each demonstration once (repeated only to split over DP): copies would add compute, not signal, since a
+    # step's loss is a mean (8 copies of 8 demonstrations cost SmolLM2 ~5 min a warm-up step on 2 cores)
+    dp = rt.groups.dp_size
+    rows = -(-len(demos) // dp) * dp
     picked = [demos[i % len(demos)] for i in range(rows)]
     batch = build_rollouts(
         [d[0] for d in picked],

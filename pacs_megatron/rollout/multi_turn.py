@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -46,10 +46,16 @@ class TurnStats:
     """Calls run (parsed or not: a malformed call is answered with its error)."""
     tool_errors: int = 0
     """Calls that failed: unparsable, unknown tool, or the tool's own error / timeout."""
+    tool_timeouts: int = 0
+    """Calls the sandbox stopped at its wall limit (``tools.wall_seconds``; counted among the errors too)."""
     tool_seconds: float = 0.0
     """Wall time of this trajectory's calls."""
     generate_seconds: float = 0.0
     """Wall time of the generate calls this trajectory was part of (shared with the samples batched with it)."""
+    resent_tokens: int = 0
+    """Context tokens sent again after a tool turn (every round after the first re-sends the whole context)."""
+    cached_tokens: int | None = None
+    """How many of ``resent_tokens`` the engine's prefix cache served (vLLM); None where the engine does not say."""
     transcript: str = ""
     """Every turn's text, tool output included (what rollouts.jsonl shows)."""
 
@@ -115,6 +121,7 @@ class _Trajectory:
     stats: TurnStats = field(default_factory=TurnStats)
     finish: str = ""  # set when done: "stop" | "length"
     call: tuple[str, dict] | str | None = None  # the call waiting for its tool
+    tools: tuple[str, ...] | None = None  # what its prompt may call (None: every enabled tool)
 
     def add(self, tokens: Sequence[int], policy: bool, logprobs: Sequence[float] | None = None) -> None:
         self.tokens += tokens
@@ -127,8 +134,19 @@ class MultiTurnEngine:
     """Wraps an engine (module docstring); every other engine attribute (weight sync, sleep, replica
     coordinates) is the wrapped engine's."""
 
-    def __init__(self, engine: Any, tokenizer: Any, cfg: MultiTurnConfig, tools: ToolPool, use_template: bool) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        cfg: MultiTurnConfig,
+        tools: ToolPool,
+        use_template: bool,
+        access: Mapping[tuple[int, ...], tuple[str, ...]] | None = None,
+    ) -> None:
         self.engine, self.tokenizer, self.cfg, self.tools = engine, tokenizer, cfg, tools
+        # the tools of the prompts whose rows name their own (tool_access), by prompt token ids: the ids are
+        # what every caller hands ``generate`` (training, validation, the engine processes), records are not
+        self.access = dict(access or {})
         self.format = HermesFormat()
         self.turn = ToolTurn(tokenizer, use_template)
 
@@ -149,7 +167,9 @@ class MultiTurnEngine:
         """``sampling.n`` trajectories per prompt, in prompt order; ``sampling.max_tokens`` bounds each whole
         trajectory (policy and tool tokens)."""
         budget, stop = sampling.max_tokens, (*sampling.stop, self.format.close)
-        trajs = [_Trajectory(tuple(p)) for p in prompt_token_ids for _ in range(sampling.n)]
+        trajs = [
+            _Trajectory(tuple(p), tools=self.access.get(tuple(p))) for p in prompt_token_ids for _ in range(sampling.n)
+        ]
         for turn in range(self.cfg.max_turns):
             active = [t for t in trajs if not t.finish]
             if not active:
@@ -167,6 +187,10 @@ class MultiTurnEngine:
             seconds = time.perf_counter() - start
             for t, out in zip(active, outs):
                 t.stats.generate_seconds += seconds
+                if turn:  # the prefix cache's share of the re-sent context (a grown context re-prefills the rest)
+                    t.stats.resent_tokens += len(t.prompt) + len(t.tokens)
+                    if out.cached_tokens is not None:
+                        t.stats.cached_tokens = (t.stats.cached_tokens or 0) + out.cached_tokens
                 self._take_turn(t, out, budget, stop, last=turn == self.cfg.max_turns - 1)
             self._run_tools([t for t in active if t.call is not None], budget)
         return [
@@ -192,13 +216,18 @@ class MultiTurnEngine:
             t.call = self.format.parse(text)
 
     def _run_tools(self, waiting: list[_Trajectory], budget: int) -> None:
-        """Run the round's parsed calls together; answer malformed ones with their error."""
+        """Run the round's parsed calls together; answer malformed ones, and calls of a tool the prompt may not
+        use, with their error."""
+        for t in waiting:
+            if isinstance(t.call, tuple) and t.tools is not None and t.call[0] not in t.tools:
+                t.call = f"Error: no tool {t.call[0]!r} here; this problem's tools are {list(t.tools)}"
         calls = [t.call for t in waiting if isinstance(t.call, tuple)]
         results = iter(self.tools.run(calls) if calls else [])
         for t in waiting:
             if isinstance(t.call, tuple):
                 r = next(results)
                 text, ok, seconds = r.text, r.ok, r.seconds
+                t.stats.tool_timeouts += r.kind == "timeout"
             else:
                 text, ok, seconds = str(t.call), False, 0.0
             t.call = None
@@ -263,15 +292,39 @@ def turn_metrics(responses: Sequence[Response]) -> dict[str, float]:
     k = len(stats)
     calls = sum(s.tool_calls for s in stats)
     tool_tokens = sum(len(r.token_ids) - r.policy_tokens for r in responses)
+    known = [s for s in stats if s.cached_tokens is not None and s.resent_tokens]
+    hits = sum(s.cached_tokens or 0 for s in known) / max(sum(s.resent_tokens for s in known), 1)
+    cache = {"tools/prefix_cache_hit_rate": hits}
     return {
+        **(cache if known else {}),
         "tools/turns_mean": sum(s.turns for s in stats) / k,
         "tools/calls_mean": calls / k,
         "tools/call_rate": sum(s.tool_calls > 0 for s in stats) / k,
         "tools/error_rate": sum(s.tool_errors for s in stats) / max(calls, 1),
+        "tools/timeout_rate": sum(s.tool_timeouts for s in stats) / max(calls, 1),
         "tools/seconds_mean": sum(s.tool_seconds for s in stats) / k,
         "tools/generate_seconds_mean": sum(s.generate_seconds for s in stats) / k,
         "tools/output_tokens_mean": tool_tokens / k,
     }
+
+
+def tool_access(records: Iterable[PromptRecord]) -> dict[tuple[int, ...], tuple[str, ...]]:
+    """The tools of each prompt whose row names its own (``PromptRecord.tools``), keyed by its token ids; a
+    prompt shared by rows naming different tools raises in one line (its text cannot tell the policy which)."""
+    access: dict[tuple[int, ...], tuple[str, ...]] = {}
+    owner: dict[tuple[int, ...], str] = {}
+    for rec in records:
+        if rec.tools is None:
+            continue
+        key = tuple(rec.prompt_ids)
+        if access.setdefault(key, rec.tools) != rec.tools:
+            raise ValueError(
+                f"problems {owner[key]!r} and {rec.source}/{rec.id!r} have the same prompt but different tools "
+                f"({list(access[key])} vs {list(rec.tools)}): name the tools in the prompt's text, or give both "
+                "rows one list"
+            )
+        owner.setdefault(key, f"{rec.source}/{rec.id}")
+    return access
 
 
 def uses_chat_template(cfg: RunConfig) -> bool:
@@ -279,11 +332,14 @@ def uses_chat_template(cfg: RunConfig) -> bool:
     return cfg.data.renders_prompts and cfg.data.chat_template != "none"
 
 
-def with_tools(engine: Any, cfg: RunConfig, tokenizer: Any) -> Any:
+def with_tools(engine: Any, cfg: RunConfig, tokenizer: Any, records: Iterable[PromptRecord] = ()) -> Any:
     """``engine`` itself for single-turn rollouts; with ``rollout.multi_turn`` the turn loop over it, with the
-    tool pool ``tools`` describes (its sandbox checked first: envs/pool.py)."""
+    tool pool ``tools`` describes (its sandbox checked first: envs/pool.py) and the tools each of ``records``
+    (the run's prompts) may call."""
     if not cfg.rollout.multi_turn.enabled:
         return engine
     from pacs_megatron.envs.pool import make_pool
 
-    return MultiTurnEngine(engine, tokenizer, cfg.rollout.multi_turn, make_pool(cfg.tools), uses_chat_template(cfg))
+    access = tool_access(records)
+    pool = make_pool(cfg.tools)
+    return MultiTurnEngine(engine, tokenizer, cfg.rollout.multi_turn, pool, uses_chat_template(cfg), access)

@@ -60,6 +60,9 @@ class Response:
     """Multi-turn rollouts: per token of ``token_ids``, True where the policy sampled it and False on tool
     output (context the model reads but never chose: no loss, no log-prob, no KL). None: every token is the
     policy's. ``logprobs`` then holds the policy tokens' values only, in order."""
+    cached_tokens: int | None = field(default=None, compare=False)
+    """Prompt tokens the engine served from its prefix cache (vLLM's ``num_cached_tokens``, the same for a
+    prompt's ``n`` samples); None where the engine does not say (HF). The turn loop's prefix-cache reuse."""
     turns: Any = field(default=None, compare=False, repr=False)
     """Multi-turn rollouts: the trajectory's counters (rollout/multi_turn.py ``TurnStats``); None otherwise."""
 

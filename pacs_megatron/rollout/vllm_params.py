@@ -211,6 +211,7 @@ def to_responses(
     """
     flat: list[tuple[list[int], str, tuple[float, ...] | None]] = []
     routed: list[torch.Tensor | None] = []
+    cached: list[int | None] = []
     for p, out in enumerate(outputs):
         completions = sorted(out.outputs, key=lambda c: c.index)
         if len(completions) != n:
@@ -226,6 +227,7 @@ def to_responses(
                     _token_logprob(c.logprobs[t], tok, f"prompt {p} output {t}") for t, tok in enumerate(tokens)
                 )
             flat.append((tokens, reason, lps))
+            cached.append(getattr(out, "num_cached_tokens", None))
             if routing is None:
                 routed.append(None)
                 continue
@@ -237,8 +239,8 @@ def to_responses(
             )
     texts = decode([t for t, _, _ in flat])
     responses = [
-        Response(token_ids=tuple(tok), text=text, finish_reason=reason, logprobs=lps, routed_experts=r)
-        for (tok, reason, lps), text, r in zip(flat, texts, routed)
+        Response(tuple(tok), text, reason, lps, routed_experts=r, cached_tokens=c)
+        for (tok, reason, lps), text, r, c in zip(flat, texts, routed, cached)
     ]
     return [responses[i * n : (i + 1) * n] for i in range(len(outputs))]
 

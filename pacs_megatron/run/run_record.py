@@ -124,6 +124,10 @@ class RunRecord:
             argv += ["--shots", json.dumps(data.shots)]
         if data.data_root and data.task != "arith":
             argv += ["--data-root", data.data_root]
+        mt = cfg.rollout.multi_turn
+        if mt.enabled:  # tool-integrated: the same turn loop, tools and instruction as the validation
+            argv += ["--tool-turns", str(mt.max_turns), "--tools", ",".join(cfg.tools.enabled)]
+            argv += ["--tool-instruction", mt.instruction]
         return shlex.join(argv)
 
     def write_eval_sets(self) -> list[Path]:

@@ -13,6 +13,11 @@ recomputes from the existing rollouts anyway and says what differs; ``--resample
 ``eval_metrics.json`` records the key of the rollouts its numbers come from under ``"sampling"``.
 Rows also carry the PACS reference's field names (``data_source``, ``output``, ``score``).
 
+``--tool-turns N`` evaluates a tool-integrated policy as the trainer's validation does (rollout.multi_turn,
+docs/tools.md): the prompts end with ``--tool-instruction``, the model may call ``--tools`` in the sandbox
+between up to N turns, each set's metrics gain ``tools/call_rate``, ``tools/turns_mean`` ... and each row
+its ``transcripts`` (tool output included; ``responses`` are the policy's own words, what is scored).
+
 Prompts are built as for training: the PACS instruction in one user turn under ``--chat-template``
 (``auto``: the tokenizer's own, as ``data.chat_template``), tokenized with ``--tokenizer`` (default: the
 model directory).
@@ -28,6 +33,8 @@ import argparse
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RolloutConfig
+from pacs_megatron.config.multi_turn import MultiTurnConfig
+from pacs_megatron.config.tools import ToolsConfig
 from pacs_megatron.eval.cache import cache_key, differences, read_key, write_key
 from pacs_megatron.eval.progress import EvalProgress
 from pacs_megatron.eval.runner import (
@@ -96,7 +103,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reuse", action="store_true", help="recompute from eval_rollout.jsonl even if it was sampled differently"
     )
+    p.add_argument(
+        "--tool-turns",
+        type=int,
+        default=0,
+        help="tool-integrated evaluation: up to N assistant turns, calling --tools in the sandbox between them "
+        "(as rollout.multi_turn.max_turns; the tools: section's defaults); 0: single-turn",
+    )
+    p.add_argument("--tools", default="python", help="with --tool-turns: comma-separated tools (as tools.enabled)")
+    p.add_argument(
+        "--tool-instruction",
+        default=MultiTurnConfig.instruction,
+        help="with --tool-turns: appended to each prompt (as rollout.multi_turn.instruction; '' for none)",
+    )
     p.add_argument("--log-level", default="INFO")
+
+
+def _tool_configs(args: argparse.Namespace) -> tuple[MultiTurnConfig, ToolsConfig]:
+    """``--tool-turns`` / ``--tools`` / ``--tool-instruction`` as the trainer's configs, or one line naming the flag."""
+    try:
+        mt = MultiTurnConfig(max_turns=args.tool_turns, instruction=args.tool_instruction)
+        tools = ToolsConfig(enabled=tuple(t.strip() for t in args.tools.split(",") if t.strip()))
+    except ConfigError as e:
+        raise ConfigError(f"--tool-turns {args.tool_turns} --tools {args.tools!r}: {e}") from None
+    return mt, tools
 
 
 def validate(args: argparse.Namespace) -> list[int]:
@@ -125,6 +155,7 @@ def validate(args: argparse.Namespace) -> list[int]:
     if not [d for d in args.data.split(",") if d.strip()]:
         raise ConfigError("--data is empty: name at least one set, e.g. --data math500")
     check_reward_fn("--reward", args.reward)  # before any model loads
+    _tool_configs(args)
     _check_device(args.device)
     check_engine_installed(RolloutConfig(engine=args.engine))
     return ks
@@ -202,7 +233,7 @@ def main(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_metrics(metrics_path, {**metrics, SAMPLING: key})
     for name, m in metrics.items():
-        shown = ", ".join(f"{k}={v:.4f}" for k, v in m.items() if k.startswith(("pass@", "mean@")))
+        shown = ", ".join(f"{k}={v:.4f}" for k, v in m.items() if k.startswith(("pass@", "mean@", "tools/call")))
         logger.info("%-12s %s (%d problems)", name, shown, int(m["num_problems"]))
     logger.info("wrote %s", metrics_path)
     return 0
@@ -259,13 +290,12 @@ def _vllm_run_config(run_cfg, args: argparse.Namespace, datasets: dict):
     checked against the model's ``max_position_embeddings`` as the trainer's preflight does."""
     from dataclasses import replace
 
-    from pacs_megatron.config import DataConfig
     from pacs_megatron.launch.preflight import check_vllm_context
 
     longest = max((len(r.prompt_ids) for recs in datasets.values() for r in recs), default=1)
     run_cfg = replace(
         run_cfg,
-        data=DataConfig(max_prompt_length=longest),
+        data=replace(run_cfg.data, max_prompt_length=longest),
         rollout=replace(run_cfg.rollout, max_response_length=args.max_tokens),
     )
     check_vllm_context(run_cfg)
@@ -277,29 +307,36 @@ def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path, 
 
     from pacs_megatron.config import ModelConfig, RunConfig
     from pacs_megatron.data import load_dataset, load_tokenizer
+    from pacs_megatron.data.factory import check_row_tools, tool_suffix
     from pacs_megatron.rollout import build_engine
+    from pacs_megatron.rollout.multi_turn import with_tools
 
     tokenizer = load_tokenizer(args.tokenizer or model_dir, args.chat_template)
+    multi_turn, tools = _tool_configs(args)
+    run_cfg = RunConfig(
+        model=ModelConfig(path=str(model_dir), dtype=args.dtype),
+        data=data_cfg,
+        rollout=RolloutConfig(engine=args.engine, batch_size=args.batch_size, seed=args.seed, multi_turn=multi_turn),
+        tools=tools,
+    )
     datasets = {}
     for spec in (d.strip() for d in args.data.split(",") if d.strip()):
-        name, records = load_dataset(spec, data_cfg, tokenizer, limit=args.limit)
+        name, records = load_dataset(spec, data_cfg, tokenizer, limit=args.limit, suffix=tool_suffix(run_cfg))
         if name in datasets:
             raise ConfigError(f"--data names {name!r} twice")
-        datasets[name] = records
+        datasets[name] = check_row_tools(records, run_cfg, name)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    run_cfg = RunConfig(
-        model=ModelConfig(path=str(model_dir), dtype=args.dtype),
-        rollout=RolloutConfig(engine=args.engine, batch_size=args.batch_size, seed=args.seed),
-    )
+    records = [r for recs in datasets.values() for r in recs]
+    engine = lambda cfg: with_tools(build_engine(cfg, model_dir, tokenizer, device), cfg, tokenizer, records)  # noqa: E731
     if args.engine == "vllm":
         from pacs_megatron.rollout.vllm_engine import single_rank_launcher_env
 
         run_cfg = _vllm_run_config(run_cfg, args, datasets)
         with single_rank_launcher_env():  # a world of one rank for vLLM's external launcher, unless torchrun
-            return _sample_with(build_engine(run_cfg, model_dir, tokenizer, device), args, ks, datasets, device)
-    return _sample_with(build_engine(run_cfg, model_dir, tokenizer, device), args, ks, datasets, device)
+            return _sample_with(engine(run_cfg), args, ks, datasets, device)
+    return _sample_with(engine(run_cfg), args, ks, datasets, device)
 
 
 def _sample_with(engine, args: argparse.Namespace, ks: list[int], datasets: dict, device):
@@ -330,4 +367,7 @@ def _sample_with(engine, args: argparse.Namespace, ks: list[int], datasets: dict
     for key in ("reward_timeouts", "reward_errors"):
         if flat.get(key):
             logger.warning("%s: %d", key, int(flat[key]))
-    return compute_metrics(rows, ks), rows
+    metrics = compute_metrics(rows, ks)
+    for name, m in metrics.items():  # --tool-turns: each set's call rate, turns, errors (rows keep transcripts)
+        m.update({k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith(f"{name}/tools/")})
+    return metrics, rows

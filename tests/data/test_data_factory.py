@@ -86,3 +86,40 @@ def test_arith_prompts_go_through_the_same_length_check():
     assert all(len(r.prompt_ids) <= 5 for r in build_val_datasets(cfg, tok)["arith"])
     with pytest.raises(DataFormatError, match=r"dataset arith: problem .* prompt tokens > data.max_prompt_length=5"):
         build_train_dataset(load_config(None, [*base, "data.max_prompt_length=5", "data.overlong_prompts=error"]), tok)
+
+
+def test_a_row_names_the_tools_its_prompt_may_call(qwen_tok, tmp_path, data_root):
+    """The task definition of tool-integrated rollouts: a row's ``tools`` list (``[]``: none, no instruction;
+    absent: every enabled tool), checked against tools.enabled in one line; single-turn runs ignore it."""
+    from pacs_megatron.data.factory import prompt_records
+    from pacs_megatron.data.records import DataFormatError
+
+    rows = tmp_path / "tools.jsonl"
+    rows.write_text(
+        '{"id": "a", "problem": "What is 2+2?", "answer": "4", "tools": ["python"]}\n'
+        '{"id": "b", "problem": "What is 3+3?", "answer": "6", "tools": []}\n'
+        '{"id": "c", "problem": "What is 4+4?", "answer": "8"}\n'
+    )
+    base = [f"data.data_root={data_root}", f"data.train_files=[{rows}]", f"data.val_files=[{rows}]"]
+    cfg = load_config(None, [*base, "rollout.multi_turn.max_turns=3", "trainer.test_freq=1"])
+    records = {r.id: r for r in build_prompt_dataset(cfg, qwen_tok, "train").records}
+    assert [records[k].tools for k in "abc"] == [("python",), (), None]
+    instruction = cfg.rollout.multi_turn.instruction
+    assert [instruction in records[k].prompt_text for k in "abc"] == [True, False, True]
+    assert len(prompt_records(cfg, qwen_tok)) == 6  # train + validation: what an engine rank learns tools from
+    with pytest.raises(
+        DataFormatError, match=r"problem 'a' may call tools \['python'\].*tools.enabled=\['x.y:search'\]"
+    ):
+        build_prompt_dataset(
+            load_config(None, [*base, "rollout.multi_turn.max_turns=3", "tools.enabled=[x.y:search]"]), qwen_tok, "val"
+        )
+    single = build_prompt_dataset(load_config(None, [*base, "tools.enabled=[x.y:search]"]), qwen_tok, "train")
+    assert (
+        all(instruction not in r.prompt_text for r in single.records)
+        and prompt_records(load_config(None, base), qwen_tok) == []
+    )
+    rows.write_text('{"id": "d", "problem": "What is 5+5?", "answer": "10", "tools": "python"}\n')
+    with pytest.raises(DataFormatError, match=r"problem 'd' has tools='python': give a list of tool names"):
+        build_prompt_dataset(cfg, qwen_tok, "train")
+    # a column of that name meaning something else (function-calling sets hold schemas) is no error single-turn
+    assert build_prompt_dataset(load_config(None, base), qwen_tok, "train").records[0].tools is None

@@ -12,15 +12,17 @@ from pacs_megatron.rollout.types import Response, SamplingParams
 class ScriptedEngine:
     """Answers each prompt with scripted texts (one per sample), whatever the sampling."""
 
-    def __init__(self, tok, script: dict[str, list[str]]):
-        self.tok, self.script, self.calls = tok, script, []
+    def __init__(self, tok, script: dict[str, list[str]], turns=None):
+        self.tok, self.script, self.calls, self.turns = tok, script, [], turns or {}
 
     def generate(self, prompt_token_ids, sampling):
         self.calls.append(sampling)
         out = []
         for ids in prompt_token_ids:
-            texts = self.script[self.tok.decode(list(ids))][: sampling.n]
-            out.append([Response(tuple(self.tok(t)["input_ids"]), t, "stop") for t in texts])
+            prompt = self.tok.decode(list(ids))
+            texts = self.script[prompt][: sampling.n]
+            turns = self.turns.get(prompt)  # a multi-turn engine's counters (rollout/multi_turn.py)
+            out.append([Response(tuple(self.tok(t)["input_ids"]), t, "stop", turns=turns) for t in texts])
         return out
 
 
@@ -45,6 +47,22 @@ def test_evaluate_metrics_and_rows(sharded):
     assert len(engine.calls) == 1  # all datasets in one generate call
     with pytest.raises(ValueError, match="k=\\[4\\]"):
         evaluate(engine, {"x": recs}, sampling, [4], scorer)
+
+
+@pytest.mark.subprocess
+def test_validation_reports_each_sets_tool_use():
+    from pacs_megatron.rollout.multi_turn import TurnStats
+
+    tok = build_arith_tokenizer()
+    recs = arith_records(arith_problems(ArithTaskConfig(max_operand=1, modulo=0)), tok)
+    script = {"0+0=": ["0"], "0+1=": ["1"], "1+0=": ["1"], "1+1=": ["2"]}
+    called = TurnStats(turns=2, tool_calls=1, tool_timeouts=1, tool_errors=1, transcript="call 1+1 -> 2")
+    engine = ScriptedEngine(tok, script, turns={"1+1=": called, "1+0=": TurnStats(turns=1)})
+    with RewardScorer(RewardConfig(fn="arith", num_workers=0)) as scorer:
+        metrics, rows = evaluate(engine, {"x": recs[:2], "y": recs[2:]}, SamplingParams(n=1), [1], scorer)
+    assert metrics["val/y/tools/call_rate"] == 0.5 and metrics["val/y/tools/timeout_rate"] == 1
+    assert metrics["val/y/tools/turns_mean"] == 1.5 and not any("/tools/" in k for k in metrics if "/x/" in k)
+    assert rows[3]["transcripts"] == ["call 1+1 -> 2"] and "transcripts" not in rows[0]
 
 
 @pytest.mark.subprocess

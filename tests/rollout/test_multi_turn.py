@@ -8,8 +8,9 @@ from _ascii import CHATML, ascii_tokenizer
 
 from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.multi_turn import MultiTurnConfig
+from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.envs.result import ToolResult
-from pacs_megatron.rollout.multi_turn import HermesFormat, MultiTurnEngine, ToolTurn, turn_metrics
+from pacs_megatron.rollout.multi_turn import HermesFormat, MultiTurnEngine, ToolTurn, tool_access, turn_metrics
 from pacs_megatron.rollout.types import Response, SamplingParams
 
 TOK = ascii_tokenizer()
@@ -23,6 +24,7 @@ class ScriptedEngine:
     def __init__(self, first: str = CALL, tail: str = "junk", always_call: bool = False) -> None:
         self.first, self.tail, self.always_call, self.calls = first, tail, always_call, []
         self.dp_rank = 3  # an engine attribute the wrapper must pass through
+        self.cache = False  # report prefix-cache hits, as vLLM does
 
     def generate(self, prompts, sampling: SamplingParams) -> list[list[Response]]:
         self.calls.append((len(prompts), sampling))
@@ -38,7 +40,8 @@ class ScriptedEngine:
             if len(ids) > sampling.max_tokens:
                 ids, reason = ids[: sampling.max_tokens], "length"
             lps = tuple(-0.01 * (i + 1) for i in range(len(ids)))
-            out.append([Response(tuple(ids), TOK.decode(ids), reason, lps) for _ in range(sampling.n)])
+            cached = len(p) - len(p) % 16 if self.cache else None  # whole 16-token blocks, as vLLM caches
+            out.append([Response(tuple(ids), TOK.decode(ids), reason, lps, cached_tokens=cached)] * sampling.n)
         return out
 
 
@@ -53,6 +56,8 @@ class FakePool:
             code = args["code"]
             if name == "python" and code.startswith("print("):
                 out.append(ToolResult(str(eval(code[6:-1])), "ok", 0.5, name))
+            elif name == "python" and code == "sleep":
+                out.append(ToolResult("Error: timed out after 20 s", "timeout", 20.0, name))
             else:
                 out.append(ToolResult("Error: unknown tool", "bad_call", 0.0, name))
         return out
@@ -112,6 +117,23 @@ def test_malformed_calls_and_unknown_tools_answer_with_an_error_and_count():
     assert r.turns.tool_errors == 1 and "Error: unknown tool" in r.turns.transcript
 
 
+def record(ids, tools, rid="p1"):
+    return PromptRecord(rid, "q", "q", tuple(ids), "42", "mine", tools=tools)
+
+
+def test_a_prompt_calls_only_the_tools_its_row_names():
+    mt, _ = engine()
+    mine, none, every = prompt("What is 6*7?"), prompt("What is 6*7 then?"), prompt("And 6*7?")
+    mt.access = tool_access([record(mine, ("python",)), record(none, (), "p2"), record(every, None, "p3")])
+    assert mt.access == {tuple(mine): ("python",), tuple(none): ()}  # None: every enabled tool, not listed
+    [[ok], [refused], [free]] = mt.generate([mine, none, every], SamplingParams(n=1, max_tokens=600))
+    assert ok.turns.tool_errors == 0 and "\\boxed{42}" in ok.text and free.turns.tool_errors == 0
+    assert refused.turns.tool_calls == 1 and refused.turns.tool_errors == 1
+    assert "no tool 'python' here; this problem's tools are []" in refused.turns.transcript
+    with pytest.raises(ValueError, match="same prompt but different tools"):
+        tool_access([record(mine, ("python",)), record(mine, ("search",), "p2")])
+
+
 def test_the_last_turn_runs_no_call_and_the_metrics():
     always = ScriptedEngine(tail="", always_call=True)
     mt = MultiTurnEngine(always, TOK, MultiTurnConfig(max_turns=2), FakePool(), use_template=True)
@@ -122,6 +144,19 @@ def test_the_last_turn_runs_no_call_and_the_metrics():
     m = turn_metrics([r, r])
     assert m["tools/calls_mean"] == 1 and m["tools/call_rate"] == 1 and m["tools/error_rate"] == 0
     assert m["tools/seconds_mean"] == 0.5 and turn_metrics([single]) == {}
+    assert m["tools/timeout_rate"] == 0 and "tools/prefix_cache_hit_rate" not in m  # the engine said nothing
+    slow, _ = engine(first='<tool_call>{"name": "python", "arguments": {"code": "sleep"}}</tool_call>')
+    [[r]] = slow.generate([prompt()], SamplingParams(n=1, max_tokens=600))
+    assert r.turns.tool_timeouts == 1 == r.turns.tool_errors and turn_metrics([r])["tools/timeout_rate"] == 1
+
+
+def test_prefix_cache_reuse_is_counted_over_the_resent_context():
+    mt, inner = engine()
+    inner.cache = True
+    [[r]] = mt.generate([prompt()], SamplingParams(n=1, max_tokens=400))
+    context = len(prompt()) + r.token_ids.index(TOK.encode("So", add_special_tokens=False)[0])  # before round 1
+    assert r.turns.resent_tokens == context and r.turns.cached_tokens == context - context % 16
+    assert turn_metrics([r])["tools/prefix_cache_hit_rate"] == (context - context % 16) / context
 
 
 def test_hermes_parse_and_tool_turns_without_a_template():

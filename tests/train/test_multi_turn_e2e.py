@@ -4,6 +4,7 @@ sandbox; the tool output is in the batch and off the loss (tests/actor/test_mult
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -49,6 +50,9 @@ def test_pacs_trains_on_tool_trajectories_with_the_hf_engine(tmp_path):
     assert rows[1]["tools/calls_mean"] > 0.1, rows[1]  # measured 0.875 (8 samples), 14% of calls failing
     assert rows[1]["tools/output_tokens_mean"] > 0 and rows[1]["tools/turns_mean"] > 1
     assert "tools/calls_mean" in rows[2] and rows[2]["actor/grad_norm"] > 0  # a second step trained on them
+    logged = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    # rollouts.jsonl: the policy's words (what was scored) and the transcript with the tool turns in it
+    assert all("transcript" in r for r in logged) and any("<tool_call>" in r["transcript"] for r in logged)
 
 
 @pytest.mark.slow
@@ -56,3 +60,5 @@ def test_pacs_trains_on_tool_trajectories_with_the_hf_engine(tmp_path):
 def test_grpo_trains_on_tool_trajectories_with_vllm(tmp_path):
     rows = _run(tmp_path, "algorithm.loss=grpo", "rollout.engine=vllm")
     assert rows[1]["tools/calls_mean"] > 0.1 and rows[1]["tools/output_tokens_mean"] > 0, rows[1]
+    # vLLM's prefix cache serves the re-sent context of the rounds after a tool turn (the context only grows)
+    assert rows[1]["tools/prefix_cache_hit_rate"] > 0.3, rows[1]

@@ -131,9 +131,11 @@ class RunRecord:
         return shlex.join(argv)
 
     def write_eval_sets(self) -> list[Path]:
-        """The synthetic task's validation sets as JSONL files in the run dir (``eval_sets/NAME.jsonl``, the
-        PACS message format with the raw ``a+b=`` prompt), so the printed eval command names real files;
-        [] for file-based tasks (their ``data.val_files`` are the files). Rank 0 writes, once."""
+        """The synthetic task's validation sets as JSONL files in the run dir (``eval_sets/NAME.jsonl``), so the
+        printed eval command names real files that eval renders into the trainer's own prompts: the PACS
+        message format with the raw ``a+b=`` prompt (``data.arith.style=raw``), or plain ``problem`` rows that
+        eval gives the PACS instruction, as the trainer does (``words``). [] for file-based tasks (their
+        ``data.val_files`` are the files). Rank 0 writes."""
         if self.cfg.data.task != "arith":
             return []
         from pacs_megatron.data.synthetic import arith_splits
@@ -145,13 +147,16 @@ class RunRecord:
         out = []
         for name, problems in named.items():
             path = self.layout.eval_set(name)
-            if self.is_rank0 and not path.is_file():
+            if self.is_rank0:  # rewritten each time: a file of an older version would not match
                 path.parent.mkdir(parents=True, exist_ok=True)
-                rows = [
-                    {"id": p.id, "prompt": [{"role": "user", "content": p.problem}], "data_source": name}
-                    | {"reward_model": {"ground_truth": p.answer}}
-                    for p in problems
-                ]
+                if self.cfg.data.arith.style == "words":
+                    rows = [{"id": p.id, "problem": p.problem, "answer": p.answer, "source": name} for p in problems]
+                else:
+                    rows = [
+                        {"id": p.id, "prompt": [{"role": "user", "content": p.problem}], "data_source": name}
+                        | {"reward_model": {"ground_truth": p.answer}}
+                        for p in problems
+                    ]
                 path.write_text("".join(json.dumps(r) + "\n" for r in rows))
             out.append(path)
         return out

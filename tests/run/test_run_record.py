@@ -224,3 +224,31 @@ def test_the_eval_command_of_a_tool_run_calls_the_tools(tmp_path):
     add_arguments(parser)
     args = parser.parse_args(argv[2:])  # the command parses as eval's own flags
     assert (args.tool_turns, args.tools, args.tool_instruction) == (3, "python", "Call python.")
+
+
+def test_the_eval_command_builds_the_validations_own_prompts(tmp_path, data_root):
+    """Fails on the old code: the eval sets of a word-problem run (the SmolLM2 recipes) were written as PACS
+    messages, which eval renders as they are, without the instruction the trainer's validation gives each
+    problem ("... put your final answer within \\boxed{}."): the printed command evaluated other prompts."""
+    import argparse
+    import shlex
+
+    from pacs_megatron.data import build_val_datasets, load_dataset, load_tokenizer
+    from pacs_megatron.tools.eval import _data_config, add_arguments
+
+    out = tmp_path / "run"
+    tok_dir = data_root / "tokenizers" / "qwen2.5"
+    words = ["data.task=arith", "data.arith.style=words", "data.arith.max_operand=19", "data.arith.modulo=0"]
+    words += ["data.arith.num_problems=40", "data.arith.test_fraction=0.25", "data.chat_template=qwen2.5"]
+    cfg = load_config(None, [f"trainer.output_dir={out}", f"model.tokenizer={tok_dir}", *words])
+    argv = shlex.split(RunRecord(cfg, out, True, None).summary(1, None, "complete")["eval_command"])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv[2:])
+    tok = load_tokenizer(tok_dir, cfg.data.chat_template)
+    _, evaluated = load_dataset(args.data, _data_config(args), tok)
+    validated = build_val_datasets(cfg, tok)["arith_heldout"]
+    assert [r.prompt_text for r in evaluated] == [r.prompt_text for r in validated]
+    assert all("\\boxed{}" in r.prompt_text for r in evaluated) and [r.answer for r in evaluated] == [
+        r.answer for r in validated
+    ]

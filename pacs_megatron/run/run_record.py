@@ -21,6 +21,7 @@ import re
 import shlex
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -149,6 +150,7 @@ class RunRecord:
             path = self.layout.eval_set(name)
             if self.is_rank0:  # rewritten each time: a file of an older version would not match
                 path.parent.mkdir(parents=True, exist_ok=True)
+                rows: list[dict[str, Any]]
                 if self.cfg.data.arith.style == "words":
                     rows = [{"id": p.id, "problem": p.problem, "answer": p.answer, "source": name} for p in problems]
                 else:

@@ -129,6 +129,27 @@ def _tool_configs(args: argparse.Namespace) -> tuple[MultiTurnConfig, ToolsConfi
     return mt, tools
 
 
+def _check_tools(args: argparse.Namespace) -> None:
+    """With ``--tool-turns``: the trainer's preflight of tools (they load, the sandbox starts here, the chat
+    template renders a tool turn), before any model loads; one line naming the flags."""
+    from pacs_megatron.config import DataConfig, ModelConfig, RunConfig
+    from pacs_megatron.launch.tool_checks import check_tools
+
+    multi_turn, tools = _tool_configs(args)
+    if not multi_turn.enabled:
+        return
+    cfg = RunConfig(
+        model=ModelConfig(path=args.model, tokenizer=args.tokenizer or ""),
+        data=DataConfig(chat_template=args.chat_template),
+        rollout=RolloutConfig(multi_turn=multi_turn),
+        tools=tools,
+    )
+    try:
+        check_tools(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"--tool-turns {args.tool_turns} --tools {args.tools!r}: {e}") from None
+
+
 def validate(args: argparse.Namespace) -> list[int]:
     """Check the flags before any model loads; the k list, or ConfigError naming the flag."""
     from pacs_megatron.launch.device_checks import check_engine_installed
@@ -155,7 +176,7 @@ def validate(args: argparse.Namespace) -> list[int]:
     if not [d for d in args.data.split(",") if d.strip()]:
         raise ConfigError("--data is empty: name at least one set, e.g. --data math500")
     check_reward_fn("--reward", args.reward)  # before any model loads
-    _tool_configs(args)
+    _check_tools(args)
     _check_device(args.device)
     check_engine_installed(RolloutConfig(engine=args.engine))
     return ks

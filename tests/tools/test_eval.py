@@ -105,6 +105,10 @@ def test_eval_cli_with_tools(qwen_tiny_dir, data_root, tmp_path, capsys):
     assert "--tool-turns 1" in capsys.readouterr().err
     assert _run(**args, tool_turns=2, tools="no tool", out=out) == 2
     assert "tools.enabled has 'no tool'" in capsys.readouterr().err
+    # a tool that cannot load is named before the model is even looked at (here: a directory without one)
+    assert _run(**dict(args, model=tmp_path), tool_turns=2, tools="no_such_pkg.mod:fn", out=out) == 2
+    err = capsys.readouterr().err
+    assert "no_such_pkg" in err and "config.json" not in err
 
 
 def test_eval_cli_argument_errors(qwen_tiny_dir, data_root, tmp_path, capsys):

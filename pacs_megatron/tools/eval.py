@@ -120,32 +120,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _tool_configs(args: argparse.Namespace) -> tuple[MultiTurnConfig, ToolsConfig]:
-    """``--tool-turns`` / ``--tools`` / ``--tool-instruction`` as the trainer's configs, or one line naming the flag."""
-    try:
-        mt = MultiTurnConfig(max_turns=args.tool_turns, instruction=args.tool_instruction)
-        tools = ToolsConfig(enabled=tuple(t.strip() for t in args.tools.split(",") if t.strip()))
-    except ConfigError as e:
-        raise ConfigError(f"--tool-turns {args.tool_turns} --tools {args.tools!r}: {e}") from None
-    return mt, tools
+    """``--tool-turns`` / ``--tools`` / ``--tool-instruction`` as the trainer's configs (checked by
+    :func:`_check_tools` first)."""
+    mt = MultiTurnConfig(max_turns=args.tool_turns, instruction=args.tool_instruction)
+    return mt, ToolsConfig(enabled=tuple(t.strip() for t in args.tools.split(",") if t.strip()))
 
 
 def _check_tools(args: argparse.Namespace) -> None:
-    """With ``--tool-turns``: the trainer's preflight of tools (they load, the sandbox starts here, the chat
-    template renders a tool turn), before any model loads; one line naming the flags."""
+    """The tool flags as configs and, with ``--tool-turns``, the trainer's preflight of tools (they load, the
+    sandbox starts here, the chat template renders a tool turn), before any model loads; one line naming the
+    flags."""
     from pacs_megatron.config import DataConfig, ModelConfig, RunConfig
     from pacs_megatron.launch.tool_checks import check_tools
 
-    multi_turn, tools = _tool_configs(args)
-    if not multi_turn.enabled:
-        return
-    cfg = RunConfig(
-        model=ModelConfig(path=args.model, tokenizer=args.tokenizer or ""),
-        data=DataConfig(chat_template=args.chat_template),
-        rollout=RolloutConfig(multi_turn=multi_turn),
-        tools=tools,
-    )
     try:
-        check_tools(cfg)
+        multi_turn, tools = _tool_configs(args)
+        if multi_turn.enabled:
+            check_tools(
+                RunConfig(
+                    model=ModelConfig(path=args.model, tokenizer=args.tokenizer or ""),
+                    data=DataConfig(chat_template=args.chat_template),
+                    rollout=RolloutConfig(multi_turn=multi_turn),
+                    tools=tools,
+                )
+            )
     except ConfigError as e:
         raise ConfigError(f"--tool-turns {args.tool_turns} --tools {args.tools!r}: {e}") from None
 

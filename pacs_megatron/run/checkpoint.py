@@ -270,7 +270,10 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             self._prune()
-            logger.info("checkpoint step %d saved to %s in %.1fs", step, final, time.perf_counter() - start)
+            size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+            logger.info(
+                "checkpoint step %d saved to %s in %.1fs (%.1f MB)", step, final, time.perf_counter() - start, size / 1e6
+            )
             warning = self.space_problem()
             if warning:
                 logger.warning("the next checkpoint will not fit: %s", warning)

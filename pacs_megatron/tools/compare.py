@@ -13,7 +13,9 @@ Protocol (fair by construction):
    highest value, the grid grows on that side (1-3-10 steps, at most ``--max-extend`` values per side)
    until the optimum is interior; the summary says when it never became so. Methods with a learned
    critic (``ppo``) then tune the critic lr (``--critic-lrs``) the same way at their chosen actor lr;
-   their actor-lr search runs at the middle of that grid (one coordinate pass, not a joint grid).
+   their actor-lr search runs at the middle of that grid (one coordinate pass, not a joint grid). Methods
+   anchored on a reference (``pacs_v2``) tune their reset period K (``--reset-every``) the same way after
+   their lr. A method may have its own lr grid (``--method-lrs pacs_lora=3e-5,1e-4``: LoRA's are ~10x).
 2. **Report**: every method at its lrs on seeds 0..S-1 (``trainer.seed``, ``model.seed``, ``data.seed``
    and ``rollout.seed`` all set to the seed; the splits, ``data.arith.split_seed``, are not), scored on
    ``--val-key`` (the held-out split).
@@ -58,7 +60,14 @@ from pacs_megatron.tools.compare_report import (
     run_score,
     table,
 )
-from pacs_megatron.tools.compare_runs import METHODS, Runner, Spec, check_engine_share, uses_critic
+from pacs_megatron.tools.compare_runs import (
+    METHODS,
+    Runner,
+    Spec,
+    check_engine_share,
+    uses_critic,
+    uses_reference_anchor,
+)
 from pacs_megatron.utils.devices import share_gpus, visible_gpus
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.preemption import unwind_on_signals
@@ -117,6 +126,13 @@ def tune(
         grids = todo  # only the grown methods need new runs; the others keep their results in `out`
 
 
+def run_config(runner: Runner, spec: Spec):
+    """The resolved config of one run (its K, when a spec leaves it to the config)."""
+    from pacs_megatron.config import load_config
+
+    return load_config(runner.args.config, runner.settings(*spec))
+
+
 def check_validates(args: argparse.Namespace) -> str | None:
     """Why the runs would never validate (the comparison's score), or None: checked before any run starts."""
     from pacs_megatron.config import ConfigError, load_config
@@ -144,11 +160,13 @@ def compare(args: argparse.Namespace) -> dict:
     critic_lrs = args.critic_lrs or [None]
     mid_critic = sorted(critic_lrs, key=lambda x: x or 0.0)[len(critic_lrs) // 2]
     # Each method's current choice as a run spec (its seed is replaced per run).
-    chosen = {m: Spec(m, args.lrs[0], 0, mid_critic if uses_critic(m) else None) for m in args.methods}
+    grids = {m: args.method_lrs.get(m, args.lrs) for m in args.methods}
+    chosen = {m: Spec(m, grids[m][0], 0, mid_critic if uses_critic(m) else None) for m in args.methods}
     tuning: dict = {m: {} for m in args.methods}
     val_key = args.val_key
     tune_key = args.tune_key or val_key
-    if len(args.lrs) > 1 or len(critic_lrs) > 1:
+    anchored = [m for m in args.methods if uses_reference_anchor(m)] if len(args.reset_every) > 1 else []
+    if any(len(g) > 1 for g in grids.values()) or len(critic_lrs) > 1 or anchored:
         if not tune_key:  # the first validation key any run logs
             probe = runner.run_all([chosen[args.methods[0]]._replace(seed=TUNE_SEED0)])
             tune_key = next((find_val_key(r) for r in probe.values() if r), None) or "val/none/pass@1"
@@ -163,16 +181,27 @@ def compare(args: argparse.Namespace) -> dict:
         def critic_spec(m, clr, seed):
             return chosen[m]._replace(critic_lr=clr, seed=seed)
 
-        if len(args.lrs) > 1:
-            for m, t in tune(
-                runner, {m: args.lrs for m in args.methods}, actor_spec, tune_key, args.max_extend
-            ).items():
+        def k_spec(m, k, seed):
+            # the config's own K stays None, so the lr pass's run at that K is this pass's too (same name)
+            k = int(round(k))
+            return chosen[m]._replace(reset_every=None if k == config_k[m] else k, seed=seed)
+
+        config_k = {m: run_config(runner, chosen[m]).algorithm.reference_reset_every for m in anchored}
+
+        if any(len(g) > 1 for g in grids.values()):
+            tuned = {m: g for m, g in grids.items() if len(g) > 1}
+            for m, t in tune(runner, tuned, actor_spec, tune_key, args.max_extend).items():
                 tuning[m]["lr"], chosen[m] = t, chosen[m]._replace(lr=t["chosen"])
         critics = [m for m in args.methods if uses_critic(m)]
         if len(critic_lrs) > 1 and critics:
             for m, t in tune(runner, {m: critic_lrs for m in critics}, critic_spec, tune_key, args.max_extend).items():
                 tuning[m]["critic_lr"], chosen[m] = t, chosen[m]._replace(critic_lr=t["chosen"])
-        logger.info("chosen (lr, critic lr): %s", {m: (c.lr, c.critic_lr) for m, c in chosen.items()})
+        if anchored:  # PACS v2's reset period K, at the chosen lr: issue 39's "choose K by measurement"
+            for m, t in tune(
+                runner, {m: args.reset_every for m in anchored}, k_spec, tune_key, args.max_extend
+            ).items():
+                tuning[m]["reset_every"], chosen[m] = t, k_spec(m, t["chosen"], 0)
+        logger.info("chosen (lr, critic lr, K): %s", {m: (c.lr, c.critic_lr, c.reset_every) for m, c in chosen.items()})
     # Seed-major order: a comparison cut short still has every method on its first seeds.
     specs = [chosen[m]._replace(seed=seed) for seed in range(args.seeds) for m in args.methods]
     res = runner.run_all(specs)
@@ -186,6 +215,7 @@ def compare(args: argparse.Namespace) -> dict:
         methods[m] = {
             "lr": chosen[m].lr,
             "critic_lr": chosen[m].critic_lr,
+            **({"reset_every": run_config(runner, chosen[m]).algorithm.reference_reset_every} if m in anchored else {}),
             **method_summary(results, val_key, tune_key),
         }
     summary = {
@@ -195,7 +225,9 @@ def compare(args: argparse.Namespace) -> dict:
         "seeds": args.seeds,
         "tune_seeds": args.tune_seeds if any(tuning.values()) else 0,
         "lrs": args.lrs,
+        "method_lrs": args.method_lrs,
         "critic_lrs": args.critic_lrs,
+        "reset_every": args.reset_every,
         "val_key": val_key,
         "tune_key": tune_key,
         "final_definition": FINAL_DEFINITION,
@@ -223,6 +255,25 @@ def _floats(flag: str, text: str) -> list[float]:
     return values
 
 
+def _method_grids(items: list[str], methods: list[str]) -> dict[str, list[float]]:
+    """``["pacs_lora=3e-5,1e-4"]`` -> ``{"pacs_lora": [3e-05, 0.0001]}``; ConfigError naming the flag, for a
+    method not in --methods (its grid would silently do nothing) or a malformed entry."""
+    from pacs_megatron.config import ConfigError
+
+    grids: dict[str, list[float]] = {}
+    for item in items:
+        method, sep, grid = item.partition("=")
+        if not sep or method.strip() not in methods:
+            raise ConfigError(
+                f"--method-lrs {item!r}: give METHOD=GRID for a method of --methods {','.join(methods)}, "
+                "e.g. --method-lrs pacs_lora=3e-5,1e-4,3e-4"
+            )
+        grids[method.strip()] = _floats(f"--method-lrs {method.strip()}=", grid)
+        if not grids[method.strip()]:
+            raise ConfigError(f"--method-lrs {item!r} is empty: give at least one lr")
+    return grids
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="the run config every run starts from")
     p.add_argument("--out", required=True, help="output folder (runs/, summary.json, curves.png)")
@@ -230,6 +281,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=5, help="reported seeds 0..S-1")
     p.add_argument("--tune-seeds", type=int, default=2, help="seeds 1000.. used only to pick each method's lr")
     p.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="comma-separated lr grid (one value: no tuning)")
+    p.add_argument(
+        "--method-lrs",
+        action="append",
+        default=[],
+        metavar="METHOD=GRID",
+        help="a method's own lr grid instead of --lrs, e.g. pacs_lora=3e-5,1e-4,3e-4 (LoRA's lrs are ~10x full's)",
+    )
+    p.add_argument(
+        "--reset-every",
+        default="",
+        help="PACS v2 reset periods K to tune (e.g. 5,10,20) for methods anchored on a reference, at their chosen lr",
+    )
     p.add_argument("--critic-lrs", default="", help="critic lr grid for critic methods (ppo); empty: the config's")
     p.add_argument(
         "--max-extend", type=int, default=2, help="values a grid may grow per side while its best is an edge"
@@ -256,6 +319,16 @@ def check_args(args: argparse.Namespace) -> None:
     args.lrs, args.critic_lrs = _floats("--lrs", args.lrs), _floats("--critic-lrs", args.critic_lrs)
     if not args.lrs:
         raise ConfigError("--lrs is empty: give at least one lr, e.g. --lrs 1e-3")
+    args.method_lrs = _method_grids(args.method_lrs, args.methods)
+    args.reset_every = _floats("--reset-every", args.reset_every)
+    if any(k != int(k) for k in args.reset_every):
+        raise ConfigError(f"--reset-every {args.reset_every}: K is a number of steps, give whole numbers, e.g. 5,10,20")
+    args.reset_every = [int(k) for k in args.reset_every]
+    if args.reset_every and not any(uses_reference_anchor(m) for m in args.methods):
+        raise ConfigError(
+            f"--reset-every {args.reset_every} tunes PACS v2's reset period, but no method of --methods "
+            f"{','.join(args.methods)} anchors on the reference: add pacs_v2 or drop the flag"
+        )
     for flag, value, least in (
         ("--seeds", args.seeds, 1),
         ("--tune-seeds", args.tune_seeds, 1),

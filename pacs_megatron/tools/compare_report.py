@@ -101,7 +101,8 @@ def _pm(s: dict) -> str:
 
 
 def _lrs(s: dict) -> str:
-    return f"{s['lr']:g}" + (f" (critic {s['critic_lr']:g})" if s.get("critic_lr") is not None else "")
+    critic = f" (critic {s['critic_lr']:g})" if s.get("critic_lr") is not None else ""
+    return f"{s['lr']:g}{critic}" + (f", K {s['reset_every']}" if s.get("reset_every") is not None else "")
 
 
 def table(summary: dict) -> str:
@@ -136,7 +137,7 @@ def table(summary: dict) -> str:
         lines += ["", f"Tuning ({tune}, then train reward; mean over the tuning seeds):", ""]
         lines += ["| method | parameter | value | score | train reward | chosen |", "|---|---|---|---|---|---|"]
         for m, t in summary["tuning"].items():
-            for param in ("lr", "critic_lr"):
+            for param in ("lr", "critic_lr", "reset_every"):
                 if param not in t:
                     continue
                 grid = t[param]

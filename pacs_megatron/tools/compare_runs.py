@@ -37,6 +37,9 @@ METHODS: dict[str, list[str]] = {
     # The control: PACS with one update per rollout batch, where psi = 0 and the loss is class-weighted
     # REINFORCE with a leave-one-out baseline (README, "What PACS is").
     "reinforce": ["algorithm.loss=pacs", "algorithm.mini_batch_size=0"],
+    # PACS with LoRA adapters (r 16, alpha 32, the four linears) on the frozen base: issue 43's LoRA-vs-full
+    # learning curve. LoRA wants its own lr grid (PEFT practice: ~10x the full lr): --method-lrs.
+    "pacs_lora": ["algorithm.loss=pacs", "actor.lora.rank=16", "actor.lora.alpha=32"],
     # GSPO (sequence-level ratio; verl's defaults in algorithm.gspo: clip 3e-4 / 4e-4, GRPO advantages).
     "gspo": ["algorithm.loss=gspo"],
 }
@@ -47,18 +50,25 @@ def uses_critic(method: str) -> bool:
     return "algorithm.policy.adv_estimator=gae" in METHODS[method]
 
 
+def uses_reference_anchor(method: str) -> bool:
+    return "algorithm.pacs.anchor=reference" in METHODS[method]
+
+
 class Spec(NamedTuple):
-    """One run: a method at an lr (and a critic lr for critic methods) on a seed."""
+    """One run: a method at an lr (and a critic lr for critic methods, a reset period K for PACS v2's
+    reference anchor; None: the config's) on a seed."""
 
     method: str
     lr: float
     seed: int
     critic_lr: float | None = None
+    reset_every: int | None = None
 
 
-def run_name(method: str, lr: float, seed: int, critic_lr: float | None = None) -> str:
+def run_name(method: str, lr: float, seed: int, critic_lr: float | None = None, reset_every: int | None = None) -> str:
     critic = f"_clr{critic_lr:g}" if critic_lr is not None else ""
-    return f"{method}_lr{lr:g}{critic}_s{seed}"
+    k = f"_k{reset_every}" if reset_every is not None else ""
+    return f"{method}_lr{lr:g}{critic}{k}_s{seed}"
 
 
 class Runner:
@@ -92,8 +102,10 @@ class Runner:
                 MEMORY_FRACTION_ENV,
             )
 
-    def settings(self, method: str, lr: float, seed: int, critic_lr: float | None = None) -> list[str]:
-        """The overrides that make this run (all but its directories)."""
+    def settings(
+        self, method: str, lr: float, seed: int, critic_lr: float | None = None, reset_every: int | None = None
+    ) -> list[str]:
+        """The overrides that make this run (all but its directories); a tuned K comes last, so it wins."""
         return [
             *METHODS[method],
             f"optimizer.lr={lr}",
@@ -106,19 +118,45 @@ class Runner:
             "logging.tensorboard=false",
             *([f"trainer.total_steps={self.args.steps}"] if self.args.steps else []),
             *self.args.overrides,
+            *([f"algorithm.reference_reset_every={reset_every}"] if reset_every is not None else []),
         ]
 
-    def run_dir(self, method: str, lr: float, seed: int, critic_lr: float | None = None) -> Path:
+    def run_dir(self, *spec_fields) -> Path:
         """``OUT/runs/NAME-KEY``: KEY hashes the resolved config, so other settings never reuse this run."""
         from pacs_megatron.config import load_config
 
-        spec = Spec(method, lr, seed, critic_lr)
+        spec = Spec(*spec_fields)
         if spec not in self._dirs:
             cfg = load_config(self.args.config, self.settings(*spec))
             key = config_key(cfg)
             self._dirs[spec] = self.out / "runs" / f"{run_name(*spec)}-{key}"
             self._builds_model[spec] = cfg.model.init != "pretrained"
+            if not self._dirs[spec].exists():
+                self._adopt(spec, cfg, self._dirs[spec])
         return self._dirs[spec]
+
+    def _adopt(self, spec: Spec, cfg: Any, new: Path) -> None:
+        """A finished run of the same settings under another key (the key's scheme changed since: it once
+        hashed every field, so each field a version added changed every key) is renamed to this key, so a
+        long protocol's results (on a GPU lease, its minutes) are reused rather than run again."""
+        from pacs_megatron.config import ConfigError, load_config
+
+        for old in sorted(new.parent.glob(f"{run_name(*spec)}-*")):
+            saved = RunLayout(old).config
+            if not (saved.is_file() and RunLayout(old).final.is_file()):
+                continue
+            # its own dirs aside (the output dir, and the model a run builds there), the run's saved config
+            # must give this run's key
+            own = [f"trainer.output_dir={cfg.trainer.output_dir}"]
+            own += [f"model.path={cfg.model.path}"] if cfg.model.init != "pretrained" else []
+            try:
+                stored = load_config(saved, own)
+            except ConfigError:
+                continue  # a config this version cannot read: not the same settings
+            if config_key(stored) == new.name.rsplit("-", 1)[1]:
+                old.rename(new)
+                logger.info("%s: the finished run %s has these settings (an older key): reused", new.name, old.name)
+                return
 
     def command(self, *spec) -> list[str]:
         d = self.run_dir(*spec)

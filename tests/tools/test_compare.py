@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pacs_megatron.tools.compare import grid_step, interval, run_score, tune
-from pacs_megatron.tools.compare_runs import Runner, Spec
+from pacs_megatron.tools.compare import interval, run_score
+from pacs_megatron.tools.compare_runs import Runner
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,6 +128,33 @@ def test_runs_are_keyed_on_their_resolved_settings(tmp_path):
     # a setting spelled at its default (as a field a later version adds arrives) keeps the key: finished
     # runs of a long protocol stay reusable across versions
     assert runner(4, "rollout.multi_turn.max_turns=0", "sync.lora=merged").run_dir(*spec) == four
+
+
+def test_a_finished_run_under_an_older_key_is_reused(tmp_path):
+    """The key once hashed every field, so the H200's 11 finished SmolLM2 runs (docs/results/
+    smollm2_pacs_gpu_partial) sat under keys no later version computed, and a lease would run them again:
+    a finished run whose saved config gives this run's key is renamed to it; another setting's is not."""
+    import argparse
+
+    from omegaconf import OmegaConf
+
+    from pacs_megatron.config import load_config
+
+    args = argparse.Namespace(config=str(GENERALIZE), out=str(tmp_path), steps=4, overrides=SMALL)
+
+    def finished(name, *extra):
+        old = tmp_path / "runs" / name
+        cfg = load_config(GENERALIZE, [*Runner(args).settings("pacs", 1e-3, 0), *extra, f"trainer.output_dir={old}"])
+        old.mkdir(parents=True)
+        OmegaConf.save(OmegaConf.structured(cfg), old / "config.yaml")
+        (old / "final.json").write_text("{}")
+        return old
+
+    other = finished("pacs_lr0.001_s0-0123456789", "trainer.val_temperature=0.5")
+    same = finished("pacs_lr0.001_s0-deadbeef00")
+    new = Runner(args).run_dir("pacs", 1e-3, 0)
+    assert new.name != same.name and (new / "final.json").is_file() and not same.exists()
+    assert other.exists()  # other settings: left where they are, never reused
 
 
 def test_a_pretrained_model_path_is_kept_and_a_built_model_goes_in_the_run_dir(tmp_path):
@@ -248,51 +275,6 @@ def test_a_second_signal_kills_the_runs_at_once(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
-
-
-class _Synthetic(Runner):
-    """A runner whose runs are metrics rows made from the spec: the tuning rules in isolation."""
-
-    def __init__(self, tune_seeds, score):
-        import argparse
-
-        super().__init__(argparse.Namespace(out="/nonexistent", tune_seeds=tune_seeds))
-        self.score, self.ran = score, []
-
-    def run_all(self, specs):
-        self.ran += [Spec(*s) for s in specs]
-        rows = lambda s: [  # noqa: E731
-            {"step": 1, "reward/mean": 0.5, "val/tune/pass@1": self.score(s), "val/report/pass@1": -self.score(s)}
-        ]
-        return {Spec(*s): rows(Spec(*s)) for s in specs}
-
-
-def test_grid_grows_until_the_optimum_is_interior():
-    assert grid_step([3e-5, 1e-4, 3e-4, 1e-3, 3e-3], 1) == 1e-2 and grid_step([3e-5, 1e-4], -1) == 1e-5
-    peak = 1e-5  # below the grid: two growth steps reach it, then one more value shows it is interior
-    runner = _Synthetic(2, lambda s: -abs(math.log10(s.lr / peak)))
-    out = tune(runner, {"pacs": [3e-4, 1e-4]}, lambda m, lr, seed: Spec(m, lr, seed), "val/tune/pass@1", 3)
-    assert out["pacs"]["chosen"] == pytest.approx(1e-5) and out["pacs"]["interior"]
-    assert out["pacs"]["grid"] == pytest.approx([3e-6, 1e-5, 3e-5, 1e-4, 3e-4])
-    assert {s.seed for s in runner.ran} == {1000, 1001}  # tuning never touches the reported seeds
-    # Bounded: with max_extend=1 an optimum still at the edge is chosen and flagged as not interior.
-    out = tune(
-        _Synthetic(1, lambda s: -s.lr),
-        {"grpo": [1e-4, 3e-4]},
-        lambda m, lr, seed: Spec(m, lr, seed),
-        "val/tune/pass@1",
-        1,
-    )
-    assert out["grpo"]["chosen"] == pytest.approx(3e-5) and not out["grpo"]["interior"]
-    # The score is the tuning key's: the report key (the negation here) would pick the other end.
-    out = tune(
-        _Synthetic(1, lambda s: s.lr),
-        {"ppo": [1e-4, 3e-4, 1e-3]},
-        lambda m, lr, seed: Spec(m, lr, seed),
-        "val/report/pass@1",
-        0,
-    )
-    assert out["ppo"]["chosen"] == pytest.approx(1e-4)
 
 
 def test_runs_sharing_a_gpu_are_pinned_and_capped(tmp_path, monkeypatch):

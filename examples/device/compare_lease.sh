@@ -6,6 +6,7 @@
 #   device, 1:   bash examples/device/compare_lease.sh setup         (carry: .whl .dev/gg.a)
 #   device, 2:   bash examples/device/compare_lease.sh run           (carry: .dev/gg.b)   DEADLINE=520 JOBS=12
 #   device, 3..: bash examples/device/compare_lease.sh run           (compare resumes from /tmp/cmp)
+#   TASK=2digit bash examples/device/compare_lease.sh run            (the harder task, in /tmp/cmp_2digit)
 #   here, after: tar xzf FILES_AT/cmp.tgz -C /tmp, then the same compare command on this machine writes the
 #                summary (every run has final.json) or shows what is left.
 # Each run call starts from the 11 runs the 2026-11-28 lease finished (docs/results/smollm2_pacs_gpu_partial;
@@ -35,19 +36,20 @@ run)  # device call 2 and later: the model once, then the comparison until DEADL
     python3 -m pacs_megatron import-gguf --gguf /tmp/gg/smol.gguf --out /tmp/smol > "$OUT/import.log" 2>&1 \
       || { tail -20 "$OUT/import.log"; exit 1; }
   fi
-  [ -d /tmp/cmp ] || tar xzf docs/results/smollm2_pacs_gpu_partial/cmp.tgz -C /tmp
-  for d in /tmp/cmp/runs/*/; do [ -f "$d/final.json" ] || [ -d "$d/checkpoints" ] || rm -rf "$d"; done
-  # a finished run's checkpoint (~2 GB) is not needed: 48 of them would fill the disk
-  ( while sleep 4; do for d in /tmp/cmp/runs/*/; do [ -f "$d/final.json" ] && rm -rf "$d/checkpoints"; done; done ) &
+  cmp=/tmp/cmp${TASK:+_$TASK}
+  [ -d $cmp ] || [ -n "${TASK:-}" ] || tar xzf docs/results/smollm2_pacs_gpu_partial/cmp.tgz -C /tmp
+  mkdir -p $cmp/runs
+  for d in $cmp/runs/*/; do [ -f "$d/final.json" ] || [ -d "$d/checkpoints" ] || rm -rf "$d"; done
+  # a finished run's checkpoint (~2 GB) and HF export are not needed: 48 of them would fill the disk
+  ( while sleep 4; do for d in $cmp/runs/*/; do [ -f "$d/final.json" ] && rm -rf "$d/checkpoints" "$d/hf"; done; done ) &
   cleaner=$!
-  OUT_CMP=/tmp/cmp
   rc=0
-  timeout -s TERM -k 60 $((deadline - SECONDS)) env OUT=$OUT_CMP JOBS=${JOBS:-12} SEEDS=${SEEDS:-5} \
+  timeout -s TERM -k 60 $((deadline - SECONDS)) env OUT=$cmp JOBS=${JOBS:-12} SEEDS=${SEEDS:-5} \
     examples/compare_pacs_v2.sh --max-extend 0 trainer.test_freq=5 trainer.val_before_train=false \
-    model.path=/tmp/smol model.init=pretrained model.gguf= rollout.engine=hf > /tmp/cmp/compare.out 2>&1 || rc=$?
+    model.path=/tmp/smol model.init=pretrained model.gguf= rollout.engine=hf > $cmp/compare.out 2>&1 || rc=$?
   kill $cleaner 2>/dev/null || true
-  echo "compare rc $rc at $SECONDS s; finished runs: $(ls /tmp/cmp/runs/*/final.json 2>/dev/null | wc -l)"
-  tail -15 /tmp/cmp/compare.out
-  tar czf "$OUT/cmp.tgz" --exclude=checkpoints -C /tmp cmp ;;
+  echo "compare rc $rc at $SECONDS s; finished runs: $(ls $cmp/runs/*/final.json 2>/dev/null | wc -l)"
+  tail -15 $cmp/compare.out
+  tar czf "$OUT/$(basename $cmp).tgz" --exclude=checkpoints --exclude=hf -C /tmp "$(basename $cmp)" ;;
 *) echo "usage: $0 pack | setup | run   (see the comment at the top)" >&2; exit 2 ;;
 esac

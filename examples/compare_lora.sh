@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec pacs-megatron compare --config examples/configs/cpu_smollm2.yaml --out "${OUT:-outputs/compare_lora}" \
-  --methods pacs,pacs_lora --seeds "${SEEDS:-1}" --tune-seeds "${TUNE_SEEDS:-1}" --max-extend 0 \
+  --methods pacs,pacs_lora --seeds "${SEEDS:-1}" --tune-seeds "${TUNE_SEEDS:-1}" --max-extend 1 \
   --lrs 3e-6,1e-5,3e-5 --method-lrs pacs_lora=3e-5,1e-4,3e-4 --steps "${STEPS:-8}" \
   --tune-key val/arith_val/pass@1 --val-key val/arith_heldout/pass@1 ${JOBS:+--jobs $JOBS} \
   trainer.test_freq=4 trainer.val_before_train=false trainer.val_n=4 "trainer.val_k=[1,4]" trainer.save_freq=4 \

@@ -6,7 +6,7 @@
 #   examples/compare_lora.sh                          # 8 steps, 1 tuning seed, 1 reported seed
 #   SEEDS=3 TUNE_SEEDS=2 examples/compare_lora.sh     # the fuller protocol (compare reuses finished runs)
 # CPU budget: validations of 4 samples a problem (pass@1 and pass@4; pass@16 needs a GPU's time) every 4
-# steps. On the 2-core Zen 3 box (fp32) a run is ~15-20 min, the default protocol (8 runs) ~2.5 h.
+# steps. On the 2-core Zen 3 box (fp32) a run is ~18-20 min, the default protocol (8 runs, 9 when LoRA's best lr is the grid's edge) ~3 h.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec pacs-megatron compare --config examples/configs/cpu_smollm2.yaml --out "${OUT:-outputs/compare_lora}" \

@@ -270,8 +270,8 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             self._prune()
-            seconds, size = time.perf_counter() - start, sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
-            logger.info("checkpoint step %d saved to %s in %.1fs (%.1f MB)", step, final, seconds, size / 1e6)
+            seconds = time.perf_counter() - start
+            logger.info("checkpoint step %d saved to %s in %.1fs (%.1f MB)", step, final, seconds, _size(final) / 1e6)
             warning = self.space_problem()
             if warning:
                 logger.warning("the next checkpoint will not fit: %s", warning)

@@ -126,13 +126,6 @@ def tune(
         grids = todo  # only the grown methods need new runs; the others keep their results in `out`
 
 
-def run_config(runner: Runner, spec: Spec):
-    """The resolved config of one run (its K, when a spec leaves it to the config)."""
-    from pacs_megatron.config import load_config
-
-    return load_config(runner.args.config, runner.settings(*spec))
-
-
 def check_validates(args: argparse.Namespace) -> str | None:
     """Why the runs would never validate (the comparison's score), or None: checked before any run starts."""
     from pacs_megatron.config import ConfigError, load_config
@@ -154,6 +147,8 @@ def check_validates(args: argparse.Namespace) -> str | None:
 
 
 def compare(args: argparse.Namespace) -> dict:
+    from pacs_megatron.config import load_config
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(args)
@@ -166,6 +161,10 @@ def compare(args: argparse.Namespace) -> dict:
     val_key = args.val_key
     tune_key = args.tune_key or val_key
     anchored = [m for m in args.methods if uses_reference_anchor(m)] if len(args.reset_every) > 1 else []
+    # each anchored method's K when a spec leaves it to the config (its method's overrides, the user's)
+    config_k = {
+        m: load_config(args.config, runner.settings(*chosen[m])).algorithm.reference_reset_every for m in anchored
+    }
     if any(len(g) > 1 for g in grids.values()) or len(critic_lrs) > 1 or anchored:
         if not tune_key:  # the first validation key any run logs
             probe = runner.run_all([chosen[args.methods[0]]._replace(seed=TUNE_SEED0)])
@@ -185,8 +184,6 @@ def compare(args: argparse.Namespace) -> dict:
             # the config's own K stays None, so the lr pass's run at that K is this pass's too (same name)
             k = int(round(k))
             return chosen[m]._replace(reset_every=None if k == config_k[m] else k, seed=seed)
-
-        config_k = {m: run_config(runner, chosen[m]).algorithm.reference_reset_every for m in anchored}
 
         if any(len(g) > 1 for g in grids.values()):
             tuned = {m: g for m, g in grids.items() if len(g) > 1}
@@ -215,7 +212,7 @@ def compare(args: argparse.Namespace) -> dict:
         methods[m] = {
             "lr": chosen[m].lr,
             "critic_lr": chosen[m].critic_lr,
-            **({"reset_every": run_config(runner, chosen[m]).algorithm.reference_reset_every} if m in anchored else {}),
+            **({"reset_every": chosen[m].reset_every or config_k[m]} if m in anchored else {}),
             **method_summary(results, val_key, tune_key),
         }
     summary = {

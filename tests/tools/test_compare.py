@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
+from _compare_helpers import GENERALIZE, SMALL
 
 from pacs_megatron.tools.compare import interval, run_score
 from pacs_megatron.tools.compare_runs import Runner
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_interval_and_score_by_hand():
@@ -37,7 +35,7 @@ def test_compare_tiny_budget_writes_json_and_png(tmp_path):
     argv = [
         "compare",
         "--config",
-        str(REPO / "examples" / "configs" / "cpu_generalize.yaml"),
+        str(GENERALIZE),
         "--out",
         str(out),
         "--methods",
@@ -99,16 +97,6 @@ def test_compare_tiny_budget_writes_json_and_png(tmp_path):
     stamp = {p: p.stat().st_mtime for p in out.glob("runs/*/metrics.jsonl")}
     assert main(argv) == 0
     assert {p: p.stat().st_mtime for p in out.glob("runs/*/metrics.jsonl")} == stamp
-
-
-GENERALIZE = REPO / "examples" / "configs" / "cpu_generalize.yaml"
-SMALL = [
-    "parallel.tp=1",
-    "trainer.train_batch_size=4",
-    "algorithm.mini_batch_size=4",
-    "rollout.n=4",
-    "algorithm.micro_batch_size=16",
-]
 
 
 def test_runs_are_keyed_on_their_resolved_settings(tmp_path):

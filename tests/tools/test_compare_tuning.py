@@ -4,22 +4,12 @@ the optimum is interior, each method on its own lr grid, PACS v2's reset period 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
+from _compare_helpers import GENERALIZE, SMALL
 
 from pacs_megatron.tools.compare import grid_step, tune
 from pacs_megatron.tools.compare_runs import Runner, Spec, run_name
-
-REPO = Path(__file__).resolve().parents[2]
-GENERALIZE = REPO / "examples" / "configs" / "cpu_generalize.yaml"
-SMALL = [
-    "parallel.tp=1",
-    "trainer.train_batch_size=4",
-    "algorithm.mini_batch_size=4",
-    "rollout.n=4",
-    "algorithm.micro_batch_size=16",
-]
 
 
 class _Synthetic(Runner):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +43,6 @@ from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.run.checkpoint_base import LORA_KEY, lora_record
 from pacs_megatron.run.layout import StepLayout
 from pacs_megatron.utils.logging import get_logger
-from pacs_megatron.utils.proc import helper_process
 
 logger = get_logger(__name__)
 
@@ -57,26 +57,24 @@ DISTRIB_OPTIM_METADATA = {
 }
 
 
-def _shield_writer_queue() -> None:
-    """Start the results-queue server of megatron's checkpoint writer ourselves, as a helper that
-    ignores the stop signals and dies with this rank (utils/proc.py).
+def _in_process_writer_queue() -> None:
+    """Give megatron's checkpoint writer an in-process results queue instead of the Manager it spawns.
 
-    dist_checkpointing's writer (megatron-core 0.16.1 ``filesystem_async._get_write_results_queue``)
-    passes every save's results through a multiprocessing Manager it spawns on the first save and
-    keeps in a module global. Spawned plainly, that server dies of a SIGTERM sent to the whole
-    process group (``scancel``, ``kill -TERM -PGID``): the checkpoint the signal asked for then fails
-    with BrokenPipeError and the steps since the last save are lost (seen in a compare run).
+    dist_checkpointing's writer (megatron-core 0.16.1 ``filesystem_async``) passes a save's results through a
+    module-global ``_results_queue``, by default a queue served by a ``multiprocessing`` Manager that it
+    spawns on the first save. That server is a bare interpreter: the first ``put`` of the write results
+    (torch objects) makes it import torch and torch.distributed.checkpoint, which held every rank's first
+    save for 7-8 s (2 cores, measured 2026-11-28: 6.9 s of a 7.3 s save, 0.3 s for the second one); and a
+    SIGTERM sent to the process group (``scancel``, ``kill -TERM -PGID``) killed it, failing the checkpoint
+    the signal asked for. The Manager exists for megatron's async saves, whose writer runs in another
+    process. This project saves synchronously (``dist_checkpointing.save``): the writer's forked workers
+    report through their own local queue and the aggregate is put and read back in this process, so a
+    thread-safe ``queue.Queue`` carries it with no helper process at all.
     """
-    from multiprocessing import get_context
-    from multiprocessing.managers import SyncManager
-
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", "absent") is not None:
-        return  # already started, or a megatron without this global (then nothing to shield)
-    manager = SyncManager(ctx=get_context("spawn"))  # spawn, as megatron: no fork of a torch process
-    manager.start(initializer=helper_process)
-    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+    if getattr(filesystem_async, "_results_queue", "absent") is None:  # not set yet (and the global exists)
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _rng_state() -> dict:
@@ -148,7 +146,7 @@ def save_actor_checkpoint(actor, path: str | os.PathLike, extra_state: dict) -> 
         },
         layout=_layout(g),
     )
-    _shield_writer_queue()
+    _in_process_writer_queue()
     dist_checkpointing.save(sd, str(target))
     dist.barrier()
     logger.info("actor checkpoint written to %s (iteration %d)", target, actor.iteration)

@@ -5,8 +5,8 @@ Two rules keep a stop clean:
 - **Die with the parent** (:func:`die_with_parent`): the kernel SIGKILLs the child when its parent
   dies (Linux ``PR_SET_PDEATHSIG``), so a killed launcher or trainer leaves nothing behind. Used for
   the trainer ranks of the local and Ray launchers, and for every helper.
-- **Helpers leave the stop signals to their rank** (:func:`helper_process`: reward workers, the
-  results-queue server of megatron's checkpoint writer): SIGTERM / SIGUSR1 / SIGINT
+- **Helpers leave the stop signals to their rank** (:func:`helper_process`: reward workers, engine
+  processes): SIGTERM / SIGUSR1 / SIGINT
   are often sent to a whole process group or job step (``scancel``, ``kill -TERM -PGID``, Ctrl-C
   in a terminal). The trainer answers them by finishing its step and checkpointing, which still
   needs its helpers; a helper that died of the same signal would turn that checkpoint into a

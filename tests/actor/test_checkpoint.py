@@ -7,6 +7,7 @@ check the HF import -> export round trip of a sharded checkpoint and save_hf.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,7 @@ def _save_body(rank, world, model_dir, ckpt_dir, hf_out):
     _step(actor, batch)
     _step(actor, batch)
     actor.save_checkpoint(ckpt_dir, EXTRA)
+    out["children"] = [p.name for p in multiprocessing.active_children()]
     actor.save_hf(hf_out)
     out["w_saved"] = _export(actor)
     out["lp_saved"] = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0).token_logp
@@ -124,6 +126,14 @@ def test_resume_same_layout_is_exact(saved):
     assert torch.equal(r["lp_loaded"], s["lp_saved"])
     assert r["m_next"] == s["m_next"], "resumed step's loss/metrics differ from the uninterrupted run"
     assert all(torch.equal(r["w_next"][k], s["w_next"][k]) for k in s["w_next"])
+
+
+@pytest.mark.distributed
+def test_a_save_leaves_no_helper_process(saved):
+    """Megatron's writer reports through an in-process queue (actor/checkpoint.py): no Manager server is
+    spawned (it cost a launch's first save 7-8 s and died of a job-wide SIGTERM), and its forked writers
+    are joined."""
+    assert saved[3]["children"] == []
 
 
 # Reads every pickle of the checkpoint as data (run/checkpoint_data.py) in a process that never imported

@@ -101,8 +101,8 @@ def test_train_resume_sigkill_and_sigterm(tmp_path):
         assert deterministic(resumed[step]) == deterministic(rows[step]), step
 
     # SIGTERM to every process of the job at once, as `scancel` signals a whole Slurm step (after a
-    # checkpoint, so megatron's writer and the reward workers are running): helpers ignore it, every
-    # rank checkpoints the step it finished, exit code 143.
+    # checkpoint, with the reward workers running): helpers ignore it, every rank checkpoints the step it
+    # finished, exit code 143.
     term = tmp_path / "term"
     proc = subprocess.Popen(_cmd(term, 50), env=_env())
     wait_for(lambda: (term / "checkpoints" / "step_00000002" / "COMPLETE").is_file() and 3 in _rows(term), 300, proc)

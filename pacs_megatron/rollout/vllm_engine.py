@@ -263,8 +263,14 @@ class VLLMEngine:
             kwargs.update(lora_llm_kwargs(cfg.actor.lora.rank, cfg.actor.lora.targets))
         if device.type == "cpu":
             _job_unique_cpu_shm_names()
+        set_num_threads = torch.set_num_threads
         with _quiet_chat_warmup():
             self.llm = vllm.LLM(**kwargs)
+        # vLLM 0.32's CPU worker, in this process under the external launcher, replaces torch.set_num_threads
+        # with a no-op that warns (v1/worker/cpu_worker.py, to keep its OpenMP thread binding) for the rest of the
+        # process: the trainer's own later calls were skipped silently (a test's 1-thread reference then ran on 2
+        # threads and lost bit-for-bit equality with the engine processes). The process is the trainer's.
+        torch.set_num_threads = set_num_threads
         self._state = "awake"  # "awake" | "asleep" | "weights" (weights resident, KV cache asleep)
         # an adapter-only sync leaves the base in place: a level-2 sleep would drop it (GPU, never run)
         self._sleep_level = 1 if self.serves_adapters else SLEEP_LEVEL

@@ -57,6 +57,18 @@ with cpu_engine(model):
     assert "Chat template warmup failed" not in out
 
 
+def test_the_engine_leaves_torch_set_num_threads_working(engines):
+    """vLLM's CPU worker (in this process) replaced torch.set_num_threads with a warning no-op for the rest of
+    the process; the engine puts torch's back (tests/rollout/test_remote_engines.py's reference relies on it)."""
+    threads = torch.get_num_threads()
+    target = 1 if threads != 1 else 2
+    torch.set_num_threads(target)
+    try:
+        assert torch.get_num_threads() == target
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_prompt_logprobs_equal_the_hf_engine_in_float32(engines):
     engine, ref = engines
     engine.sleep()  # issue 19 item 2: no sleep mode on CPU, so no "wake needs a sync" guard either

@@ -25,9 +25,11 @@ SPAWN_MARKS = ("slow", "distributed", "subprocess", "gpu")
 
 PROBES = frozenset(
     {"uname", "lscpu", "ldconfig", "gcc", "g++", "cc", "ld", "objdump", "nvidia-smi", "git", "which", "mount", "umount"}
+    | {"fc-list"}
 )
 """Commands libraries run to look at the machine (``platform.processor()`` runs ``uname -p``; ctypes'
-``find_library`` runs ``ldconfig``; a test mounts a small tmpfs): milliseconds, not a process a test starts."""
+``find_library`` runs ``ldconfig``; matplotlib's first plot on a machine lists its fonts with ``fc-list`` to build
+its font cache; a test mounts a small tmpfs): milliseconds, not a process a test starts."""
 
 _state = threading.local()
 _current: list = [None]  # the running item; a list so that threads other than pytest's see it too

@@ -48,3 +48,16 @@ def test_an_unmarked_test_that_starts_a_process_fails_with_the_fix(door):
     for mark in ("slow", "distributed", "subprocess"):
         assert _run_as(_Item(f"t.py::{mark}", (mark,)), start).outcome == "passed"
     assert _run_as(_Item("t.py::quiet", ()), lambda: None).outcome == "passed"  # no process, no marker needed
+
+
+def test_a_library_probe_of_the_machine_needs_no_marker():
+    """matplotlib's first plot on a machine builds its font cache with ``fc-list``: on a fresh machine the fast
+    tier's first plotting test (tests/tools/test_compare_report.py) failed the guard, and passed on a rerun."""
+
+    def start():
+        try:
+            subprocess.run(["fc-list", "--help"], capture_output=True, check=False)
+        except OSError:  # no fontconfig here: matplotlib catches the same
+            pass
+
+    assert _run_as(_Item("t.py::plots", ()), start).outcome == "passed"

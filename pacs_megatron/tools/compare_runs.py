@@ -44,6 +44,9 @@ METHODS: dict[str, list[str]] = {
     "gspo": ["algorithm.loss=gspo"],
 }
 TRAIN = (sys.executable, "-m", "pacs_megatron", "train")
+HEADROOM = 1.25
+"""CPU runs: a run's host memory is taken as this times the most a run of the comparison has logged: a run's first
+step logs ~80% of its later peak (SmolLM2 on CPU, 2026-11-28: 9.9 GB at step 1, 12.1-12.6 GB from step 2)."""
 
 
 def uses_critic(method: str) -> bool:
@@ -93,6 +96,7 @@ class Runner:
         per_gpu, self.memory_fraction = share_gpus(getattr(args, "jobs", 1) or 1, ranks, self.gpus)
         self.pin = ranks == 1 and len(self.gpus) > 0
         self._gpu_of: dict[tuple, str] = {}
+        self._memory_wait = False  # a "waits for memory" line was logged and no run has started since
         if self.memory_fraction is not None:
             logger.info(
                 "%d run(s) share each of %d GPU(s): each process may hold %.0f%% of its GPU's memory (%s)",
@@ -185,7 +189,7 @@ class Runner:
 
     def _run(self, todo: list, running: dict, failed: set) -> None:
         while todo or running:
-            while todo and len(running) < self.args.jobs:
+            while todo and len(running) < self.args.jobs and self._host_memory_allows(running):
                 spec = todo.pop(0)
                 d = self.run_dir(*spec)
                 d.mkdir(parents=True, exist_ok=True)
@@ -213,6 +217,31 @@ class Runner:
                 logger.info("progress: %d/%d runs done", self.done, self.total)
                 self._progress(list(running))
 
+    def _host_memory_allows(self, running: dict) -> bool:
+        """CPU runs: one more starts beside the running ones only when the host's available memory holds it and
+        the growth still to come of the running ones, each taken at HEADROOM x the most host memory a run of this
+        comparison has logged (the sum of its ranks' ``perf/peak_rss_gb_rank*``). Until a run has logged a
+        step that size is unknown and the next run waits for it. Two SmolLM2 runs (10-12 GB each) started
+        together on a 24 GB box otherwise; on GPUs the runs' device shares are what is capped."""
+        import psutil
+
+        if self.gpus or not running:
+            return True
+        logged = [gb for d in self._dirs.values() if (gb := _logged_gb(d)) is not None]
+        if not logged:
+            return False
+        need = HEADROOM * max(logged)
+        growth = sum(max(0.0, need - _tree_gb(proc)) for proc, _ in running.values())
+        free = psutil.virtual_memory().available / 1e9
+        if free >= need + growth:
+            self._memory_wait = False
+            return True
+        if not self._memory_wait:
+            logger.info("the next run waits for memory: %.1f GB available, %.1f GB asked (a run ~%.1f GB, the "
+                        "running ones' growth %.1f GB)", free, need + growth, need, growth)  # fmt: skip
+            self._memory_wait = True
+        return False
+
     def run_env(self, spec: tuple) -> dict[str, str]:
         """The environment of one run: the threads, and on GPUs its device and memory share."""
         env = dict(self.env)
@@ -227,6 +256,34 @@ class Runner:
     def _progress(self, running: list[tuple]) -> None:
         state = {"done": self.done, "total": self.total, "running": [run_name(*s) for s in running]}
         (self.out / "progress.json").write_text(json.dumps(state, indent=1))
+
+
+def _logged_gb(run_dir: Path) -> float | None:
+    """The most host memory one step of the run has held (GB, all its ranks), or None before its first step."""
+    if not RunLayout(run_dir).metrics.is_file():
+        return None
+    rows = read_metrics(run_dir)
+    gb = [sum(v for k, v in r.items() if k.startswith("perf/peak_rss_gb_rank")) or r.get("perf/peak_rss_gb", 0.0)
+          for r in rows]  # fmt: skip
+    return max(gb, default=None)
+
+
+def _tree_gb(proc: subprocess.Popen) -> float:
+    """Resident memory (GB) of a run's process and its children now (0 once it has exited)."""
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 1e9
 
 
 def _stop_runs(running: dict) -> None:

@@ -32,6 +32,9 @@ checkpoint, so the whole command is resumable: rerun it with the same arguments;
 at a time (default: CPU cores // ranks per run). On GPUs, runs that share one are pinned to the least busy
 and each process may hold 0.85 / (runs on it) of its memory (``PACS_CUDA_MEMORY_FRACTION``); a colocated vLLM
 engine must ask for at most half of that (``rollout.vllm.gpu_memory_utilization``), else the command refuses.
+On CPU, another run starts only when the host's available memory holds it (1.25x the most host memory a run
+of the comparison has logged, ``perf/peak_rss_gb_rank*``, and the running ones' growth still to come); the
+second waits for the first run's first step.
 ``OUT/progress.json`` and the log show progress; ``--background`` detaches the command (log in ``OUT/compare.log``).
 
 Before any run starts, the config must validate (``trainer.test_freq`` > 0 and <= the steps): the

@@ -13,8 +13,6 @@
 # three validations takes ~25-35 min, so the whole protocol is a day of CPU. On one H200 (2026-11-28, HF engine,
 # JOBS=12 sharing the GPU, each capped at its share of the memory) a run took ~190 s: the protocol is ~13 min
 # of GPU, two 15-minute leases (compare resumes; docs/results/smollm2_pacs_gpu_partial/).
-# One run at a time unless JOBS says more: on CPU a SmolLM2 run peaks at 10-12 GB of host memory (compare's
-# default, cores // ranks, started two at once on the 2-core 24 GB box: 22.5 GB of peaks); on a GPU pass JOBS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=examples/configs/cpu_smollm2_pacs_v1.yaml
@@ -22,5 +20,5 @@ CONFIG=examples/configs/cpu_smollm2_pacs_v1.yaml
 exec pacs-megatron compare --config "$CONFIG" --out "${OUT:-outputs/compare_pacs_v2_${TASK:-sums}}" \
   --methods pacs,pacs_v2,grpo,reinforce --seeds "${SEEDS:-3}" --tune-seeds 2 --lrs "${LRS:-1e-6,3e-6,1e-5}" \
   --reset-every "${KS:-5,10,20}" \
-  --steps "${STEPS:-20}" --tune-key val/arith_val/pass@1 --val-key val/arith_heldout/pass@1 --jobs "${JOBS:-1}" \
+  --steps "${STEPS:-20}" --tune-key val/arith_val/pass@1 --val-key val/arith_heldout/pass@1 ${JOBS:+--jobs $JOBS} \
   trainer.test_freq=10 "$@"

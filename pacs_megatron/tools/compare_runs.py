@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import psutil
+
 from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.tools.plot import read_metrics
 from pacs_megatron.utils.devices import MEMORY_FRACTION_ENV, share_gpus, visible_gpus
@@ -46,7 +48,7 @@ METHODS: dict[str, list[str]] = {
 TRAIN = (sys.executable, "-m", "pacs_megatron", "train")
 HEADROOM = 1.25
 """CPU runs: a run's host memory is taken as this times the most a run of the comparison has logged: a run's first
-step logs ~80% of its later peak (SmolLM2 on CPU, 2026-11-28: 9.9 GB at step 1, 12.1-12.6 GB from step 2)."""
+step logs ~80% of its later peak (SmolLM2 on CPU, 2026-11-28: 9.9-10.3 GB at step 1, the run's peak 10.4-13.2 GB)."""
 
 
 def uses_critic(method: str) -> bool:
@@ -223,8 +225,6 @@ class Runner:
         comparison has logged (the sum of its ranks' ``perf/peak_rss_gb_rank*``). Until a run has logged a
         step that size is unknown and the next run waits for it. Two SmolLM2 runs (10-12 GB each) started
         together on a 24 GB box otherwise; on GPUs the runs' device shares are what is capped."""
-        import psutil
-
         if self.gpus or not running:
             return True
         logged = [gb for d in self._dirs.values() if (gb := _logged_gb(d)) is not None]
@@ -270,8 +270,6 @@ def _logged_gb(run_dir: Path) -> float | None:
 
 def _tree_gb(proc: subprocess.Popen) -> float:
     """Resident memory (GB) of a run's process and its children now (0 once it has exited)."""
-    import psutil
-
     try:
         root = psutil.Process(proc.pid)
         procs = [root, *root.children(recursive=True)]

@@ -1,5 +1,4 @@
-import sys
-
 from pacs_megatron.cli import main
+from pacs_megatron.utils.proc import run_main
 
-sys.exit(main())
+run_main(main)

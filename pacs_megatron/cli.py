@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
+
+from pacs_megatron.utils.proc import run_main
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -55,5 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     return run(argv[0], argv[1:])
 
 
+def script() -> NoReturn:
+    """The ``pacs-megatron`` console script: :func:`main`, then the process's exit (utils/proc.py)."""
+    run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    script()

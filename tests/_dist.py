@@ -11,6 +11,12 @@ Each child: one intra-op thread (the machine has 2 cores), ``init_process_group(
 localhost port, the body, then ``destroy_process_group`` (4-rank runs otherwise crash at exit now
 and then). A failure in any rank fails the test with that rank's traceback.
 
+Two things keep a child's start and end short (a test may spawn 4 of them on 2 cores). With a CPU-only
+torch, this module imports megatron-core through :func:`import_megatron` as it loads, which a spawned
+child does before it unpickles the test's own module (whose imports would otherwise build megatron's
+torch.compile wrappers first). And a child that succeeded ends with ``os._exit`` once its result is
+saved, without the interpreter's teardown (utils/proc.py's :func:`run_main` says why).
+
 The children of a CPU test see no GPU (``CUDA_VISIBLE_DEVICES=""``), so the CPU suite runs the same on
 a GPU machine: the actor picks CUDA whenever it sees it, and two gloo ranks then shared one GPU and died
 of SIGSEGV (seen on an H100, 2026-11-25). GPU tests pass ``gpu=True``: NCCL, one GPU per rank.
@@ -19,6 +25,7 @@ of SIGSEGV (seen on an H100, 2026-11-25). GPU tests pass ``gpu=True``: NCCL, one
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -27,7 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pacs_megatron.parallel.cpu_patches import import_megatron
 from pacs_megatron.utils.dist import free_port
+
+if torch.version.cuda is None:  # a CPU-only torch; a CUDA one is not probed here, before the child hides its GPUs
+    import_megatron()
 
 
 def _child(rank: int, world_size: int, port: int, out_dir: str, gpu: bool, fn, args, kwargs) -> None:
@@ -64,6 +75,8 @@ def _child(rank: int, world_size: int, port: int, out_dir: str, gpu: bool, fn, a
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # the result is saved: no interpreter teardown (utils/proc.py's run_main says why)
 
 
 def run_distributed(fn, world_size: int, *args, gpu: bool = False, **kwargs) -> list:

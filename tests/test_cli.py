@@ -255,3 +255,29 @@ def test_every_subcommands_help_imports_no_torch():
         if out.strip() != "[]":
             heavy[name] = out.strip()
     assert not heavy, heavy
+
+
+@pytest.mark.subprocess
+def test_the_launchers_parent_imports_no_torch(tmp_path):
+    """``pacs-megatron train`` started by hand checks the run (config, preflight, layout, a finished run) and
+    starts the ranks without importing torch: that import was ~1.8 s of every launch before a rank started
+    (the parent's own, in series; each rank imports torch again). Old code: the logger's rank lookup, the
+    layout check, the metrics module and the device checks each imported it."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    code = (
+        "import sys\n"
+        "import pacs_megatron.launch.local as local\n"
+        "def on_ranks(argv, world_size, rank_main, engines=None):\n"
+        "    print(world_size, sorted(m for m in ('torch', 'transformers', 'megatron', 'vllm') if m in sys.modules))\n"
+        "    return 0\n"
+        "local.on_ranks = on_ranks\n"
+        "from pacs_megatron.cli import run\n"
+        "sys.exit(run('train', sys.argv[1:]))\n"
+    )
+    argv = ["--config", str(CONFIG), f"trainer.output_dir={out}", f"model.path={out}/model"]
+    res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split("\n")[0] == "2 []", res.stdout

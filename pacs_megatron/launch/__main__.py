@@ -9,6 +9,7 @@ import sys  # noqa: E402
 
 from pacs_megatron.launch import cli  # noqa: E402
 from pacs_megatron.launch.errors import run_command  # noqa: E402
+from pacs_megatron.utils.proc import run_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_command("train", cli, sys.argv[1:], "pacs_megatron.launch", "one trainer rank of a PACS run"))
+    run_main(lambda: run_command("train", cli, sys.argv[1:], "pacs_megatron.launch", "one trainer rank of a PACS run"))

@@ -21,8 +21,9 @@ from pacs_megatron.utils.logging import get_logger, init_logging
 if TYPE_CHECKING:
     from pacs_megatron.config import RunConfig
 
-# Everything else is imported inside main(): the config package imports torch (~3 s, more on a loaded
-# machine), which `pacs-megatron train --help` does not need.
+# Everything else is imported inside main(), and what a launch's parent process needs (config, preflight,
+# layout, the local launcher) imports no torch: the ranks do (~2 s each, more on a loaded machine);
+# tests/test_cli.py checks both.
 logger = get_logger(__name__)
 
 
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def layout_summary(cfg: RunConfig) -> dict:
     """What a run would look like, from the config and the model's config.json when present."""
     from pacs_megatron.config import ConfigError
-    from pacs_megatron.parallel import check_layout
+    from pacs_megatron.parallel.layout import check_layout
 
     par = cfg.parallel
     out = {

@@ -20,8 +20,6 @@ from __future__ import annotations
 import importlib.util
 from functools import cache
 
-import torch
-
 from pacs_megatron.config import ConfigError, RolloutConfig, RunConfig
 from pacs_megatron.config.actor import ActorConfig
 
@@ -35,7 +33,11 @@ def check_device(cfg: RunConfig) -> None:
 
 def runs_on_cpu(backend: str) -> bool:
     """Whether a run with ``parallel.backend=backend`` trains on CPU (see the module docstring)."""
-    return backend == "gloo" or (backend == "auto" and not torch.cuda.is_available())
+    if backend == "gloo":
+        return True
+    import torch  # here, not at the top: a run that asks for none of these checks never imports it
+
+    return backend == "auto" and not torch.cuda.is_available()
 
 
 def check_engine_installed(rollout: RolloutConfig) -> None:
@@ -51,6 +53,8 @@ def check_engine_installed(rollout: RolloutConfig) -> None:
 def cpu_problem(mode: str, recipe: str) -> str | None:
     """Why modelopt's quantizer of ``recipe`` cannot run on CPU (its error), or None: one 128 x 128
     quantize-dequantize, as the weight sync does every step."""
+    import torch
+
     from pacs_megatron.weight_sync.quantize import WeightQuantizer
 
     try:
@@ -72,6 +76,8 @@ def check_rollout_quantization(rollout: RolloutConfig, backend: str) -> None:
     mode = rollout.quantization
     if mode == "none":
         return
+    import torch
+
     from pacs_megatron.weight_sync.quantize import check_recipe, modelopt_available, weight_quantizer_cfg
 
     if not modelopt_available():

@@ -19,12 +19,17 @@ bf16/fp16 optimizers (``Float16OptimizerWithFloat16Params``, ``DistributedOptimi
 parameters by ``param.type()`` against the CUDA names (``torch.cuda.BFloat16Tensor``) and raise
 ``TypeError`` on any CPU parameter: while they run, a CPU tensor's ``type()`` reads as its CUDA name.
 That is what lets ``model.dtype=bfloat16`` train on CPU (bf16 weights, fp32 main weights and grads).
+
+And one for a rank's start, not for CUDA: :func:`import_megatron` imports megatron-core with its
+``torch.compile`` decorations deferred to their first call (see there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import sys
 import types
 
 import torch
@@ -129,6 +134,48 @@ def _with_cuda_type_names(init):
     return wrapper
 
 
+@contextlib.contextmanager
+def _torch_compile_deferred():
+    """While it is open, ``torch.compile(fn)`` returns a wrapper that compiles ``fn`` on its first call."""
+    real = torch.compile
+
+    def deferred(model=None, **kwargs):
+        if model is None:  # the @torch.compile(mode=...) form
+            return lambda fn: deferred(fn, **kwargs)
+        compiled = []
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            if not compiled:
+                compiled.append(real(model, **kwargs))
+            return compiled[0](*args, **kw)
+
+        return call
+
+    torch.compile = deferred
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
+def import_megatron() -> None:
+    """Import megatron-core, on a CPU-only torch with its ``torch.compile`` decorations deferred.
+
+    megatron.core.jit binds ``jit_fuser = torch.compile``, and its fused kernels (fusions/fused_bias_*.py)
+    are decorated with it as the package imports. Building each compiled wrapper imports dynamo and
+    inductor (sympy, networkx, triton): ~2-3 s of every CPU rank's start, and most of megatron's import
+    time (measured in docs/benchmarks.md, "A rank's start and exit"). This project turns those fusions off
+    (actor/model.py: bias_*_fusion=False), so nothing calls the wrappers; deferred, one that is called
+    still compiles as it would have, at its first call. With a GPU, megatron imports untouched."""
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        import megatron.core  # noqa: F401
+
+        return
+    with _torch_compile_deferred():
+        import megatron.core  # noqa: F401
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for a CPU-only run; returns True when patches are (already) in place."""
     global _applied
@@ -136,6 +183,7 @@ def apply_cpu_patches() -> bool:
         return False
     if _applied:
         return True
+    import_megatron()
     # ~40 sites: device=torch.cuda.current_device() (rotary inv_freq move, p2p shape buffers,
     # grad buffers, checkpoint async helpers, ...).
     torch.cuda.current_device = lambda: "cpu"

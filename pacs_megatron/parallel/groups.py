@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from pacs_megatron.config import ConfigError, ParallelConfig
-from pacs_megatron.parallel.cpu_patches import apply_cpu_patches
+from pacs_megatron.parallel.cpu_patches import apply_cpu_patches, import_megatron
+from pacs_megatron.parallel.layout import check_layout
 from pacs_megatron.utils.devices import cuda_ordinal, memory_fraction
 from pacs_megatron.utils.dist import free_port, under_launcher
 from pacs_megatron.utils.logging import get_logger
@@ -124,71 +125,10 @@ def init_distributed(cfg: ParallelConfig) -> torch.device:
     return device
 
 
-def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = None, training: bool = True) -> None:
-    """Start-up checks of the layout against the world and the model; ConfigError names the fix.
-
-    ``hf_config`` is a transformers config or its config.json dict. ``training=False`` (the parity
-    tool: forward passes only) allows MoE with TP > 1 without sequence parallelism.
-    """
-    get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
-    if world_size is not None and world_size != cfg.world_size:
-        raise ConfigError(
-            f"the job has {world_size} ranks but parallel.tp * parallel.pp * parallel.dp = "
-            f"{cfg.tp}*{cfg.pp}*{cfg.dp} = {cfg.world_size}: set parallel.dp={max(1, world_size // (cfg.tp * cfg.pp))} "
-            "or launch that many ranks"
-        )
-    heads = int(get("num_attention_heads", 1))
-    kv = int(get("num_key_value_heads", None) or heads)
-    layers = int(get("num_hidden_layers", 1))
-    if heads % cfg.tp:
-        raise ConfigError(f"parallel.tp={cfg.tp} must divide the model's num_attention_heads={heads}")
-    if kv % cfg.tp:
-        raise ConfigError(
-            f"parallel.tp={cfg.tp} must divide the model's num_key_value_heads={kv} (GQA groups are not replicated)"
-        )
-    if layers % (cfg.pp * cfg.vpp):
-        raise ConfigError(
-            f"parallel.pp * parallel.vpp = {cfg.pp}*{cfg.vpp} must divide the model's num_hidden_layers={layers}"
-        )
-    check_expert_layout(cfg, get, training)
-    if cfg.sequence_parallel and not _have_te_or_apex():
-        raise ConfigError(
-            "parallel.sequence_parallel=true needs Transformer Engine or NVIDIA Apex (fused norms): "
-            "install one, or set parallel.sequence_parallel=false"
-        )
-
-
-def check_expert_layout(cfg: ParallelConfig, get, training: bool = True) -> None:
-    """parallel.ep / tp against the model's experts (ConfigError naming the fields)."""
-    # transformers 5 writes "num_local_experts" (an attribute_map alias); the Qwen checkpoints "num_experts"
-    n = get("num_experts", None) or get("num_local_experts", None) or 0
-    experts = int(n) if get("model_type", None) == "qwen3_moe" else 0
-    if cfg.ep > 1 and experts == 0:
-        raise ConfigError(f"parallel.ep={cfg.ep} needs a MoE model (model_type qwen3_moe): set parallel.ep=1")
-    if experts and experts % cfg.ep:
-        raise ConfigError(f"parallel.ep={cfg.ep} must divide the model's num_experts={experts}")
-    if experts and training and cfg.tp > 1 and not cfg.sequence_parallel:
-        # megatron-core's MoELayer raises in training mode under TP without sequence parallelism
-        raise ConfigError(
-            f"parallel.tp={cfg.tp} with a MoE model needs parallel.sequence_parallel=true (megatron-core trains MoE "
-            "under TP only with it; it needs Transformer Engine or Apex): on CPU set parallel.tp=1 and split the "
-            "experts with parallel.ep"
-        )
-
-
-def _have_te_or_apex() -> bool:
-    for name in ("transformer_engine.pytorch", "apex.normalization"):
-        try:
-            __import__(name)
-            return True
-        except Exception:  # ImportError, or TE failing without CUDA
-            continue
-    return False
-
-
 def initialize_parallel(cfg: ParallelConfig, hf_config: Any, training: bool = True) -> ParallelGroups:
     """Check the layout, then build megatron's TP/PP/DP/EP groups (initialises torch.distributed if needed).
     ``training=False``: the model only runs forward passes (see :func:`check_layout`)."""
+    import_megatron()  # first: on CPU, without building the compiled wrappers nothing calls
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 

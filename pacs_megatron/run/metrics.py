@@ -22,8 +22,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.utils.logging import get_logger
 
@@ -54,7 +52,7 @@ def format_metrics(metrics: dict[str, Any]) -> str:
 
 
 def to_float(v: Any) -> float:
-    if isinstance(v, torch.Tensor):
+    if hasattr(v, "detach"):  # a tensor; torch is not imported for it (a launcher's parent logs without it)
         return float(v.detach().float().item())
     return float(v)
 

@@ -15,13 +15,11 @@ _warned: set[str] = set()
 
 
 def _rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:  # pragma: no cover
-        pass
+    # Looked up, not imported: before torch.distributed is imported no process group can exist, and a
+    # launcher that never needs torch (the CPU default's parent process) does not import it to log.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 

@@ -12,15 +12,20 @@ Two rules keep a stop clean:
   needs its helpers; a helper that died of the same signal would turn that checkpoint into a
   BrokenPipeError. Helpers ignore them and are ended by their parent instead.
 
-And one keeps the job's work fast: **its Ray actors run at the job's priority** (:func:`ray_job_runtime_env`).
+And two keep the job's work fast: **its Ray actors run at the job's priority** (:func:`ray_job_runtime_env`), and
+**a process ends without the interpreter's teardown** (:func:`run_main`).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 try:  # resolved at import, before any fork: the child side only calls it (async-signal-safe)
     _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -61,3 +66,39 @@ def ray_job_runtime_env() -> dict[str, dict[str, str]]:
     supervisor asks for 0 for its own actor the same way; verl and NeMo-RL users export it in their scripts.
     """
     return {"env_vars": {RAY_NICENESS: os.environ.get(RAY_NICENESS, "0")}}
+
+
+_RETURNED: list[int | str | None] = []
+
+
+def run_main(main: Callable[[], int | str | None]) -> NoReturn:
+    """Run a process's entry point (``python -m pacs_megatron``, the console script, a torchrun rank) and exit
+    with what it returned, without the interpreter's teardown after the ``atexit`` handlers.
+
+    That teardown (a full cycle collection, then every module's) took 2-4 s of CPU per process over the heap
+    of a rank that imported torch, megatron and transformers on this project's 2-core box (py-spy:
+    ``gc_collect_main`` under ``Py_FinalizeEx``), and the end-to-end tests start hundreds of such processes.
+    ``atexit`` runs its handlers in reverse, so the one registered here runs after those registered later:
+    non-daemon threads are joined and the libraries' handlers (Ray's, vLLM's, torch's, multiprocessing's)
+    have run when it shuts logging down, flushes the standard streams and calls :func:`os._exit`. An entry
+    point therefore calls it before importing anything that registers a handler (logging, imported by then,
+    is shut down here). Skipped: collecting what is still alive (the project closes its files and writers
+    itself) and C-level exit hooks, such as nanobind's leak report (triton's), which a frozen heap set off
+    (``gc.freeze`` was tried first). When ``main`` raises, the interpreter exits as usual (traceback, 1)."""
+    atexit.register(_exit_now)
+    code = main()
+    _RETURNED.append(code)
+    sys.exit(code)
+
+
+def _exit_now() -> None:
+    if not _RETURNED:  # main raised, or a SystemExit of its own (argparse): the interpreter's usual exit
+        return
+    code = _RETURNED[0]
+    logging.shutdown()  # in case logging was imported before this handler was registered
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced stream: nothing left to save
+            pass
+    os._exit(0 if code is None else code if isinstance(code, int) else 1)  # sys.exit's rule for the code

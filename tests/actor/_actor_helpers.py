@@ -192,9 +192,9 @@ def allow_cpu_sequence_parallel() -> None:
     """
     from megatron.core.transformer import torch_norm
 
-    import pacs_megatron.parallel.groups as groups_mod
+    import pacs_megatron.parallel.layout as layout_mod
 
-    groups_mod._have_te_or_apex = lambda: True
+    layout_mod._have_te_or_apex = lambda: True
     original = torch_norm.WrappedTorchNorm.__new__
     if getattr(original, "_sp_on_cpu", False):
         return

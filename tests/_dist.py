@@ -75,7 +75,8 @@ def _child(rank: int, world_size: int, port: int, out_dir: str, gpu: bool, fn, a
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)  # the result is saved: no interpreter teardown (utils/proc.py's run_main says why)
 
 

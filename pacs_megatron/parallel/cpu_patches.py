@@ -165,7 +165,7 @@ def import_megatron() -> None:
     megatron.core.jit binds ``jit_fuser = torch.compile``, and its fused kernels (fusions/fused_bias_*.py)
     are decorated with it as the package imports. Building each compiled wrapper imports dynamo and
     inductor (sympy, networkx, triton): ~2-3 s of every CPU rank's start, and most of megatron's import
-    time (measured in docs/benchmarks.md, "A rank's start and exit"). This project turns those fusions off
+    time (measured in docs/benchmarks.md, "A launch's start and exit"). This project turns those fusions off
     (actor/model.py: bias_*_fusion=False), so nothing calls the wrappers; deferred, one that is called
     still compiles as it would have, at its first call. With a GPU, megatron imports untouched."""
     if "megatron.core" in sys.modules or torch.cuda.is_available():

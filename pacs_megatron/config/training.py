@@ -262,6 +262,9 @@ class TrainerConfig:
     """Validation nucleus sampling, in (0, 1]; 1 disables it."""
     val_max_problems: int = 0
     """Cap on problems per validation set (0: all)."""
+    val_sets: list[str] = field(default_factory=list)
+    """Names of the validation sets to run (empty: all): the synthetic task's "arith_heldout" (or "arith")
+    and "arith_val", or the names data.val_files resolve to. A validation costs its sets' samples."""
     log_rollouts: int = 4
     """Rollout samples saved per step to rollouts.jsonl."""
     dry_run: bool = False

@@ -106,7 +106,20 @@ def build_train_dataset(cfg: RunConfig, tokenizer) -> PromptDataset:
 
 
 def build_val_datasets(cfg: RunConfig, tokenizer) -> dict[str, list[PromptRecord]]:
-    """Validation sets by name, each capped at ``trainer.val_max_problems`` (first rows; 0: all)."""
+    """Validation sets by name, each capped at ``trainer.val_max_problems`` (first rows; 0: all), only those
+    ``trainer.val_sets`` names when it names any (ValueError naming the field for a set the run has not)."""
+    sets = _val_datasets(cfg, tokenizer)
+    wanted = cfg.trainer.val_sets
+    missing = [n for n in wanted if n not in sets]
+    if missing:
+        raise ValueError(
+            f"trainer.val_sets names {missing}, which this run does not have: choose from {sorted(sets)} "
+            "(or trainer.val_sets=[] for all)"
+        )
+    return {k: v for k, v in sets.items() if k in wanted} if wanted else sets
+
+
+def _val_datasets(cfg: RunConfig, tokenizer) -> dict[str, list[PromptRecord]]:
     data, limit = cfg.data, cfg.trainer.val_max_problems
     if data.task == "arith":
         splits = arith_splits(data.arith)

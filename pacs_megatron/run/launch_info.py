@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 
 from pacs_megatron.run.layout import RunLayout
+from pacs_megatron.utils.cpu import cpu_description
 from pacs_megatron.utils.dist import all_gather_objects, rank_and_world
 
 
@@ -45,7 +46,7 @@ def _ip() -> str:
 
 
 def rank_facts() -> dict:
-    """This rank's place: host, address, local rank, pid and (under Ray) node id."""
+    """This rank's place: host, address, local rank, pid, CPU and (under Ray) node id."""
     rank, _ = rank_and_world()
     facts = {
         "rank": rank,
@@ -54,6 +55,7 @@ def rank_facts() -> dict:
         "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
         "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         "pid": os.getpid(),
+        "cpu": cpu_description(),  # numbers differ across CPUs: a run's record names its own
     }
     if os.environ.get("PACS_RAY_NODE_ID"):
         facts["node_id"] = os.environ["PACS_RAY_NODE_ID"]

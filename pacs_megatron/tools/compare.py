@@ -54,8 +54,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pacs_megatron.run.layout import RunLayout
+from pacs_megatron.tools.compare_paired import facts_table, paired_differences, paired_table, parse_pairs, run_facts
 from pacs_megatron.tools.compare_report import (
-    FINAL_DEFINITION,
+    final_definition,
     find_val_key,
     interval,  # noqa: F401  (re-exported: the public helpers of this tool)
     method_summary,
@@ -63,6 +65,7 @@ from pacs_megatron.tools.compare_report import (
     run_score,
     table,
 )
+from pacs_megatron.tools.compare_results import order_blocks
 from pacs_megatron.tools.compare_runs import (
     METHODS,
     Runner,
@@ -71,6 +74,7 @@ from pacs_megatron.tools.compare_runs import (
     uses_critic,
     uses_reference_anchor,
 )
+from pacs_megatron.utils.cpu import cpu_description
 from pacs_megatron.utils.devices import share_gpus, visible_gpus
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.preemption import unwind_on_signals
@@ -163,11 +167,15 @@ def compare(args: argparse.Namespace) -> dict:
     tuning: dict = {m: {} for m in args.methods}
     val_key = args.val_key
     tune_key = args.tune_key or val_key
-    anchored = [m for m in args.methods if uses_reference_anchor(m)] if len(args.reset_every) > 1 else []
+    anchors = [m for m in args.methods if uses_reference_anchor(m)]
+    anchored = anchors if len(args.reset_every) > 1 else []  # K tuned
     # each anchored method's K when a spec leaves it to the config (its method's overrides, the user's)
     config_k = {
-        m: load_config(args.config, runner.settings(*chosen[m])).algorithm.reference_reset_every for m in anchored
+        m: load_config(args.config, runner.settings(*chosen[m])).algorithm.reference_reset_every for m in anchors
     }
+    if len(args.reset_every) == 1:  # K given, not tuned; the config's own K stays None (the same run's key)
+        k = args.reset_every[0]
+        chosen |= {m: chosen[m]._replace(reset_every=None if k == config_k[m] else k) for m in anchors}
     if any(len(g) > 1 for g in grids.values()) or len(critic_lrs) > 1 or anchored:
         if not tune_key:  # the first validation key any run logs
             probe = runner.run_all([chosen[args.methods[0]]._replace(seed=TUNE_SEED0)])
@@ -202,22 +210,38 @@ def compare(args: argparse.Namespace) -> dict:
             ).items():
                 tuning[m]["reset_every"], chosen[m] = t, k_spec(m, t["chosen"], 0)
         logger.info("chosen (lr, critic lr, K): %s", {m: (c.lr, c.critic_lr, c.reset_every) for m, c in chosen.items()})
-    # Seed-major order: a comparison cut short still has every method on its first seeds.
-    specs = [chosen[m]._replace(seed=seed) for seed in range(args.seeds) for m in args.methods]
-    res = runner.run_all(specs)
+    # Seed-major order, one seed's block of methods at a time and on one CPU (a block that began on another
+    # CPU waits for one of its kind): a comparison cut short still has whole pairs on its first seeds.
+    here = cpu_description()
+    block = {seed: [chosen[m]._replace(seed=seed) for m in args.methods] for seed in range(args.seeds)}
+    for sp in (sp for b in block.values() for sp in b):
+        runner.restore(sp)
+    order, deferred = order_blocks({seed: [runner.run_dir(*sp) for sp in b] for seed, b in block.items()}, here)
+    for seed, cpu in deferred.items():
+        logger.warning(
+            "seed %d: its runs began on %s, this is %s: its block waits for a CPU of its kind", seed, cpu, here
+        )
+        runner.pending |= {sp for sp in block[seed] if not RunLayout(runner.run_dir(*sp)).final.is_file()}
+    res = runner.run_all([sp for seed in [*order, *deferred] for sp in block[seed]])
     val_key = val_key or next((find_val_key(r) for r in res.values() if r and find_val_key(r)), None)
     if val_key is None:
         raise RuntimeError("no run logged a val/*/pass@1 metric: set trainer.test_freq (and --val-key)")
     tune_key = tune_key or val_key
-    methods = {}
+    methods, finished, facts = {}, {}, {}
     for m in args.methods:
-        results = {seed: res[chosen[m]._replace(seed=seed)] for seed in range(args.seeds)}
+        specs_m = {seed: chosen[m]._replace(seed=seed) for seed in range(args.seeds)}
+        results = {seed: res[sp] for seed, sp in specs_m.items() if sp not in runner.pending}
+        finished[m] = {seed: rows for seed, rows in results.items() if rows}
+        facts[m] = {seed: run_facts(runner.run_dir(*specs_m[seed]), rows) for seed, rows in finished[m].items()}
         methods[m] = {
             "lr": chosen[m].lr,
             "critic_lr": chosen[m].critic_lr,
-            **({"reset_every": chosen[m].reset_every or config_k[m]} if m in anchored else {}),
-            **method_summary(results, val_key, tune_key),
+            **({"reset_every": chosen[m].reset_every or config_k[m]} if m in anchors else {}),
+            **method_summary(results, val_key, tune_key, args.score_validations),
+            "pending_seeds": sorted(seed for seed, sp in specs_m.items() if sp in runner.pending),
+            "runs": {str(seed): f for seed, f in facts[m].items()},
         }
+    paired = paired_differences(finished, args.pairs, val_key, args.score_validations)
     summary = {
         "config": args.config,
         "overrides": args.overrides,
@@ -230,14 +254,24 @@ def compare(args: argparse.Namespace) -> dict:
         "reset_every": args.reset_every,
         "val_key": val_key,
         "tune_key": tune_key,
-        "final_definition": FINAL_DEFINITION,
+        "score_validations": args.score_validations,
+        "final_definition": final_definition(args.score_validations),
         "tuning": {m: t for m, t in tuning.items() if t},
         "methods": methods,
+        "paired": paired,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     md = table(summary)
-    (out / "summary.md").write_text(md)
-    plot(summary, out / "curves.png")
+    if paired:
+        md += "\n" + paired_table(paired, val_key, args.score_validations)
+    md += "\nWhere each run ran:\n\n" + facts_table(facts)
+    pending = {m: s["pending_seeds"] for m, s in methods.items() if s["pending_seeds"]}
+    if pending:
+        md += f"\nNot finished yet (--report-only): {pending}\n"
+    for folder in dict.fromkeys([out, *([Path(args.results)] if args.results else [])]):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "summary.json").write_text(json.dumps(summary, indent=1))
+        (folder / "summary.md").write_text(md)
+        plot(summary, folder / "curves.png")
     logger.info("wrote %s, %s and %s\n%s", out / "summary.json", out / "summary.md", out / "curves.png", md)
     return summary
 
@@ -303,6 +337,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tune-key", default="", help="metric the lrs are tuned on, e.g. a validation split (default: --val-key)"
     )
+    p.add_argument("--score-validations", type=int, default=3, help="a run's score: the mean of its last N validations")
+    p.add_argument("--pairs", default="", help="paired differences A-B,... (default: each method minus the last)")
+    p.add_argument(
+        "--results",
+        default="",
+        help="keep each finished run's record (no checkpoints) in DIR/runs/ and reuse the runs found there: "
+        "commit DIR and a later session, on any machine, resumes the protocol; the summary goes there too",
+    )
+    p.add_argument("--report-only", action="store_true", help="summarise the runs finished so far; start none")
     p.add_argument("--background", action="store_true", help="detach; log to OUT/compare.log")
     p.add_argument("overrides", nargs="*", help="a.b=c overrides applied to every run")
 
@@ -335,10 +378,17 @@ def check_args(args: argparse.Namespace) -> None:
         ("--steps", args.steps, 0),
         ("--jobs", args.jobs, 0),
         ("--max-extend", args.max_extend, 0),
+        ("--score-validations", args.score_validations, 1),
     ):
         if value < least:
             raise ConfigError(f"{flag} {value} must be >= {least}")
+    try:
+        args.pairs = parse_pairs(args.pairs, args.methods) if len(args.methods) > 1 else []
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     check_writable_dir("--out", args.out)
+    if args.results:
+        check_writable_dir("--results", args.results)
     problem = check_validates(args)
     if problem:
         raise ConfigError(problem)

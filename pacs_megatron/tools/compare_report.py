@@ -10,12 +10,20 @@ import math
 from pathlib import Path
 
 TRAIN_KEY = "reward/mean"
-EXTRA_CURVES = ("actor/entropy", "pacs/post_psi_abs_mean", "pacs/post_brier")
+EXTRA_CURVES = ("actor/entropy", "pacs/psi_abs_mean", "pacs/brier", "pacs/post_psi_abs_mean", "pacs/post_brier")
 """Curves kept and drawn beside the scores where the runs log them: the policy's entropy (collapse or not) and
-the PACS classifier at work (psi's size, the Brier score of sigmoid(psi) against the outcome)."""
+the PACS classifier at work (psi's size, the Brier score of sigmoid(psi) against the outcome; during the update
+and, ``post_``, after it)."""
 # Two-sided 95% Student-t quantiles for 1..10 degrees of freedom (normal beyond).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 FINAL_DEFINITION = "validation metrics: mean of the last 3 validations; train reward: mean of the last quarter"
+
+
+def final_definition(last: int = 3) -> str:
+    """What a run's reported score is, for ``last`` validations averaged."""
+    return FINAL_DEFINITION.replace(
+        "last 3 validations", "last validation" if last == 1 else f"last {last} validations"
+    )
 
 
 def interval(xs: list[float]) -> dict:
@@ -43,9 +51,9 @@ def find_val_key(rows: list[dict]) -> str | None:
     return keys[0] if keys else None
 
 
-def run_score(rows: list[dict], val_key: str) -> tuple[float, float]:
-    """(mean of the last three values of ``val_key``, mean train reward of the last quarter)."""
-    val = [v for _, v in series(rows, val_key)][-3:]
+def run_score(rows: list[dict], val_key: str, last: int = 3) -> tuple[float, float]:
+    """(mean of the last ``last`` values of ``val_key``, mean train reward of the last quarter)."""
+    val = [v for _, v in series(rows, val_key)][-last:]
     train = [v for _, v in series(rows, TRAIN_KEY)]
     tail = train[-max(1, len(train) // 4) :]
     return (sum(val) / len(val) if val else float("nan"), sum(tail) / len(tail) if tail else float("nan"))
@@ -69,16 +77,17 @@ def pass_at_k_keys(rows: list[dict], val_key: str) -> list[str]:
     return [f"{stem}{k}" for k in ks if f"{stem}{k}" != val_key]
 
 
-def method_summary(results: dict[int, list[dict] | None], val_key: str, tune_key: str) -> dict:
-    """One method's reported seeds: per-seed scores, their intervals (pass@1 and the held-out split's other
-    pass@k), and the mean curves (with :data:`EXTRA_CURVES` where logged)."""
+def method_summary(results: dict[int, list[dict] | None], val_key: str, tune_key: str, last: int = 3) -> dict:
+    """One method's reported seeds: per-seed scores (the mean of the ``last`` validations), their intervals
+    (pass@1 and the held-out split's other pass@k), and the mean curves (with :data:`EXTRA_CURVES` where logged)."""
     ok = {seed: rows for seed, rows in results.items() if rows}
     every = [r for rows in ok.values() for r in rows]
     extra = [k for k in EXTRA_CURVES if any(k in r for r in every)]
     per_seed = []
     for seed, rows in sorted(ok.items()):
-        heldout, train = run_score(rows, val_key)
-        per_seed.append({"seed": seed, "heldout": heldout, "tune": run_score(rows, tune_key)[0], "train_reward": train})
+        heldout, train = run_score(rows, val_key, last)
+        tune = run_score(rows, tune_key, last)[0]
+        per_seed.append({"seed": seed, "heldout": heldout, "tune": tune, "train_reward": train})
     return {
         "seeds": sorted(ok),
         "failed_seeds": sorted(s for s, r in results.items() if not r),
@@ -87,7 +96,7 @@ def method_summary(results: dict[int, list[dict] | None], val_key: str, tune_key
         "final_tune": interval([s["tune"] for s in per_seed]),
         "final_train_reward": interval([s["train_reward"] for s in per_seed]),
         "final_pass_at_k": {
-            k: interval([run_score(rows, k)[0] for rows in ok.values()]) for k in pass_at_k_keys(every, val_key)
+            k: interval([run_score(rows, k, last)[0] for rows in ok.values()]) for k in pass_at_k_keys(every, val_key)
         },
         "curves": {key: curves(ok, key) for key in dict.fromkeys([TRAIN_KEY, val_key, tune_key, *extra])},
     }
@@ -128,7 +137,9 @@ def table(summary: dict) -> str:
             lines.append(f"| {m} | {seed} | failed | " + ("failed | " if both else "") + "failed |")
     ks = sorted({k for s in summary["methods"].values() for k in s.get("final_pass_at_k", {})}, key=_k_of)
     if ks:
-        lines += ["", "Held-out pass@k (mean of the last 3 validations, 95% interval over seeds):", ""]
+        last = summary.get("score_validations", 3)
+        what = "the last validation" if last == 1 else f"mean of the last {last} validations"
+        lines += ["", f"Held-out pass@k ({what}, 95% interval over seeds):", ""]
         lines += ["| method | " + " | ".join(ks) + " |", "|---|" + "---|" * len(ks)]
         for m, s in summary["methods"].items():
             cells = [_pm(s["final_pass_at_k"][k]) if k in s.get("final_pass_at_k", {}) else "-" for k in ks]

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import psutil
 
 from pacs_megatron.run.layout import RunLayout
+from pacs_megatron.tools.compare_results import ResultsDir
 from pacs_megatron.tools.plot import read_metrics
 from pacs_megatron.utils.devices import MEMORY_FRACTION_ENV, share_gpus, visible_gpus
 from pacs_megatron.utils.logging import get_logger
@@ -99,6 +100,8 @@ class Runner:
         self.pin = ranks == 1 and len(self.gpus) > 0
         self._gpu_of: dict[tuple, str] = {}
         self._memory_wait = False  # a "waits for memory" line was logged and no run has started since
+        self.results = ResultsDir(args.results) if getattr(args, "results", "") else None
+        self.pending: set[Spec] = set()  # --report-only: the runs not finished yet (not run, not failed)
         if self.memory_fraction is not None:
             logger.info(
                 "%d run(s) share each of %d GPU(s): each process may hold %.0f%% of its GPU's memory (%s)",
@@ -171,14 +174,24 @@ class Runner:
         own_model = [f"model.path={d}/model"] if self._builds_model[Spec(*spec)] else []
         return [*TRAIN, f"--config={self.args.config}", *self.settings(*spec), f"trainer.output_dir={d}", *own_model]
 
+    def restore(self, spec: Spec) -> None:
+        """With ``--results``: a finished run of these settings found there is put back in its run dir."""
+        if self.results:
+            self.results.restore(self.run_dir(*spec))
+
     def run_all(self, specs: list[Spec]) -> dict[Spec, list[dict] | None]:
         """Run every spec not yet done; return each spec's metrics rows (None when it failed)."""
         specs = list(dict.fromkeys(Spec(*s) for s in specs))
-        todo = [s for s in specs if not RunLayout(self.run_dir(*s)).final.is_file()]
+        for s in specs:
+            self.restore(s)
+        todo = [s for s in specs if s not in self.pending and not RunLayout(self.run_dir(*s)).final.is_file()]
         self.total += len(specs)
         self.done += len(specs) - len(todo)
         running: dict[Spec, tuple[subprocess.Popen, object]] = {}
         failed: set = set()
+        if getattr(self.args, "report_only", False):  # summarise what has finished; start nothing
+            self.pending |= set(todo)
+            todo = []
         try:
             self._run(todo, running, failed)
         finally:  # stopped (SIGTERM, Ctrl-C) or failed: the runs stop with the command
@@ -186,7 +199,8 @@ class Runner:
         out = {}
         for spec in specs:
             d = self.run_dir(*spec)
-            out[spec] = None if spec in failed or not RunLayout(d).metrics.is_file() else read_metrics(d)
+            done = spec not in failed and spec not in self.pending and RunLayout(d).metrics.is_file()
+            out[spec] = read_metrics(d) if done else None
         return out
 
     def _run(self, todo: list, running: dict, failed: set) -> None:
@@ -216,6 +230,8 @@ class Runner:
                 if proc.returncode != 0:
                     failed.add(spec)
                     logger.error("%s failed (exit %d): see its train.log", run_name(*spec), proc.returncode)
+                elif self.results:
+                    self.results.publish(self.run_dir(*spec))
                 logger.info("progress: %d/%d runs done", self.done, self.total)
                 self._progress(list(running))
 

@@ -123,3 +123,16 @@ def test_a_row_names_the_tools_its_prompt_may_call(qwen_tok, tmp_path, data_root
         build_prompt_dataset(cfg, qwen_tok, "train")
     # a column of that name meaning something else (function-calling sets hold schemas) is no error single-turn
     assert build_prompt_dataset(load_config(None, base), qwen_tok, "train").records[0].tools is None
+
+
+def test_val_sets_keeps_the_named_sets_and_refuses_an_unknown_name(tmp_path):
+    split = ["data.arith.test_fraction=0.2", "data.arith.val_fraction=0.2"]
+    cfg = load_config(CPU_TINY, [f"model.path={tmp_path}/m", *split])
+    write_tiny_model_dir(cfg.model.path, cfg.model.tiny)
+    tok = load_tokenizer(cfg.model.path, cfg.data.chat_template)
+    assert sorted(build_prompt_dataset(cfg, tok, "val")) == ["arith_heldout", "arith_val"]
+    only = load_config(CPU_TINY, [f"model.path={tmp_path}/m", *split, "trainer.val_sets=[arith_heldout]"])
+    assert list(build_prompt_dataset(only, tok, "val")) == ["arith_heldout"]
+    bad = load_config(CPU_TINY, [f"model.path={tmp_path}/m", *split, "trainer.val_sets=[heldout]"])
+    with pytest.raises(ValueError, match=r"trainer.val_sets names \['heldout'\].*'arith_heldout', 'arith_val'"):
+        build_prompt_dataset(bad, tok, "val")

@@ -1,0 +1,111 @@
+"""Paired comparisons (issue 56): the pairs, the per-seed differences and their intervals by hand, blocks that
+stay on one CPU, and for real on the CPU task: the runs of one seed share their step-1 rollouts and their
+validation samples across PACS v1, PACS v2 and GRPO, finished runs are kept in --results and reused from there."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from _compare_helpers import GENERALIZE, SMALL
+
+from pacs_megatron.tools.compare_paired import paired_differences, paired_table, parse_pairs
+from pacs_megatron.tools.compare_report import interval
+from pacs_megatron.tools.compare_results import order_blocks
+
+
+def _rows(*vals, key="val/x/pass@1"):
+    """A run that validated at steps 8 and 16 with ``vals`` (train reward 0.5 throughout)."""
+    return [{"step": s, "reward/mean": 0.5, **({key: vals[s // 8 - 1]} if s % 8 == 0 else {})} for s in range(1, 17)]
+
+
+def test_pairs_default_to_each_method_minus_the_last_and_refuse_an_unknown_one():
+    assert parse_pairs("", ["pacs", "pacs_v2", "grpo"]) == [("pacs", "grpo"), ("pacs_v2", "grpo")]
+    assert parse_pairs("pacs_v2-pacs", ["pacs", "pacs_v2", "grpo"]) == [("pacs_v2", "pacs")]
+    with pytest.raises(ValueError, match=r"--pairs 'pacs-ppo': give A-B with two methods of --methods"):
+        parse_pairs("pacs-ppo", ["pacs", "grpo"])
+
+
+def test_paired_differences_by_hand():
+    runs = {
+        "pacs": {0: _rows(0.5, 0.70), 1: _rows(0.4, 0.60), 2: _rows(0.6, 0.80)},
+        "grpo": {0: _rows(0.5, 0.65), 1: _rows(0.5, 0.62), 2: _rows(0.5, 0.74)},  # seed 2 of pacs only below
+    }
+    del runs["grpo"][2]
+    [p] = paired_differences(runs, [("pacs", "grpo")], "val/x/pass@1", last=1)
+    assert p["seeds"] == [0, 1]  # only the seeds both finished
+    assert [r["diff"] for r in p["per_seed"]] == pytest.approx([0.05, -0.02])
+    assert p["diff"]["mean"] == pytest.approx(0.015)
+    assert p["diff"]["half_width"] == pytest.approx(12.706 * math.sqrt(((0.035**2) * 2) / 1) / math.sqrt(2))
+    assert p["by_step"]["8"]["mean"] == pytest.approx(-0.05)
+    assert p["by_step"]["16"] == pytest.approx(interval([0.05, -0.02]))
+    [mean2] = paired_differences(runs, [("pacs", "grpo")], "val/x/pass@1", last=2)
+    assert [r["diff"] for r in mean2["per_seed"]] == pytest.approx([0.025, -0.06])
+    md = paired_table([p], "val/x/pass@1", 1)
+    assert "| pacs - grpo | 2 | +0.015 +- " in md and "+0.050 -0.020" in md and "| step 8 | step 16 |" in md
+
+
+def test_a_block_begun_on_another_cpu_waits_for_one_of_its_kind(tmp_path):
+    def run(name, cpu, finished=True):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "launch.json").write_text(json.dumps({"ranks": [{"cpu": cpu}]}))
+        if finished:
+            (d / "final.json").write_text("{}")
+        return d
+
+    blocks = {
+        0: [run("a0", "zen3"), run("b0", "zen3", finished=False)],  # begun here: first
+        1: [run("a1", "xeon"), tmp_path / "b1"],  # begun on another CPU: deferred
+        2: [tmp_path / "a2", tmp_path / "b2"],  # fresh
+        3: [run("a3", "xeon", finished=False)],  # a run that did not finish pins nothing
+    }
+    order, deferred = order_blocks({3: blocks[3], 2: blocks[2], 1: blocks[1], 0: blocks[0]}, "zen3")
+    assert order == [0, 2, 3] and deferred == {1: "xeon"}
+
+
+@pytest.mark.slow
+def test_one_seed_shares_its_first_batch_and_validation_samples_and_results_are_reused(tmp_path):
+    from pacs_megatron.cli import main
+
+    results = tmp_path / "results"
+
+    def argv(out):
+        return [
+            "compare", "--config", str(GENERALIZE), "--out", str(out), "--results", str(results),
+            "--methods", "pacs,pacs_v2,grpo", "--seeds", "1", "--lrs", "1e-3", "--reset-every", "1",
+            "--steps", "2", "--jobs", "1", "--score-validations", "1", "--pairs", "pacs-grpo,pacs_v2-pacs",
+            *SMALL, "trainer.sft_warmup_steps=1", "trainer.test_freq=2", "trainer.val_before_train=true",
+            "trainer.save_freq=0", "trainer.val_n=2", "trainer.val_k=[1]", "trainer.log_rollouts=16",
+            "trainer.val_sets=[arith_heldout]", "model.dtype=float32",
+        ]  # fmt: skip
+
+    assert main(argv(tmp_path / "a")) == 0
+    runs = {m: next((tmp_path / "a" / "runs").glob(f"{m}_lr*")) for m in ("pacs", "pacs_v2", "grpo")}
+    metrics = {m: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for m, d in runs.items()}
+    samples = {m: [json.loads(x) for x in (d / "rollouts.jsonl").read_text().splitlines()] for m, d in runs.items()}
+    step1 = {m: [(s["prompt"], s["response"], s["score"]) for s in v if s["step"] == 1] for m, v in samples.items()}
+    assert len(step1["pacs"]) == 16 and step1["pacs"] == step1["pacs_v2"] == step1["grpo"]
+    for key in ("data/tokens", "reward/mean", "response/length_mean"):
+        assert len({rows[1][key] for rows in metrics.values()}) == 1, key  # rows[1]: step 1 (rows[0]: step 0)
+    # the base model's held-out validation: the same samples for every method (only the held-out set runs)
+    base = {m: {k: v for k, v in rows[0].items() if k.startswith("val/")} for m, rows in metrics.items()}
+    assert base["pacs"] == base["pacs_v2"] == base["grpo"] and "val/arith_val/pass@1" not in base["pacs"]
+    summary = json.loads((results / "summary.json").read_text())
+    assert [p["pair"] for p in summary["paired"]] == ["pacs - grpo", "pacs_v2 - pacs"]
+    assert summary["methods"]["pacs_v2"]["reset_every"] == 1
+    assert summary["methods"]["grpo"]["runs"]["0"]["dtype"] == "float32"
+    assert summary["methods"]["grpo"]["runs"]["0"]["cpu"] != "unknown"
+    kept = sorted(p.name for p in (results / "runs").iterdir())
+    assert kept == sorted(d.name for d in runs.values())
+    assert not list(results.glob("runs/*/checkpoints")) and (results / "summary.md").is_file()
+    # A fresh machine: another --out, the same --results: every run is reused, none launched, same numbers.
+    assert main(argv(tmp_path / "b")) == 0
+    again = json.loads((results / "summary.json").read_text())
+    assert again["paired"] == summary["paired"] and not list((tmp_path / "b" / "runs").glob("*/train.log"))
+    report = [*argv(tmp_path / "c"), "--report-only", "--seeds", "2"]
+    assert main(report) == 0
+    partial = json.loads((results / "summary.json").read_text())
+    assert partial["methods"]["pacs"]["pending_seeds"] == [1] and partial["methods"]["pacs"]["failed_seeds"] == []
+    assert partial["paired"][0]["seeds"] == [0] and not list((tmp_path / "c" / "runs").glob("*_s1-*/train.log"))

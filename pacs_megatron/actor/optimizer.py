@@ -7,7 +7,8 @@
   with GPUs only by default (``optimizer.use_distributed_optimizer=auto``; "true" runs it on CPU too).
   Without Apex / TE its inner optimizer is torch's Adam, whose checkpointing megatron-core 0.16.1 gets
   wrong in three places; :func:`init_adam_state` and :func:`torch_adam_load` bridge them (checkpoint.py
-  calls both), so its resume is exact. bf16 parameters keep fp32 main weights inside the optimizer;
+  calls both), so its resume is exact. bf16 parameters keep fp32 main weights inside the optimizer,
+  copied into the bf16 parameters by stochastic rounding (``model.bf16_rounding``, actor/bf16_rounding.py);
   fp32 runs use the FP32 optimizer. On CPU the inner torch Adam runs its fused kernel
   (:func:`use_fused_adam`).
 * Schedule: ``OptimizerParamScheduler`` with linear warm-up, then constant / linear / cosine decay to
@@ -97,6 +98,10 @@ def build_optimizer(wrapped: list, cfg: RunConfig, groups: ParallelGroups, dtype
         )
     if groups.device.type == "cpu":
         use_fused_adam(optimizer)
+    if dtype == torch.bfloat16 and cfg.model.bf16_rounding == "stochastic":  # actor/bf16_rounding.py: why
+        from pacs_megatron.actor.bf16_rounding import use_stochastic_rounding
+
+        use_stochastic_rounding(optimizer, cfg.model.seed)
     return optimizer
 
 

@@ -83,7 +83,15 @@ class ModelConfig:
     tokenizer: str = ""
     """Tokenizer directory; empty means ``path``."""
     dtype: str = "auto"
-    """Parameter dtype: "auto" (bfloat16 on GPU, float32 on CPU), "float32" or "bfloat16"."""
+    """Parameter dtype: "float32", "bfloat16", or "auto": bfloat16 on a GPU or on a CPU with native bf16
+    (AVX512-BF16 or AMX), float32 elsewhere (bf16 is emulated there, and slower). Resolved once at launch
+    (launch/dtype.py); the run's saved config and checkpoints hold the resolved value, and a resumed run keeps
+    the dtype it started with."""
+    bf16_rounding: str = "stochastic"
+    """How the fp32 main weights are copied into the bf16 parameters after each step (model.dtype=bfloat16):
+    "stochastic" (unbiased: the forward follows the fp32 trajectory in expectation) or "nearest" (megatron's:
+    a weight moves only once its update passes half a bf16 spacing, ~20-40 steps at lr 1e-5 for SmolLM2;
+    actor/bf16_rounding.py)."""
     seed: int = 1234
     """Seed of random initialisation."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -108,6 +116,7 @@ class ModelConfig:
                 f"with model.init=gguf (now init={self.init!r}, gguf={self.gguf!r}): set both or neither"
             )
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _choice("model.bf16_rounding", self.bf16_rounding, ("stochastic", "nearest"))
         if isinstance(self.fused_lm_head, bool):  # YAML's bare true/false
             self.fused_lm_head = "true" if self.fused_lm_head else "false"
         _choice("model.fused_lm_head", self.fused_lm_head, ("auto", "true", "false"))

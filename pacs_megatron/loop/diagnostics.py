@@ -30,6 +30,7 @@ from pacs_megatron.pacs.advantage import group_advantage
 from pacs_megatron.pacs.implicit import implicit_reward
 from pacs_megatron.pacs.loss import pacs_loss
 from pacs_megatron.pacs.registry import pacs_anchor
+from pacs_megatron.pacs.rollout_correction import kept_rows
 
 if TYPE_CHECKING:
     from pacs_megatron.actor.actor import MegatronActor
@@ -53,9 +54,12 @@ def post_update_metrics(cfg: RunConfig, actor: MegatronActor, local: TrainBatch)
         pacs = cfg.algorithm.pacs
         logp = out.token_logp.float()
         anchor = pacs_anchor(local, logp, pacs).float()  # the loss's own choice of anchor
-        _, m = pacs_loss(logp, anchor, local.response_mask, local.scores, local.group_size, pacs)
+        w = local.is_weights  # the loss's row weights: a dropped row (weight 0) is out of every metric, as of the loss
+        _, m = pacs_loss(logp, anchor, local.response_mask, local.scores, local.group_size, pacs, is_weights=w)
+        keep = kept_rows(len(logp), w, logp.device) if w is not None else None
         r = implicit_reward(logp, anchor, local.response_mask, pacs.beta, pacs.reward_method)
-        psi = group_advantage(r, local.group_size, pacs.adv_estimator, pacs.norm_adv_by_std)
+        psi = group_advantage(r, local.group_size, pacs.adv_estimator, pacs.norm_adv_by_std, keep)
+        psi = psi if keep is None else psi[keep]
         for q, v in zip(QUANTILES, torch.quantile(psi.double(), torch.tensor(QUANTILES, dtype=torch.float64))):
             m[f"pacs/psi_p{round(q * 100)}"] = v
     keys = [k for k in m if k not in _SKIP]

@@ -129,18 +129,20 @@ def update_actor(cfg: RunConfig, actor: MegatronActor, rows: TrainRows, old: Old
 def reset_reference(cfg: RunConfig, actor: MegatronActor, step: int) -> dict:
     """``algorithm.reference_reset_every`` = K: after the update of step s, once K steps have passed since the
     last reset (or the start of RL), the live policy becomes the reference and the optimizer starts afresh
-    (:meth:`MegatronActor.reset_reference`). Logged as ``reference/reset`` (1 at a reset) and
-    ``reference/age`` (steps the next step's reference has been fixed for: 0 right after a reset). The last
-    reset's step is checkpointed (Components.save), so a resume continues the same schedule."""
+    (:meth:`MegatronActor.reset_reference`). Logged wherever a reference exists (K = 0: never reset) as
+    ``reference/reset`` (1 at a reset) and ``reference/age``: the age of the reference this step's update was
+    measured against, in updated steps (0 when it is pi_old, as right after a reset), so it sits in one row with
+    the step's ``pacs/*``. The last reset's step is checkpointed (Components.save): a resume keeps the schedule."""
     every, ref = cfg.algorithm.reference_reset_every, actor.reference
-    if not every or ref is None:
+    if ref is None:
         return {}
-    reset = step - ref.reset_step >= every
+    age = step - 1 - ref.reset_step  # the reference was the live policy after step reset_step: pi_old at +1
+    reset = bool(every) and step - ref.reset_step >= every
     if reset:
         actor.reset_reference()
         ref.reset_step = step
         logger.info("step %d: reference policy reset to the live policy, optimizer state re-initialised", step)
-    return {"reference/reset": float(reset), "reference/age": float(step - ref.reset_step)}
+    return {"reference/reset": float(reset), "reference/age": float(age)}
 
 
 def rollout_mismatch(cfg: RunConfig, local: TrainBatch) -> tuple[TrainBatch, dict]:

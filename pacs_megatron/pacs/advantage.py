@@ -11,8 +11,9 @@ them to the 0/1 verifiable reward (the advantage).
 Rows that leave their group (``keep``, PACS: a row with loss weight 0, i.e. a truncated row under
 ``algorithm.overlong.mask_truncated`` or one that masked IS rejected) are out of every mean and std above:
 the baseline is over the group's k kept rows, so no gradient reaches a dropped row through the others'
-scores. A group left with one kept row gives it ``a_i = r_i`` (verl's rule for a group of one: baseline 0,
-std 1); a dropped row gets 0 (it carries weight 0 wherever it is used).
+scores. A group left with one kept row has no baseline: its row gets 0, as a dropped row does, and PACS drops it
+(:func:`drop_lone_rows`): verl's rule for a group of one (baseline 0, so a = r) would push a lone wrong row down
+while a whole group with one outcome gets no net gradient from a leave-one-out baseline.
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ def check_groups(num_rows: int, group_size: int, group_ids: torch.Tensor | None 
         firsts = ids[:, 0]
         if firsts.numel() != torch.unique(firsts).numel():
             raise ValueError("a prompt's responses appear in two separate blocks: groups must be contiguous")
+
+
+def drop_lone_rows(keep: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
+    """``keep`` without the rows left alone in their group (no baseline, module docstring), and how many groups
+    lost their last row that way.
+
+    Example:
+        >>> k, n = drop_lone_rows(torch.tensor([True, False, False, False, True, True, False, False]), 4)
+        >>> k.tolist(), n
+        ([False, False, False, False, True, True, False, False], 1)
+    """
+    k = keep.reshape(-1, group_size)
+    lone = k.sum(dim=1, keepdim=True) == 1
+    return (k & ~lone).reshape(-1), int(lone.sum())
 
 
 def group_advantage(
@@ -103,9 +118,9 @@ def _kept_group_advantage(
     r = torch.where(k, values.reshape(-1, group_size), torch.zeros((), dtype=values.dtype, device=values.device))
     count = k.sum(dim=1, keepdim=True).to(values.dtype)
     total = r.sum(dim=1, keepdim=True)
-    alone = count < 2  # a group of one: baseline 0, std 1 (verl), so a = r
+    alone = count < 2  # a group of one has no baseline: 0 (module docstring)
     if estimator == "rloo":
-        out = torch.where(alone, r, r - (total - r) / (count - 1).clamp(min=1))
+        out = torch.where(alone, torch.zeros_like(r), r - (total - r) / (count - 1).clamp(min=1))
     else:
         mean = torch.where(alone, torch.zeros_like(total), total / count.clamp(min=1))
         centred = r - mean
@@ -119,5 +134,5 @@ def _kept_group_advantage(
             std = torch.where(positive, torch.where(positive, var, torch.ones_like(var)).sqrt(), torch.zeros_like(var))
             std = torch.where(alone, torch.ones_like(std), std)
             centred = centred / (std + GRPO_EPS)
-        out = centred
+        out = torch.where(alone, torch.zeros_like(centred), centred)
     return torch.where(k, out, torch.zeros_like(out)).reshape(-1)

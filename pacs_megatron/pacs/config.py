@@ -34,9 +34,10 @@ class PACSConfig:
     """
 
     beta: float = 1.0
-    """Scale of the implicit reward r_i = beta * sum_t (logp - old_logp). The paper uses 1 or 2."""
+    """Scale of the implicit reward r_i = beta * sum_t (logp - anchor_logp), the anchor pi_old (v1) or the
+    reference policy (v2, ``anchor``). The paper uses 1 or 2."""
     reward_method: str = "sum_ratio"
-    """"sum_ratio": beta * sum_t mask*(logp - old_logp) (the paper's method 1); "mean_logp":
+    """"sum_ratio": beta * sum_t mask*(logp - anchor_logp) (the paper's method 1); "mean_logp":
     beta * sum_t mask*logp / sum_t mask (method 2)."""
     adv_estimator: str = "rloo"
     """Score psi from the group's implicit rewards: "rloo" r_i - mean_{j!=i} r_j, "grpo"

@@ -2,7 +2,7 @@
 
 Per group of n responses to one prompt (rows contiguous), with R_i in {0, 1} the verifiable reward:
 
-    r_i   = implicit_reward(logp_i, old_logp_i)            [B]  (see implicit_reward.py)
+    r_i   = implicit_reward(logp_i, anchor_logp_i)         [B]  (see implicit.py)
     psi_i = group_advantage(r)_i                           [B]  (rloo by default, see advantage.py)
     loss  = 1/B * sum_i w_i * BCEWithLogits(psi_i, R_i)          (torch's BCEWithLogitsLoss(weight=w))
 
@@ -21,7 +21,8 @@ is non-zero from the second step on whatever the number of updates per batch.
 
 A row with loss weight 0 (``is_weights`` 0: a truncated row under ``algorithm.overlong.mask_truncated``,
 or one masked IS rejected) leaves its group: psi's baseline and the class weights are over the group's kept
-rows only (advantage.py), so d loss / d logp of the dropped row is exactly 0. Batches where every row is
+rows only (advantage.py), so d loss / d logp of the dropped row is exactly 0. A row left alone in its group
+has no baseline and leaves too (``pacs/lone_row_groups`` counts such groups). Batches where every row is
 kept take the same code as before, bit for bit.
 """
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pacs_megatron.pacs.advantage import check_groups, group_advantage
+from pacs_megatron.pacs.advantage import check_groups, drop_lone_rows, group_advantage
 from pacs_megatron.pacs.config import PACSConfig
 from pacs_megatron.pacs.implicit import implicit_reward
 from pacs_megatron.pacs.rollout_correction import kept_rows
@@ -135,16 +136,18 @@ def pacs_loss(
     if is_weights is not None:
         if is_weights.numel() != logp.shape[0]:
             raise ValueError(f"PACS takes sequence-level is_weights [B]={logp.shape[0]}, got {tuple(is_weights.shape)}")
-        keep = kept_rows(logp.shape[0], is_weights, logp.device)
+        keep, lone = drop_lone_rows(kept_rows(logp.shape[0], is_weights, logp.device), group_size)
     r = implicit_reward(logp, anchor_logp, response_mask, config.beta, config.reward_method)
     psi = group_advantage(r, group_size, config.adv_estimator, config.norm_adv_by_std, keep)
     target = scores.to(psi.dtype)
     weights = class_weights(scores, group_size, config.weight_mode, keep).to(psi.dtype)
-    if is_weights is not None:
-        weights = weights * is_weights.reshape(-1).to(psi.dtype).detach()
+    if is_weights is not None and keep is not None:  # (keep: a lone row's weight is 0 too)
+        weights = weights * is_weights.reshape(-1).to(psi.dtype).detach() * keep.to(psi.dtype)
     kept = keep.sum().clamp(min=1).to(psi.dtype) if keep is not None else psi.new_tensor(float(len(psi)))
     loss = F.binary_cross_entropy_with_logits(psi, target, weight=weights, reduction="sum") / kept
     metrics = {"pacs/loss": loss.detach()} | classifier_metrics(psi, r, scores, group_size, keep)
+    if keep is not None:
+        metrics["pacs/lone_row_groups"] = psi.new_tensor(float(lone))
     return loss, metrics
 
 

@@ -134,16 +134,18 @@ def tune(
 
 
 def check_validates(args: argparse.Namespace) -> str | None:
-    """Why the runs would never validate (the comparison's score), or None: checked before any run starts."""
+    """Why the runs would never validate (the comparison's score), or None: checked before any run starts, on
+    each method's settings (the overrides may need them: a reset period K needs PACS v2's anchor)."""
     from pacs_megatron.config import ConfigError, load_config
     from pacs_megatron.launch.device_checks import check_device
 
     steps = [f"trainer.total_steps={args.steps}"] if args.steps else []
     try:
-        cfg = load_config(args.config, [*args.overrides, *steps])
-        check_device(cfg)  # a quantization the device cannot run fails every run: say so before any starts
+        for method in args.methods:
+            cfg = load_config(args.config, [*METHODS[method], *args.overrides, *steps])
+            check_device(cfg)  # a quantization the device cannot run fails every run: say so before any starts
     except ConfigError as e:
-        return str(e)
+        return f"{method}: {e}"
     t = cfg.trainer
     if not 0 < t.test_freq <= t.total_steps:
         return (
@@ -408,7 +410,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     from pacs_megatron.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, [*METHODS[args.methods[0]], *args.overrides])
     ranks = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     args.jobs = args.jobs or max(1, (os.cpu_count() or 1) // ranks)
     args.threads_per_rank = max(1, (os.cpu_count() or 1) // (args.jobs * ranks))

@@ -3,6 +3,7 @@
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from pacs_megatron.config import RunConfig
@@ -43,3 +44,23 @@ def test_post_update_metrics_match_the_loss_on_new_logprobs():
     assert "pacs/post_mixed_group_frac" not in m
     cfg.logging.post_update_metrics = False
     assert post_update_metrics(cfg, _Actor(shift), batch) == {}
+
+
+def test_post_update_metrics_leave_out_the_rows_the_loss_dropped():
+    from dataclasses import replace
+
+    scores = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    batch = build_rollouts([[1, 2]] * 8, [[3], [4, 5], [6], [7], [3], [4], [5, 6], [7]], scores, 4, pad_id=0)
+    batch = as_train_batch(batch, torch.full(batch.input_ids.shape, -1.0))
+    w = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # row 3 dropped (masked IS, a truncated row)
+    batch = replace(batch, is_weights=w)
+    shift = torch.tensor([0.3, -0.2, -0.1, 5.0, 0.2, -0.3, 0.1, -0.4])  # the dropped row moved the most
+    cfg = RunConfig()
+    m = post_update_metrics(cfg, _Actor(shift), batch)
+    new = batch.old_logp + shift[:, None] * batch.response_mask
+    loss, ref = pacs_loss(new, batch.old_logp, batch.response_mask, batch.scores, 4, cfg.algorithm.pacs, is_weights=w)
+    assert m["pacs/post_loss"] == pytest.approx(float(loss))
+    for key in ("psi_abs_mean", "brier", "classifier_acc", "implicit_reward_abs_mean"):
+        assert m[f"pacs/post_{key}"] == pytest.approx(float(ref[f"pacs/{key}"])), key
+    # the quantiles are over the 7 kept rows' psi (old: all 8, the dropped row's 5-nat shift among them)
+    assert m["pacs/post_psi_p90"] < 1.0

@@ -214,6 +214,21 @@ def test_masked_row_of_a_mixed_group_leaves_baseline_and_class_weights():
 
 
 @pytest.mark.parametrize("est", ["rloo", "grpo"])
+@pytest.mark.parametrize("score", [0.0, 1.0])
+def test_a_row_left_alone_in_its_group_leaves_it_like_a_whole_one_class_group(est, score):
+    # The review's case: three of four rows dropped, the lone kept row has no baseline. With psi = r (verl's rule
+    # for a group of one) a lone wrong row was pushed down (and a right one up), while the whole group of one
+    # outcome gets no net gradient. Now the lone row leaves too: gradient 0, and the group is counted.
+    g = _row_grads([score] * 4, [1, 0, 0, 0], est=est)
+    assert torch.equal(g, torch.zeros(4, dtype=torch.float64))
+    assert torch.allclose(_row_grads([score] * 4, [1, 1, 1, 1], est=est), torch.zeros(4, dtype=torch.float64))
+    logp = -torch.rand(8, 3, dtype=torch.float64)
+    w = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 1], dtype=torch.float64)
+    _, m = pacs_loss(logp + 0.1, logp, torch.ones(8, 3, dtype=torch.bool), torch.ones(8), 4, PACSConfig(), is_weights=w)
+    assert m["pacs/lone_row_groups"].item() == 1.0
+
+
+@pytest.mark.parametrize("est", ["rloo", "grpo"])
 def test_masked_row_gradient_is_zero_even_when_its_logprobs_are_nan(est):
     b = 4
     old = -torch.rand(b, 3, dtype=torch.float64)

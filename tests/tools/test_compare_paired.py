@@ -109,3 +109,20 @@ def test_one_seed_shares_its_first_batch_and_validation_samples_and_results_are_
     partial = json.loads((results / "summary.json").read_text())
     assert partial["methods"]["pacs"]["pending_seeds"] == [1] and partial["methods"]["pacs"]["failed_seeds"] == []
     assert partial["paired"][0]["seeds"] == [0] and not list((tmp_path / "c" / "runs").glob("*_s1-*/train.log"))
+
+
+def test_overrides_are_checked_with_each_methods_settings(tmp_path):
+    """An override that needs a method's own settings (K needs PACS v2's anchor) was refused before any run:
+    the check loaded the overrides without the method's (the K sweep, examples/k_sweep_cpu.sh, could not start)."""
+    import argparse
+
+    from pacs_megatron.config import ConfigError
+    from pacs_megatron.tools.compare import add_arguments, check_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--config", str(GENERALIZE), "--out", str(tmp_path), "--lrs", "1e-3", "--steps", "2"]
+    k = [*SMALL, "trainer.test_freq=2", "algorithm.reference_reset_every=2"]
+    check_args(p.parse_args([*base, "--methods", "pacs_v2", *k]))
+    with pytest.raises(ConfigError, match=r"^grpo: algorithm.reference_reset_every=2 resets a reference policy"):
+        check_args(p.parse_args([*base, "--methods", "pacs_v2,grpo", *k]))

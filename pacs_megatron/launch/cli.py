@@ -129,6 +129,13 @@ def main(args: argparse.Namespace) -> int:
         overrides.append("trainer.dry_run=true")
     # A ConfigError from here on is one line and exit 2 (the CLI's error boundary, launch/errors.py).
     cfg = load_config(args.config, overrides)
+    # model.dtype=auto -> float32 / bfloat16 for this machine (launch/dtype.py), in the process that trains (and a
+    # dry run): a spawner imports no torch, and its ranks, on the same machine, resolve it themselves
+    trains_here = under_launcher() or (cfg.parallel.world_size == 1 and cfg.rollout.placement != "separate")
+    if (trains_here and cfg.launcher.kind != "ray") or cfg.trainer.dry_run:
+        from pacs_megatron.launch.dtype import resolve_model_dtype
+
+        resolve_model_dtype(cfg, log=int(os.environ.get("RANK", "0")) == 0)
     preflight(cfg)  # model paths, reward.fn, --resume, run dir, data files: before any rank or model starts
     layout = layout_summary(cfg)
     try:

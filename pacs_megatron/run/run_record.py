@@ -17,6 +17,7 @@ status ``no_update``, not ``complete``, and the trainer exits 1: it learnt nothi
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import time
@@ -34,6 +35,9 @@ from pacs_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 _VAL_KEY = re.compile(r"^val/(.+)/(pass@\d+)$")
+DTYPE_REASON_ENV = "PACS_MODEL_DTYPE_REASON"
+"""Why the run has its ``model.dtype`` (set by launch/dtype.py when it resolves "auto"; the config holds the
+value): written beside each launch's config and into final.json."""
 
 
 class RunRecord:
@@ -56,6 +60,8 @@ class RunRecord:
         else:
             header.append(f"# resumed from {self.resume.path} (step {self.resume.step}); changed since then:")
             header += [f"#   {c}" for c in self.resume.changes] or ["#   (nothing)"]
+        if os.environ.get(DTYPE_REASON_ENV):
+            header.append(f"# model.dtype={self.cfg.model.dtype}: {os.environ[DTYPE_REASON_ENV]}")
         text = "\n".join(header) + "\n" + to_yaml(self.cfg)
         path = self.layout.launch_config(index)
         path.write_text(text)
@@ -94,6 +100,7 @@ class RunRecord:
             "best_val": dict(sorted(best.items())),
             "last_val": dict(sorted(last.items())),
             "output_dir": str(self.output_dir),
+            "model_dtype": {"dtype": self.cfg.model.dtype, "reason": os.environ.get(DTYPE_REASON_ENV)},
             "last_checkpoint": ckpt,
             # a LoRA run's eval needs a whole model: the merged export (a plain export is a PEFT adapter)
             "export_command": shlex.join(
@@ -205,6 +212,9 @@ def format_summary(s: dict) -> str:
             f"  val           {v['set']} {v['metric']}: best {v['value']:.3f} (step {v['step']}), "
             f"last {last['value']:.3f} (step {last['step']})"
         )
+    if s.get("model_dtype"):
+        d = s["model_dtype"]
+        lines.append(f"  model dtype   {d['dtype']}" + (f" ({d['reason']})" if d.get("reason") else ""))
     lines += [
         f"  output dir    {s['output_dir']}",
         f"  checkpoint    {s['last_checkpoint'] or '(none)'}",

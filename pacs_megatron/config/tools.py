@@ -35,23 +35,24 @@ class ToolsConfig:
     "package.module:function" specs of your own tools (the model calls those by the function's name;
     envs/registry.py gives the signature). Empty: no tools."""
     sandbox: str = "auto"
-    """How untrusted code is confined: "bwrap" (bubblewrap: fresh pid/net/mount/user namespaces, only /usr,
-    the interpreter and ``packages`` visible read-only, plus rlimits; refused at start-up where bwrap cannot
-    run), "rlimits" (rlimits, a clean environment and a fresh temp dir only: no network or file-system
-    confinement), or "auto" (bwrap where it starts, else rlimits with a warning). docs/tools.md says what
-    each level enforces."""
+    """How untrusted code is confined. "auto" or "bwrap": bubblewrap (fresh pid/net/mount/user namespaces, only
+    /usr, the interpreter and ``packages`` visible read-only); where it cannot start, the run stops before any
+    model loads, naming the install. "rlimits-trusted": no bubblewrap, for code you trust: root only, new
+    network/mount/pid namespaces and a private /tmp, but the host's readable files stay readable; never chosen
+    unless named. docs/tools.md says what each level enforces."""
     cpu_seconds: float = 10.0
     """CPU seconds per process of a call (RLIMIT_CPU; the process is killed past it)."""
     wall_seconds: float = 20.0
     """Wall-clock seconds per call, start-up included: then the call and everything it started is killed."""
     memory_mb: int = 1024
-    """Address space per process of a call, in MiB (RLIMIT_AS); also the size of the sandbox's /tmp (bwrap)."""
+    """Memory of one call, in MiB, its processes and its /tmp together: a cgroup's memory.max where one can be
+    made (root, or a delegated subtree), else processes x address space (RLIMIT_AS) held within it."""
     max_output_chars: int = 4096
     """Most characters of output a call returns to the model (a marker says what was cut); a call that
     prints far more (4 bytes per char, at least 16 KiB, per stream) is stopped there."""
     max_processes: int = 64
-    """Most processes (threads count) a call may run at once, fork bombs included: RLIMIT_NPROC where the
-    trainer runs as root (each call gets a private uid); elsewhere only the wall limit ends a fork bomb."""
+    """Most processes (threads count) a call may run at once, fork bombs included: the call's cgroup's pids.max
+    and, as root, RLIMIT_NPROC of its private uid (fewer where no cgroup holds memory_mb: envs/cgroup.py)."""
     packages: tuple[str, ...] = ("numpy", "sympy", "mpmath")
     """Importable packages of the trainer's environment the code may import besides the standard library,
     bound read-only (bwrap) where installed; missing ones are skipped."""
@@ -64,7 +65,12 @@ class ToolsConfig:
         # YAML and OmegaConf hand lists; a tuple keeps the config hashable and unchanged by accident
         self.enabled = tuple(self.enabled)
         self.packages = tuple(self.packages)
-        _choice("tools.sandbox", self.sandbox, ("auto", "bwrap", "rlimits"))
+        if self.sandbox == "rlimits":  # renamed, not mapped: envs/levels.py says why
+            raise ConfigError(
+                "tools.sandbox=rlimits is renamed tools.sandbox=rlimits-trusted (for code you trust: the host's "
+                "readable files stay readable; root only): set that, or apt-get install bubblewrap and use auto"
+            )
+        _choice("tools.sandbox", self.sandbox, ("auto", "bwrap", "rlimits-trusted"))
         _choice("tools.backend", self.backend, ("local", "ray"))
         _positive("tools.cpu_seconds", self.cpu_seconds)
         _positive("tools.wall_seconds", self.wall_seconds)

@@ -1,9 +1,10 @@
 """Tools a policy calls in tool-integrated rollouts, the sandbox their untrusted code runs in, and the pool that
 runs many calls at once (docs/tools.md). ``pacs_megatron/tools/`` is something else: the CLI's commands.
 
-- :mod:`.sandbox`: :class:`~.sandbox.Sandbox` runs one snippet in a fresh, limited process (bubblewrap
-  namespaces + rlimits, or rlimits only); :func:`~.sandbox.check_sandbox` refuses, in one line, a level the
-  machine cannot give (preflight calls it).
+- :mod:`.sandbox`: :class:`~.sandbox.Sandbox` runs one snippet in a fresh, limited process (bubblewrap, or
+  by name and as root only ``rlimits-trusted``: :mod:`.levels`); :func:`~.sandbox.check_sandbox` refuses, in
+  one line, a level the machine cannot give (preflight calls it). :mod:`.cgroup` caps a call's memory and
+  processes as one; :mod:`.enter` is the call's first process (cgroup, namespaces, private uid).
 - :mod:`.python_tool`: the built-in ``python`` tool (code in, the text the model sees out).
 - :mod:`.registry`: tools by name; :class:`~.registry.Toolbox` calls one by name and never raises.
 - :mod:`.pool`: :func:`~.pool.make_pool` runs a batch of calls on threads or Ray tasks, in input order.

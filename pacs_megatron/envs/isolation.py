@@ -31,7 +31,6 @@ import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
-from typing import Any
 
 PRIVATE_UID_BASE = 1_500_000_000
 """Private uids are drawn from [BASE, BASE + SPAN): far above any account (Debian allots < 2^16 plus
@@ -141,19 +140,23 @@ def package_paths(names: tuple[str, ...], private: bool) -> list[str]:
     return paths
 
 
-def rlimits(cpu_seconds: float, memory_mb: int, max_processes: int, private: bool) -> list[tuple[str, int, int]]:
-    """``(name, soft, hard)`` the child sets on itself. The CPU hard limit is one second past the soft one:
-    SIGXCPU first (a clean "CPU limit" status), SIGKILL if the code catches it."""
+def rlimits(
+    cpu_seconds: float, memory_mb: int, max_processes: int, private: bool, file_mb: int | None = None
+) -> list[tuple[str, int, int]]:
+    """``(name, soft, hard)`` the child sets on itself: ``memory_mb`` of address space per process, files up
+    to ``file_mb`` (default ``memory_mb``) each. The CPU hard limit is one second past the soft one: SIGXCPU
+    first (a clean "CPU limit" status), SIGKILL if the code catches it."""
     cpu = max(1, math.ceil(cpu_seconds))
     memory = memory_mb << 20
+    files = (file_mb or memory_mb) << 20
     limits = [
         ("RLIMIT_CPU", cpu, cpu + 1),
         ("RLIMIT_AS", memory, memory),
-        ("RLIMIT_FSIZE", memory, memory),  # one file at most the size of the sandbox's /tmp
+        ("RLIMIT_FSIZE", files, files),  # one file at most the size of the sandbox's /tmp
         ("RLIMIT_NOFILE", 256, 256),
         ("RLIMIT_CORE", 0, 0),
     ]
-    if private:  # root is exempt, and a shared uid's count would include the trainer's own threads
+    if private and max_processes:  # root is exempt, and a shared uid's count would include the trainer's threads
         limits.append(("RLIMIT_NPROC", max_processes, max_processes))
     return limits
 
@@ -215,7 +218,7 @@ def find_bwrap() -> str | None:
 
 def work_dir(code: str, uid: int | None) -> tuple[str, str]:
     """A fresh 0700 folder holding ``code`` as main.py, owned by the call's private uid if any: bwrap binds the
-    file from it, the rlimits level runs in it. Under the system's temp dir, or /tmp where a private uid could
+    file from it, the rlimits-trusted stage copies it. Under the system's temp dir, or /tmp where a private uid could
     not reach that (a TMPDIR inside a 0700 home). Returns the folder and the file."""
     root = tempfile.gettempdir()
     if uid is not None and not world_reachable(root):
@@ -228,34 +231,6 @@ def work_dir(code: str, uid: int | None) -> tuple[str, str]:
         os.chown(folder, uid, uid)
         os.chown(code_file, uid, uid)
     return folder, code_file
-
-
-def bwrap_problem(bwrap: str | None, interp: Interpreter, uid: int | None) -> str:
-    """ "" when bwrap runs a script here exactly as it will for a call (same uid, binds, temp dir), else why
-    not (one line)."""
-    if bwrap is None:
-        return "bwrap is not on PATH"
-    folder, code_file = work_dir("pass", uid)
-    args, inner_code, _ = bwrap_argv(bwrap, interp, [], code_file, 16)
-    ids: dict[str, Any] = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
-    try:
-        run = subprocess.run(
-            [*args, interp.path, "-I", "-S", inner_code],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env=child_env("/tmp"),
-            cwd=folder,
-            **ids,
-        )
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"{type(e).__name__}: {e}"
-    finally:
-        remove_tree(folder)
-    if run.returncode != 0:
-        lines = (run.stderr or run.stdout).strip().splitlines()
-        return lines[-1] if lines else f"exit status {run.returncode}"
-    return ""
 
 
 _KILL = shutil.which("kill", path="/usr/bin:/bin")

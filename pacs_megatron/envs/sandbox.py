@@ -2,25 +2,18 @@
 
 A call never raises into the trainer and never outlives its wall limit::
 
-    Sandbox(level).run(code) -> SandboxResult(kind, stdout, stderr, exit_code, signal, seconds)
+    Sandbox(level).run(code) -> SandboxResult(kind, stdout, stderr, exit_code, signal, seconds, memory_peak_mb)
         kind: "ok" | "error" (non-zero exit, a traceback) | "timeout" (wall limit) | "cpu_limit" |
               "memory_limit" | "output_limit" (stopped at the byte cap) | "crash" (a signal) | "sandbox_error"
 
-Two levels, chosen by ``tools.sandbox`` and resolved once by :func:`check_sandbox` (preflight calls it before
-any heavy work, so a config the machine cannot honour fails in one line):
-
-- ``bwrap``: bubblewrap puts the call in fresh user, pid, network, mount, ipc and uts namespaces: loopback
-  only, /usr plus the interpreter and the allowed packages read-only, a private size-limited /tmp as cwd and
-  HOME, nothing else of the host; the whole pid namespace dies with the call. Plus everything of ``rlimits``.
-- ``rlimits``: a fresh temp dir as cwd and HOME, a clean environment, rlimits (CPU, address space, file
-  size, open files, no core dumps), a private uid where the trainer is root (its own process count and file
-  permissions). The network and the host's readable files stay reachable: :meth:`Sandbox.describe` says so.
-
-Every call: the code is written to a fresh temp dir (0700; deleted after the call), the interpreter runs with
-``-I -S -B`` (no environment variables, site-packages or bytecode writes), the rlimits are set by the child on
-itself before the code runs (isolation.py), stdout and stderr are read with a byte cap (a call that prints
-more is stopped), and at the end every process of the call is killed: its session, its pid namespace
-(bwrap), every process of its private uid (root). docs/tools.md has the measured guarantees and the tests.
+Two levels (envs/levels.py says what each leaves open), chosen by ``tools.sandbox`` and checked once by
+:func:`check_sandbox` (preflight calls it before any model loads): ``bwrap`` (``auto`` means it and nothing
+else: bubblewrap's namespaces, only /usr, the interpreter and the packages visible) and ``rlimits-trusted``
+(root only, set explicitly: new network, mount, pid, ipc and uts namespaces with a private /tmp, the host's
+files readable by permission; envs/enter.py). Either level: rlimits set by the child on itself, a clean
+environment, a private uid per call where the trainer is root, one memory and process cap per call (a cgroup
+where one can be made, else processes x memory within the budget: envs/cgroup.py), output read with a byte
+cap, and at the end every process of the call killed. docs/tools.md has the measured table and the tests.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pacs_megatron.envs import isolation
+from pacs_megatron.envs import cgroup, enter, isolation, levels
 from pacs_megatron.utils.logging import get_logger, warn_once
 
 if TYPE_CHECKING:
@@ -43,7 +36,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-LEVELS = ("auto", "bwrap", "rlimits")
+LEVELS = levels.LEVELS
 KINDS = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "crash", "sandbox_error")
 """How a call ended (:attr:`SandboxResult.kind`)."""
 _EXIT_GRACE_S = 0.2
@@ -87,16 +80,13 @@ class SandboxResult:
     """The code's exit status; None when it was killed (``signal`` then says by what, if known)."""
     signal: int | None
     seconds: float
+    memory_peak_mb: float | None = None
+    """The call's highest memory use, where a cgroup held it."""
 
     @property
     def ok(self) -> bool:
         """The code ran to the end and exited 0."""
         return self.kind == "ok"
-
-
-@functools.cache
-def _bwrap_problem(private: bool, interp: isolation.Interpreter) -> str:
-    return isolation.bwrap_problem(isolation.find_bwrap(), interp, isolation.private_uid() if private else None)
 
 
 def _interpreter(key: str) -> isolation.Interpreter:
@@ -109,34 +99,44 @@ def _interpreter(key: str) -> isolation.Interpreter:
     return interp
 
 
-def check_sandbox(level: str | ToolsConfig = "auto", key: str = "tools.sandbox") -> str:
-    """The level a call will run at here ("bwrap" or "rlimits"), or :class:`SandboxError` in one line.
+@functools.cache
+def _level_problem(level: str, bwrap: str) -> str:
+    """ "" when one call at ``level`` runs here exactly as a tool call will (same stage, uid, cgroup, binds),
+    else why not (one line). One sandbox start (0.1-0.3 s), once per process and level."""
+    probe = Sandbox(level, Limits(wall_seconds=30, memory_mb=256, max_processes=8), packages=(), _checked=True)
+    result = probe.run("print('ok')")
+    if result.ok and result.stdout == "ok\n":
+        return ""
+    lines = (result.stderr or result.stdout).strip().splitlines()
+    return lines[-1] if lines else f"{result.kind}, exit status {result.exit_code}"
 
-    ``level`` is ``tools.sandbox`` (or the whole ToolsConfig); "auto" falls back to rlimits with a warning,
-    "bwrap" where bubblewrap cannot start is refused. The bwrap probe (one sandbox start, 0.1-0.3 s) runs once
-    per process.
+
+def check_sandbox(level: str | ToolsConfig = "auto", key: str = "tools.sandbox") -> str:
+    """The level a call will run at here ("bwrap" or "rlimits-trusted"), or :class:`SandboxError` in one line.
+
+    ``auto`` and ``bwrap`` are bubblewrap or a refusal naming the install and the weaker level's setting;
+    ``rlimits-trusted`` is refused for a non-root trainer and where namespaces cannot be made. Never a
+    fallback: a weaker level runs only where it is asked for by name.
     """
     if not isinstance(level, str):
         level = level.sandbox
-    if level not in LEVELS:
-        raise SandboxError(f"{key}={level!r} is not valid: choose one of {list(LEVELS)}")
-    interp = _interpreter(key)
-    if level == "rlimits":
-        return "rlimits"
-    problem = _bwrap_problem(os.geteuid() == 0, interp)
-    if not problem:
-        return "bwrap"
-    if level == "bwrap":
-        raise SandboxError(
-            f"{key}=bwrap but bubblewrap cannot start a sandbox here ({problem}): apt-get install bubblewrap "
-            f"(it needs unprivileged user namespaces, user.max_user_namespaces > 0), or set {key}=rlimits"
-        )
-    warn_once(
-        logger,
-        f"{key}=auto: bubblewrap cannot start here ({problem}); tool code runs with rlimits only "
-        "(no network or file-system confinement; docs/tools.md)",
-    )
-    return "rlimits"
+    levels.check_name(level, key, SandboxError)
+    _interpreter(key)
+    if level == "rlimits-trusted":
+        if os.geteuid() != 0:
+            raise SandboxError(levels.non_root_refusal(key, os.geteuid()))
+        problem = _level_problem(level, "")
+        if problem:
+            raise SandboxError(
+                f"{key}=rlimits-trusted cannot start here ({problem}): install bubblewrap (apt-get install "
+                f"bubblewrap) and use {key}=auto, or run the trainer where root may unshare namespaces"
+            )
+        return level
+    bwrap = isolation.find_bwrap()
+    problem = "bwrap is not on PATH" if bwrap is None else _level_problem("bwrap", bwrap)
+    if problem:
+        raise SandboxError(levels.bwrap_refusal(key, level, problem))
+    return "bwrap"
 
 
 class Sandbox:
@@ -154,13 +154,20 @@ class Sandbox:
         limits: Limits | None = None,
         packages: tuple[str, ...] = ("numpy", "sympy", "mpmath"),
         key: str = "tools.sandbox",
+        *,
+        _checked: bool = False,
     ) -> None:
         self.limits = limits or Limits()
         self.private = os.geteuid() == 0
         self.interp = _interpreter(key)
-        self.level = check_sandbox(level, key)
+        self.level = level if _checked else check_sandbox(level, key)
         self.packages = isolation.package_paths(packages, self.private) if self.interp.packages_fit else []
         self.bwrap = isolation.find_bwrap() or "bwrap"  # found by check_sandbox when the level is bwrap
+        self.hierarchy = cgroup.find_hierarchy()
+        self.memory = cgroup.memory_plan(self.limits.memory_mb, self.limits.max_processes, self.private, self.hierarchy)
+        if not _checked and (self.level != "bwrap" or not self.memory.per_call):
+            open_ = "; ".join(levels.not_enforced(self))
+            warn_once(logger, f"tool sandbox at level {self.level}: NOT enforced here: {open_}")
 
     @classmethod
     def from_config(cls, cfg: ToolsConfig) -> Sandbox:
@@ -180,11 +187,15 @@ class Sandbox:
     def _run(self, code: str, t0: float) -> SandboxResult:
         uid = isolation.private_uid()
         workdir, code_file = isolation.work_dir(code, uid)
+        group: cgroup.CallGroup | None = None
         proc: subprocess.Popen[bytes] | None = None
         stopped: str | None = "timeout"  # what _end assumes if the read below raised (KeyboardInterrupt)
+        oom, peak = 0, None
         try:
-            argv, env = self._command(workdir, code_file)
-            ids: dict[str, Any] = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+            if isinstance(self.hierarchy, cgroup.Hierarchy):
+                group = self.hierarchy.create(self.memory.call_mb, self.memory.processes + cgroup.SANDBOX_TASKS)
+            argv, env = self._command(code_file, uid, group)
+            # the stage (envs/enter.py) starts as the trainer's user and becomes the private uid itself
             proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
@@ -194,41 +205,60 @@ class Sandbox:
                 cwd=workdir,
                 start_new_session=True,
                 close_fds=True,
-                **ids,
             )
             out, err, stopped = _collect(proc, t0 + self.limits.wall_seconds, self.limits.output_bytes)
         finally:
             if proc is not None:
-                self._end(proc, uid, stopped)
+                self._end(proc, uid, stopped, group)
+            if group is not None:
+                oom, peak = group.oom_kills(), group.peak_mb()
+                group.remove()
             isolation.remove_tree(workdir)
         rc = proc.returncode if proc.returncode is not None else -signal.SIGKILL  # a wait that timed out in _end
-        return self._result(rc, out, err, stopped, time.monotonic() - t0)
+        result = self._result(rc, out, err, stopped, time.monotonic() - t0)
+        result.memory_peak_mb = peak
+        if oom and not result.ok and result.kind != "output_limit":  # the cgroup's OOM killer ended a process
+            result.kind = "memory_limit"
+        return result
 
-    def _command(self, workdir: str, code_file: str) -> tuple[list[str], dict[str, str]]:
-        limits = isolation.rlimits(
-            self.limits.cpu_seconds, self.limits.memory_mb, self.limits.max_processes, self.private
-        )
+    def _command(self, code_file: str, uid: int | None, group: cgroup.CallGroup | None) -> tuple[list[str], dict]:
+        """The call's command and environment: the stage (envs/enter.py) in front where the call joins a cgroup,
+        becomes a private uid or gets namespaces; bwrap alone for a non-root trainer without a cgroup."""
+        plan = self.memory
+        nproc = plan.processes + (2 if self.level == "bwrap" and plan.cap == "rlimits" else 0)  # bwrap's own two
+        limits = isolation.rlimits(self.limits.cpu_seconds, plan.process_mb, nproc, self.private, plan.tmp_mb)
+        env = isolation.child_env("/tmp")
         if self.level == "bwrap":
             prefix, inner_code, path = isolation.bwrap_argv(
-                self.bwrap, self.interp, self.packages, code_file, self.limits.memory_mb
+                self.bwrap, self.interp, self.packages, code_file, plan.tmp_mb
             )
-            env = isolation.child_env("/tmp")
-        else:
-            prefix, inner_code, env = [], code_file, isolation.child_env(workdir)
+        else:  # rlimits-trusted: the stage copies the code into the call's own /tmp
+            prefix, inner_code = [], "/tmp/main.py"
             path = list(dict.fromkeys(os.path.dirname(p) for p in self.packages))
         cfg = json.dumps({"rlimits": limits, "path": path})
-        return [*prefix, self.interp.path, "-I", "-S", "-B", "-c", isolation.BOOTSTRAP, inner_code, cfg], env
+        argv = [*prefix, self.interp.path, "-I", "-S", "-B", "-c", isolation.BOOTSTRAP, inner_code, cfg]
+        if self.level == "bwrap" and uid is None and group is None:
+            return argv, env
+        procs = group.procs_files if group is not None else []
+        namespaced = self.level == "rlimits-trusted"
+        cwd = "/tmp" if namespaced else os.path.dirname(code_file)
+        code = code_file if namespaced else ""
+        return enter.stage_argv(self.interp.path, argv, env, cwd, uid, procs, code, plan.tmp_mb), env
 
-    def _end(self, proc: subprocess.Popen[bytes], uid: int | None, stopped: str | None) -> None:
-        if stopped is None and proc.returncode is None:  # its pipes closed: it is exiting (bwrap: its namespace)
+    def _end(
+        self, proc: subprocess.Popen[bytes], uid: int | None, stopped: str | None, group: cgroup.CallGroup | None
+    ) -> None:
+        if stopped is None and proc.returncode is None:  # its pipes closed: it is exiting (its namespace too)
             try:
                 proc.wait(timeout=_EXIT_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
-        # Unreaped, the pid cannot have been reused: its group is the call's. Reaped, the group is only killed
-        # where nothing else ends stragglers (no private uid, no pid namespace).
-        if proc.returncode is None or (uid is None and self.level == "rlimits"):
+        # Unreaped, the pid cannot have been reused: its group is the call's. Reaped, its namespaces (pid 1's
+        # exit), the cgroup and the private uid end whatever it left.
+        if proc.returncode is None:
             isolation.kill_group(proc.pid)
+        if group is not None:
+            group.kill()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
@@ -243,16 +273,16 @@ class Sandbox:
         stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
         if stopped is not None:  # we killed it: timeout or output_limit
             return SandboxResult(stopped, stdout, stderr, None, signal.SIGKILL, seconds)
-        # bwrap reports a signal as 128 + N, as a shell does (an exit(137) of the code reads the same)
-        sig = -rc if rc < 0 else (rc - 128 if self.level == "bwrap" and rc > 128 else None)
+        # bwrap and the stage's pid 1 report a signal as 128 + N, as a shell does (an exit(137) reads the same)
+        sig = -rc if rc < 0 else (rc - 128 if rc > 128 else None)
         if sig is not None:
             kind = "cpu_limit" if sig == signal.SIGXCPU else "crash"
             return SandboxResult(kind, stdout, stderr, None, sig, seconds)
         if rc == 0:
             return SandboxResult("ok", stdout, stderr, 0, None, seconds)
         last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-        if self.level == "bwrap" and stderr.startswith("bwrap:"):
-            logger.warning("tool sandbox: bwrap failed: %s", last)
+        if stderr.startswith(("bwrap:", "pacs-sandbox:")):
+            logger.warning("tool sandbox: the sandbox failed: %s", last)
             kind = "sandbox_error"
         else:
             kind = "memory_limit" if "MemoryError" in last else "error"
@@ -260,52 +290,11 @@ class Sandbox:
 
     def describe(self) -> str:
         """What this sandbox enforces on this machine and what it does not, one item a line (docs/tools.md)."""
-        lim = self.limits
-        pkgs = ", ".join(os.path.basename(p) for p in self.packages if not p.endswith(".libs")) or "none"
-        who = "a private uid per call (the trainer is root)" if self.private else "the trainer's own uid"
-        on = [
-            f"one fresh process per call, as {who}; {self.interp.path} -I -S -B (no site-packages)",
-            "environment: PATH, LANG, HOME, TMPDIR, one BLAS thread; nothing of the trainer's",
-            f"CPU {lim.cpu_seconds:g} s and address space {lim.memory_mb} MiB per process (RLIMIT_CPU, RLIMIT_AS); "
-            f"files up to {lim.memory_mb} MiB each, 256 open files, no core dumps",
-            f"wall {lim.wall_seconds:g} s per call, then every process of the call is killed",
-            f"output: {lim.output_bytes} bytes kept per stream; one more stops the call",
-            f"importable besides the standard library: {pkgs} (read-only)",
-        ]
-        off = ["system calls are not filtered (no seccomp)"]
-        if self.private:
-            on.append(
-                f"at most {lim.max_processes} processes and threads at once (RLIMIT_NPROC of the private uid); at "
-                "the end every process of that uid is killed, detached ones included"
-            )
-            off.append(f"memory and CPU are per process: a call may use {lim.max_processes} x those")
-        else:
-            off.append(
-                "the number of processes (RLIMIT_NPROC would count the trainer's own threads): a fork bomb grows "
-                "until the wall limit kills it; memory and CPU are per process"
-            )
-        if self.level == "bwrap":
-            on += [
-                "new user, pid, network, mount, ipc and uts namespaces (bubblewrap): network is loopback only; the "
-                "host's processes, /proc and the trainer's environment are out of sight",
-                f"file system: /usr, the interpreter and the packages read-only; a private {lim.memory_mb} MiB tmpfs "
-                "/tmp (cwd, HOME) gone after the call; nothing else of the host (run dir, cwd, /work, homes, /etc)",
-            ]
-        else:
-            on.append("cwd, HOME and TMPDIR: a fresh temp dir (0700), deleted after the call")
-            writable = "/tmp, /dev/shm" if self.private else "/tmp and all the trainer's user owns (run dir, outputs)"
-            off += [
-                "network: NOT blocked (sockets, connections to localhost and beyond work)",
-                "file reads: NOT confined beyond file permissions: world-readable files of the host are readable",
-                f"file writes: NOT confined beyond file permissions: {writable}",
-                "processes: the host's are visible in /proc"
-                + ("" if self.private else ", the trainer's environment among them (/proc/PID/environ)"),
-            ]
-            if not self.private:
-                off.append("a process that leaves the call's session (setsid) outlives the call")
-        lines = [f"sandbox level: {self.level}"]
-        lines += [f"  enforced: {s}" for s in on] + [f"  NOT enforced: {s}" for s in off]
-        return "\n".join(lines)
+        return levels.describe(self)
+
+    def record(self) -> dict[str, Any]:
+        """The level and its limits as the run's summary and eval's output record them (levels.record)."""
+        return levels.record(self)
 
 
 def _collect(proc: subprocess.Popen[bytes], deadline: float, cap: int) -> tuple[bytes, bytes, str | None]:

@@ -160,3 +160,15 @@ def validate(cfg: RunConfig, c: Components, step: int) -> dict:
     """pass@k on the validation sets with the (just synced) engine; collective."""
     metrics, _ = evaluate(c.engine, c.val_sets, val_sampling(cfg), cfg.trainer.val_k, c.scorer, sharded=True, step=step)
     return metrics
+
+
+def tool_sandbox(cfg: RunConfig) -> tuple[dict | None, dict[str, float]]:
+    """The tool sandbox's level and limits on this machine (final.json's ``tool_sandbox``) and the same as the
+    first metrics row's numbers (envs/levels.py); ``(None, {})`` for a run without tools."""
+    if not cfg.rollout.multi_turn.enabled:
+        return None, {}
+    from pacs_megatron.envs.levels import start_metrics
+    from pacs_megatron.envs.sandbox import Sandbox
+
+    record = Sandbox.from_config(cfg.tools).record()  # the level was checked by preflight; the probe is cached
+    return record, start_metrics(record)

@@ -47,6 +47,8 @@ class RunRecord:
         self.cfg, self.output_dir, self.is_rank0, self.resume = cfg, Path(output_dir), is_rank0, resume
         self.layout = RunLayout(self.output_dir)
         self._t0 = psutil.Process().create_time()  # this launch's wall time includes start-up and loading
+        self.tool_sandbox: dict | None = None
+        """The tools' sandbox level and limits in force this launch (envs/levels.py record); None: no tools."""
 
     def write_launch(self) -> Path | None:
         """``configs/launch_NNN.yaml`` (NNN = launches so far) and ``config.yaml`` (the latest)."""
@@ -109,6 +111,7 @@ class RunRecord:
             if ckpt
             else None,
             "eval_command": self._eval_command(hf_dir),
+            "tool_sandbox": self.tool_sandbox,
         }
 
     def _eval_command(self, hf_dir: Path) -> str:
@@ -135,6 +138,7 @@ class RunRecord:
         mt = cfg.rollout.multi_turn
         if mt.enabled:  # tool-integrated: the same turn loop, tools and instruction as the validation
             argv += ["--tool-turns", str(mt.max_turns), "--tools", ",".join(cfg.tools.enabled)]
+            argv += ["--tool-sandbox", cfg.tools.sandbox] if cfg.tools.sandbox != "auto" else []
             argv += ["--tool-instruction", mt.instruction]
         return shlex.join(argv)
 
@@ -221,4 +225,8 @@ def format_summary(s: dict) -> str:
         f"  export        {s['export_command'] or '(no checkpoint to export)'}",
         f"  evaluate      {s['eval_command']}",
     ]
+    if s.get("tool_sandbox"):
+        sb = s["tool_sandbox"]
+        open_ = "; ".join(sb["not_enforced"])
+        lines.append(f"  tool sandbox  {sb['level']}, memory cap {sb['memory_cap']}; NOT enforced: {open_}")
     return "\n".join(lines)

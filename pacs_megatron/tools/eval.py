@@ -112,6 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tools", default="python", help="with --tool-turns: comma-separated tools (as tools.enabled)")
     p.add_argument(
+        "--tool-sandbox",
+        default="auto",
+        help="with --tool-turns: the sandbox level (as tools.sandbox): auto (bubblewrap, or a refusal naming the "
+        "install) or rlimits-trusted (root only, host files readable: docs/tools.md)",
+    )
+    p.add_argument(
         "--tool-instruction",
         default=MultiTurnConfig.instruction,
         help="with --tool-turns: appended to each prompt (as rollout.multi_turn.instruction; '' for none)",
@@ -123,7 +129,20 @@ def _tool_configs(args: argparse.Namespace) -> tuple[MultiTurnConfig, ToolsConfi
     """``--tool-turns`` / ``--tools`` / ``--tool-instruction`` as the trainer's configs (checked by
     :func:`_check_tools` first)."""
     mt = MultiTurnConfig(max_turns=args.tool_turns, instruction=args.tool_instruction)
-    return mt, ToolsConfig(enabled=tuple(t.strip() for t in args.tools.split(",") if t.strip()))
+    enabled = tuple(t.strip() for t in args.tools.split(",") if t.strip())
+    return mt, ToolsConfig(enabled=enabled, sandbox=getattr(args, "tool_sandbox", "auto"))
+
+
+def _tool_sandbox(args: argparse.Namespace) -> dict | None:
+    """With ``--tool-turns``: the sandbox level in force and its limits (envs/levels.py record), logged and kept
+    with the rollouts' sampling settings (eval_metrics.json "sampling"); None without tools."""
+    if args.tool_turns <= 0:
+        return None
+    from pacs_megatron.envs.sandbox import Sandbox
+
+    record = Sandbox.from_config(_tool_configs(args)[1]).record()
+    logger.info("tool sandbox: %s; NOT enforced: %s", record["level"], "; ".join(record["not_enforced"]))
+    return record
 
 
 def _check_tools(args: argparse.Namespace) -> None:
@@ -145,7 +164,8 @@ def _check_tools(args: argparse.Namespace) -> None:
                 )
             )
     except ConfigError as e:
-        raise ConfigError(f"--tool-turns {args.tool_turns} --tools {args.tools!r}: {e}") from None
+        msg = str(e).replace("tools.sandbox=", "--tool-sandbox ")  # the flag that sets it here
+        raise ConfigError(f"--tool-turns {args.tool_turns} --tools {args.tools!r}: {msg}") from None
 
 
 def validate(args: argparse.Namespace) -> list[int]:
@@ -246,6 +266,8 @@ def main(args: argparse.Namespace) -> int:
         # weights readable and agreeing with config.json, a tokenizer: launch/model_dir.py, as every command
         check_model_dir("--model", model_dir, tokenizer_key="--tokenizer", tokenizer_dir=args.tokenizer)
         metrics, rows = _sample_and_score(args, ks, model_dir, data_cfg)
+        sandbox = _tool_sandbox(args)
+        key = key if sandbox is None else {**key, "tool_sandbox": sandbox}  # a fresh key has none: never compared
         write_rollouts(rollout_path, rows)
         write_key(rollout_path, key)
         logger.info("wrote %d rollout rows to %s", len(rows), rollout_path)

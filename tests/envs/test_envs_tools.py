@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from _sandbox_helpers import startable_level
 
 from pacs_megatron.config import ConfigError
 from pacs_megatron.config.tools import ToolsConfig
@@ -19,6 +20,7 @@ from pacs_megatron.envs.sandbox import Limits, SandboxResult
     "field, value, message",
     [
         ("sandbox", "docker", "tools.sandbox='docker' is not valid"),
+        ("sandbox", "rlimits", "tools.sandbox=rlimits is renamed tools.sandbox=rlimits-trusted"),
         ("backend", "slurm", "tools.backend='slurm' is not valid"),
         ("cpu_seconds", 0, "tools.cpu_seconds=0 must be > 0"),
         ("wall_seconds", -1, "tools.wall_seconds=-1 must be > 0"),
@@ -119,7 +121,7 @@ def test_metrics():
 
 @pytest.mark.subprocess
 def test_the_local_pool_runs_calls_at_once_in_input_order():
-    cfg = ToolsConfig(workers=3, wall_seconds=60, cpu_seconds=5, memory_mb=512)
+    cfg = ToolsConfig(workers=3, wall_seconds=60, cpu_seconds=5, memory_mb=512, sandbox=startable_level())
     calls = [
         ("python", {"code": "import time; time.sleep(1); print('slow')"}),
         ("python", '{"code": "print(2 ** 10)"}'),

@@ -226,6 +226,23 @@ def test_the_eval_command_of_a_tool_run_calls_the_tools(tmp_path):
     assert (args.tool_turns, args.tools, args.tool_instruction) == (3, "python", "Call python.")
 
 
+def test_the_tool_sandbox_level_is_in_the_summary_and_its_eval_command(tmp_path):
+    """Issue 57: the level in force and its limits are in final.json and the summary's text; a run at the
+    weaker level prints an eval command that asks for it by name (eval's default, auto, would refuse)."""
+    import shlex
+
+    out = tmp_path / "run"
+    on = ["rollout.multi_turn.max_turns=3", "tools.sandbox=rlimits-trusted", f"trainer.output_dir={out}"]
+    record = RunRecord(load_config("examples/configs/cpu_tiny.yaml", on), out, True, None)
+    assert record.summary(1, None, "complete")["tool_sandbox"] is None  # not known before the loop sets it
+    record.tool_sandbox = {"level": "rlimits-trusted", "memory_cap": "cgroup-v1", "not_enforced": ["file reads"]}
+    s = record.finish(1, None)
+    assert json.loads((out / "final.json").read_text())["tool_sandbox"]["level"] == "rlimits-trusted"
+    assert "tool sandbox  rlimits-trusted, memory cap cgroup-v1; NOT enforced: file reads" in format_summary(s)
+    argv = shlex.split(s["eval_command"])
+    assert argv[argv.index("--tool-sandbox") + 1] == "rlimits-trusted"
+
+
 def test_the_eval_command_builds_the_validations_own_prompts(tmp_path, data_root):
     """Fails on the old code: the eval sets of a word-problem run (the SmolLM2 recipes) were written as PACS
     messages, which eval renders as they are, without the instruction the trainer's validation gives each

@@ -92,6 +92,10 @@ def test_eval_cli_end_to_end_and_recompute(qwen_tiny_dir, data_root, tmp_path, c
 def test_eval_cli_with_tools(qwen_tiny_dir, data_root, tmp_path, capsys):
     """--tool-turns: the trainer's tool instruction on each prompt, the turn loop over the engine (a random
     model rarely closes a call: the mechanics, not the skill), the sets' tool metrics and the transcripts."""
+    from pacs_megatron.envs.isolation import find_bwrap
+
+    if find_bwrap() is None:  # --tool-sandbox auto is bubblewrap or a refusal (issue 57)
+        pytest.skip("bubblewrap is not installed: apt-get install bubblewrap")
     out, tokenizer = tmp_path / "out", data_root / "tokenizers" / "qwen2.5"
     args = dict(model=qwen_tiny_dir, tokenizer=tokenizer, data="amc23", n=2, k="1", limit=2, reward_workers=0)
     assert _run(**args, max_tokens=6, tool_turns=2, out=out) == 0
@@ -100,7 +104,11 @@ def test_eval_cli_with_tools(qwen_tiny_dir, data_root, tmp_path, capsys):
     metrics = json.loads((out / "eval_metrics.json").read_text())
     assert metrics["amc23"]["tools/turns_mean"] >= 1 and "tools/call_rate" in metrics["amc23"]
     assert metrics["sampling"]["tool_turns"] == 2 and metrics["sampling"]["tools"] == "python"
+    sandbox = metrics["sampling"]["tool_sandbox"]  # issue 57: the level the calls ran at, and its limits
+    assert sandbox["level"] == "bwrap" and sandbox["memory_mb_per_process"] > 0
     capsys.readouterr()
+    assert _run(**args, tool_turns=2, tool_sandbox="rlimits", out=out) == 2  # renamed: said with eval's flag
+    assert "--tool-sandbox rlimits is renamed --tool-sandbox rlimits-trusted" in capsys.readouterr().err
     assert _run(**args, tool_turns=1, out=out) == 2
     assert "--tool-turns 1" in capsys.readouterr().err
     assert _run(**args, tool_turns=2, tools="no tool", out=out) == 2

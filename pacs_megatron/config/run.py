@@ -195,19 +195,30 @@ def _field_kind(key: str) -> str:
 def _apply_overrides(merged: Any, overrides: list[str]) -> Any:
     """Merge ``a.b.c=value`` overrides in order. A list field takes a bare value as a one-item list
     (``data.train_files=my.jsonl``; ``a,b`` is two items, as is ``[a,b]``); a string field takes the text
-    as written (``trainer.resume=yes`` stays "yes", not YAML's True)."""
+    as written (``trainer.resume=yes`` stays "yes", not YAML's True), except ``null`` or ``~``, which clear
+    it as an empty value does (``model.gguf=null``).
+
+    ``model.init`` set here to anything but "gguf", with no ``model.gguf`` here, drops the file's
+    ``model.gguf`` (a recipe's GGUF default, read only with init=gguf): ``model.init=pretrained
+    model.path=DIR`` trains DIR on any recipe, as the README writes it."""
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides must look like a.b.c=value, got {bad}")
+    keys = set()
     for item in overrides:
         key, value = (x.strip() for x in item.split("=", 1))
+        keys.add(key)
         kind = _field_kind(key)
+        if kind == "str" and value in ("null", "~"):
+            value = ""
         if kind == "str" and "${" not in value and not value.startswith(("'", '"')):
             OmegaConf.update(merged, key, value, merge=True)
             continue
         if kind == "list" and not value.startswith("["):
             item = f"{key}=[{value}]"
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+    if "model.init" in keys and "model.gguf" not in keys and merged.model.init != "gguf":
+        OmegaConf.update(merged, "model.gguf", "", merge=True)
     return merged
 
 

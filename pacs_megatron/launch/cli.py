@@ -122,6 +122,12 @@ def main(args: argparse.Namespace) -> int:
     from pacs_megatron.utils.early_signals import restore_default_handlers
 
     init_logging()
+    if not under_launcher():  # this process is the launch: the run's wall time counts from here (run_record.py)
+        import psutil
+
+        from pacs_megatron.run.run_record import LAUNCH_TIME_ENV
+
+        os.environ[LAUNCH_TIME_ENV] = repr(psutil.Process().create_time())
     overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
     if getattr(args, "overwrite", False):
         overrides.append("trainer.overwrite=true")

@@ -3,12 +3,13 @@
 ``OUTPUT_DIR/configs/launch_000.yaml``, ``launch_001.yaml``, ... hold the resolved config of each
 launch that actually started (written after the checkpoint was restored, so a launch that failed
 earlier leaves nothing), headed by comments saying where it resumed from and what changed;
-``OUTPUT_DIR/config.yaml`` is a copy of the latest. At the end (or when a launch finds the run
-already complete) rank 0 logs a summary and writes the same data to ``final.json``: steps, wall
-time, reward first -> last, the best and the last validation pass@k per set, the last checkpoint and
-the shell-quoted commands that export and evaluate it (the eval command repeats the run's validation:
-its sets, n, k, temperature, top-p, response length and engine; the synthetic task's sets are written to
-``OUTPUT_DIR/eval_sets/`` so that it names real files). Everything is read back from
+``OUTPUT_DIR/config.yaml`` is a copy of the latest. At the end rank 0 logs a summary and writes the same data
+to ``final.json`` (a launch that finds the run already complete logs it and leaves ``final.json`` as the run
+wrote it): steps, wall time from the launch, the model's dtype and why, reward first -> last, the best
+and the last validation pass@k per set, the last checkpoint and the shell-quoted commands that export and
+evaluate it (the eval command repeats the run's validation: its sets, n, k, temperature, top-p, response length
+and engine; the synthetic task's sets are written to ``OUTPUT_DIR/eval_sets/`` so that it names real
+files). Everything is read back from
 ``metrics.jsonl``, so the summary covers all launches of the run. A run in which every optimizer
 update was skipped (``actor/updates`` is 0 on every step: non-finite losses or gradients) ends with
 status ``no_update``, not ``complete``, and the trainer exits 1: it learnt nothing.
@@ -35,9 +36,20 @@ from pacs_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 _VAL_KEY = re.compile(r"^val/(.+)/(pass@\d+)$")
+LAUNCH_TIME_ENV = "PACS_LAUNCH_TIME"
+"""When the ``pacs-megatron train`` command started (epoch seconds), set by the launching process (launch/cli.py)
+and inherited by the ranks it spawns: a rank's own start comes seconds later."""
 DTYPE_REASON_ENV = "PACS_MODEL_DTYPE_REASON"
 """Why the run has its ``model.dtype`` (set by launch/dtype.py when it resolves "auto"; the config holds the
 value): written beside each launch's config and into final.json."""
+
+
+def launch_time() -> float:
+    """The launch's start (:data:`LAUNCH_TIME_ENV`), else this process's (a rank started by torchrun or srun)."""
+    try:
+        return float(os.environ[LAUNCH_TIME_ENV])
+    except (KeyError, ValueError):
+        return psutil.Process().create_time()
 
 
 class RunRecord:
@@ -46,7 +58,7 @@ class RunRecord:
     def __init__(self, cfg: RunConfig, output_dir: Path, is_rank0: bool, resume: ResumePlan | None) -> None:
         self.cfg, self.output_dir, self.is_rank0, self.resume = cfg, Path(output_dir), is_rank0, resume
         self.layout = RunLayout(self.output_dir)
-        self._t0 = psutil.Process().create_time()  # this launch's wall time includes start-up and loading
+        self._t0 = launch_time()  # this launch's wall time includes start-up and loading
         self.tool_sandbox: dict | None = None
         """The tools' sandbox level and limits in force this launch (envs/levels.py record); None: no tools."""
 
@@ -175,10 +187,15 @@ class RunRecord:
         return out
 
     def finish(self, last_step: int, last_checkpoint: Path | None, status: str = "complete") -> dict:
-        """Log the summary and write ``final.json`` (rank 0; other ranks get an empty dict)."""
+        """Log the summary and write ``final.json`` (rank 0; other ranks get an empty dict). A start that finds
+        the run already complete leaves an existing ``final.json`` as it was."""
         if not self.is_rank0:
             return {}
         s = self.summary(last_step, last_checkpoint, status)
+        if status == "already_complete" and self.layout.final.is_file():
+            # a start of a finished run trains nothing: the run's own record (its status, wall time) stays
+            logger.info("%s", format_summary(s))
+            return s
         self.layout.final.write_text(json.dumps(s, indent=2) + "\n")
         logger.info("%s", format_summary(s))
         return s

@@ -1,46 +1,15 @@
-"""``pacs-megatron compare``: PACS vs the baselines over seeds, each with its own tuned lr.
+"""``pacs-megatron compare``: methods over seeds, each at its own tuned lr, reported as paired differences.
 
     pacs-megatron compare --config examples/configs/cpu_generalize.yaml --out /tmp/cmp \\
         --methods pacs,grpo,ppo --seeds 5 --tune-seeds 2 --lrs 3e-4,1e-3,3e-3 --critic-lrs 3e-4,1e-3 \\
         --tune-key val/arith_val/pass@1 --val-key val/arith_heldout/pass@1 --background
 
-Protocol (fair by construction):
-
-1. **Tune** (skipped with one lr): every method x lr runs on the *tuning* seeds (1000, 1001, ...),
-   which are never reported. A run's score is the mean of ``--tune-key`` (a *validation* split,
-   disjoint from the reported one) over its last three validations, ties broken by the mean train
-   reward of its last quarter. Each method keeps its best lr. When the best lr is the grid's lowest or
-   highest value, the grid grows on that side (1-3-10 steps, at most ``--max-extend`` values per side)
-   until the optimum is interior; the summary says when it never became so. Methods with a learned
-   critic (``ppo``) then tune the critic lr (``--critic-lrs``) the same way at their chosen actor lr;
-   their actor-lr search runs at the middle of that grid (one coordinate pass, not a joint grid). Methods
-   anchored on a reference (``pacs_v2``) tune their reset period K (``--reset-every``) the same way after
-   their lr. A method may have its own lr grid (``--method-lrs pacs_lora=3e-5,1e-4``: LoRA's are ~10x).
-2. **Report**: every method at its lrs on seeds 0..S-1 (``trainer.seed``, ``model.seed``, ``data.seed``
-   and ``rollout.seed`` all set to the seed; the splits, ``data.arith.split_seed``, are not), scored on
-   ``--val-key`` (the held-out split).
-3. **Summarise**: ``OUT/summary.json`` (settings, every tuning score, chosen lrs, per-seed scores, per-
-   method values with 95% t-intervals over seeds, the per-step curves), ``OUT/summary.md`` (the final,
-   per-seed and tuning tables) and ``OUT/curves.png`` (mean +- 95% interval of train reward and
-   held-out pass@1 per method).
-
-Each run is ``pacs-megatron train`` in its own process and output dir ``OUT/runs/NAME-KEY``, where KEY
-hashes the run's resolved config (config file, overrides, ``--steps``, seed, lrs): a run with
-``final.json`` is done *for those settings*; any other is (re)started and resumes from its own
-checkpoint, so the whole command is resumable: rerun it with the same arguments; changed settings
-(``--steps 6`` after ``--steps 4``) get new runs, never the old ones' results. At most ``--jobs`` runs
-at a time (default: CPU cores // ranks per run). On GPUs, runs that share one are pinned to the least busy
-and each process may hold 0.85 / (runs on it) of its memory (``PACS_CUDA_MEMORY_FRACTION``); a colocated vLLM
-engine must ask for at most half of that (``rollout.vllm.gpu_memory_utilization``), else the command refuses.
-On CPU, another run starts only when the host's available memory holds it (1.25x the most host memory a run
-of the comparison has logged, ``perf/peak_rss_gb_rank*``, and the running ones' growth still to come); the
-second waits for the first run's first step.
-``OUT/progress.json`` and the log show progress; ``--background`` detaches the command (log in ``OUT/compare.log``).
-
-Before any run starts, the config must validate (``trainer.test_freq`` > 0 and <= the steps): the
-comparison is scored on validations. Runs die with the command: SIGTERM / Ctrl-C stop them
-(each checkpoints after its current step, however long it takes, so a rerun resumes; a second signal
-kills them at once), and SIGKILL kills them (PR_SET_PDEATHSIG).
+Tune each method's lr (and critic lr, PACS v2's K) on tuning seeds and a validation split, run every method at
+its choice on seeds 0..S-1 (one seed's runs share their prompts, first batch and validation samples), and write
+``OUT/summary.{json,md}`` and ``OUT/curves.png``: per-method intervals over seeds and each pair's per-seed
+differences. Every run is a ``pacs-megatron train`` process in ``OUT/runs/NAME-KEY`` (KEY hashes its resolved
+settings), so the command resumes; ``--results DIR`` keeps finished runs' records for committing and reuses
+them on any machine. The protocol, its fairness rules and its resource limits: docs/compare.md.
 """
 
 from __future__ import annotations

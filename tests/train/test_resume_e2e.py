@@ -103,7 +103,7 @@ def test_resume_changed_damaged_complete_and_export(tmp_path):
     c = _train(out, "trainer.total_steps=4", "trainer.export_hf=true", *CHANGED)
     assert c.returncode == 0, c.stderr[-3000:]
     assert "run already complete at step 4" in c.stderr
-    assert json.loads((out / "final.json").read_text())["status"] == "already_complete"
+    assert json.loads((out / "final.json").read_text())["status"] == "complete"  # the run's own record stays
     hf = out / "checkpoints" / "step_00000004" / "hf"
     assert (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
 

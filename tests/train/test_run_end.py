@@ -42,7 +42,7 @@ def test_final_validation_finished_run_and_dry_run_beside_a_live_lock(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "run already complete at step 3" in again.stderr
     assert "local ranks" not in again.stderr and "resuming from" not in again.stderr  # fails on the old code
-    assert json.loads((out / "final.json").read_text())["status"] == "already_complete"
+    assert json.loads((out / "final.json").read_text())["status"] == "complete"  # the run's own record stays
 
     from pacs_megatron.run.run_dir import LOCK, this_process
 

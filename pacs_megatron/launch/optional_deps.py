@@ -83,7 +83,7 @@ NEEDS: tuple[Need, ...] = (
         "reward.fn",
         lambda c: c.reward.fn in ("math", "math_boxed"),
         "math_verify",
-        "pip install 'math-verify[antlr4_13_2]>=0.7'",
+        "pip install 'math-verify>=0.9'",
         "use reward.fn=arith or your own package.module:function",
     ),
     Need("model.init=gguf", lambda c: c.model.init == "gguf", "gguf", "pip install 'gguf>=0.10'", ""),

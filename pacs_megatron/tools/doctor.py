@@ -41,7 +41,7 @@ STACK = (
     ),
     ("ray", "ray", "the Ray launcher", "pip install 'ray>=2.40'"),
     ("modelopt", "nvidia-modelopt", "FP8 rollouts", "pip install nvidia-modelopt huggingface_hub"),
-    ("math_verify", "math-verify", "the math reward", "pip install 'math-verify[antlr4_13_2]'"),
+    ("math_verify", "math-verify", "the math reward", "pip install 'math-verify>=0.9'"),
 )
 REQUIRED = {"megatron.core", "math_verify"}
 GPU_ONLY = {"transformer_engine", "apex.normalization"}

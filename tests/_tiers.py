@@ -34,6 +34,11 @@ its font cache; a test mounts a small tmpfs): milliseconds, not a process a test
 _state = threading.local()
 _current: list = [None]  # the running item; a list so that threads other than pytest's see it too
 _violations: dict[str, str] = {}  # nodeid -> what it started
+launches: dict[str, int] = {}
+"""nodeid -> the processes this pytest process started during that test (a ``Popen`` or a ``Process.start``,
+the Popen inside a Process.start not counted twice; library probes not counted): the suite's launch count,
+which the end-of-run report (tests/conftest.py) sums. It counts what the suite's own process starts: the
+ranks a launcher starts are the launcher's, one launch here, whatever the world size."""
 
 
 FAST_TIER_SKIP = ("slow", "distributed", "gpu")
@@ -52,7 +57,11 @@ def _allowed(item) -> bool:
 
 def _record(what: str) -> None:
     item = _current[0]
-    if item is None or _allowed(item) or getattr(_state, "inside", False):
+    if getattr(_state, "inside", False):
+        return
+    key = item.nodeid if item is not None else "(outside a test: collection, session fixtures' teardown)"
+    launches[key] = launches.get(key, 0) + 1
+    if item is None or _allowed(item):
         return
     _violations.setdefault(item.nodeid, what)
 
@@ -103,4 +112,4 @@ def violation_report(item, report) -> None:
     )
 
 
-__all__ = ["FAIL_FAST_ENV", "SPAWN_MARKS", "install", "is_fast", "set_current", "violation_report"]
+__all__ = ["FAIL_FAST_ENV", "SPAWN_MARKS", "install", "is_fast", "launches", "set_current", "violation_report"]

@@ -1,5 +1,9 @@
 """Shared fixtures: GPU tests skip cleanly without a GPU; tests see the repo's shared data; the real
-SmolLM2 model is imported once per session when its package is installed."""
+SmolLM2 model is imported once per session when its package is installed.
+
+Also the suite's own bookkeeping: the fast tier runs first; ``$PACS_HIDE_EXTRAS`` hides optional extras
+(tests/_extras.py); the run ends with its cost (each tier's time, its process launches, its slowest 25), printed
+and written to ``$PACS_SUITE_REPORT`` (.ci/run prints it)."""
 
 import importlib.util
 import logging
@@ -13,7 +17,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/_dist.py for spawned children
-import _tiers  # noqa: E402 - tests/ is on the path now
+import _extras  # noqa: E402 - tests/ is on the path now
+import _tiers  # noqa: E402
+
+_extras.install_from_env()  # $PACS_HIDE_EXTRAS: the extras it names look absent here and in the children
 
 if "PACS_DATA_ROOT" not in os.environ:
     from pacs_megatron.config import DataConfig
@@ -30,7 +37,8 @@ def pytest_collection_modifyitems(session, config, items):
     """The fast tier runs first (a stable sort: each tier keeps pytest's order), so a whole-suite run gives
     the quick verdict before the slow one; with $PACS_FAIL_FAST_TIER (CI) a failure there ends the run."""
     items.sort(key=lambda item: not _tiers.is_fast(item))
-    config._pacs_tier = {"fast_failed": 0, "start": None, "announced": False}
+    config._pacs_tier = {"fast_failed": 0, "start": None, "announced": False, "slow_start": None}
+    config._pacs_fast = {item.nodeid: _tiers.is_fast(item) for item in items}
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -46,7 +54,8 @@ def pytest_runtest_protocol(item, nextitem):
     if not _tiers.is_fast(item) and not tier["announced"]:
         tier["announced"] = True
         reporter = item.config.pluginmanager.get_plugin("terminalreporter")
-        took = time.monotonic() - tier["start"]
+        tier["slow_start"] = time.monotonic()
+        took = tier["slow_start"] - tier["start"]
         if reporter is not None:
             failed = tier["fast_failed"]
             reporter.write_line(f"\nfast tier done in {took:.0f} s ({failed} failed); the slow tier follows")
@@ -64,6 +73,53 @@ def pytest_runtest_makereport(item, call):
     _tiers.violation_report(item, report)
     if report.failed and _tiers.is_fast(item):
         item.config._pacs_tier["fast_failed"] += 1
+
+
+def pytest_runtest_logreport(report):
+    _DURATIONS.append((report.duration, report.when, report.nodeid))
+
+
+_DURATIONS: list[tuple[float, str, str]] = []
+REPORT_ENV = "PACS_SUITE_REPORT"
+"""A path (CI sets one, .ci/run prints it at the end): the run's cost is written there as it ends."""
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The run's cost, read rather than guessed: each tier's wall time, the processes the suite started
+    (tests/_tiers.py counts every Popen / Process.start) and the slowest 25 phases; printed, and written to
+    ``$PACS_SUITE_REPORT`` when set."""
+    tier = getattr(config, "_pacs_tier", None)
+    if tier is None or tier["start"] is None:
+        return
+    text = suite_report(tier, getattr(config, "_pacs_fast", {}), terminalreporter.stats, time.monotonic())
+    terminalreporter.write_line(text.split("\n\n")[0])
+    if os.environ.get(REPORT_ENV):
+        Path(os.environ[REPORT_ENV]).write_text(text)
+
+
+def suite_report(tier: dict, fast: dict[str, bool], stats: dict, now: float) -> str:
+    """The report's text: its first paragraph the tiers' times and launches, then the two tables."""
+    slow_start = tier["slow_start"] or now
+    counts = ", ".join(f"{len(v)} {k}" for k, v in stats.items() if k in ("passed", "failed", "skipped", "error"))
+    by_tier = {True: 0, False: 0, None: 0}  # None: not a collected test (collection, test_tiers.py's stand-ins)
+    for nodeid, n in _tiers.launches.items():
+        by_tier[fast.get(nodeid)] += n
+    lines = [
+        f"suite cost ({counts}): fast tier {slow_start - tier['start']:.0f} s, slow tier {now - slow_start:.0f} s; "
+        f"{sum(by_tier.values())} launches (processes the suite's own process started: fast tier "
+        f"{by_tier[True]}, slow tier {by_tier[False]}, elsewhere {by_tier[None]})",
+        "",
+        "slowest 25 phases:",
+        "",
+        "| s | phase | test | launches |",
+        "| ---: | --- | --- | ---: |",
+    ]
+    for took, when, nodeid in sorted(_DURATIONS, reverse=True)[:25]:
+        lines.append(f"| {took:.2f} | {when} | `{nodeid}` | {_tiers.launches.get(nodeid, 0)} |")
+    lines += ["", "most launches (tests with more than one):", "", "| launches | test |", "| ---: | --- |"]
+    many = sorted(((n, k) for k, n in _tiers.launches.items() if n > 1), reverse=True)
+    lines += [f"| {n} | `{nodeid}` |" for n, nodeid in many]
+    return "\n".join(lines) + "\n"
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +156,16 @@ def data_root() -> Path:
     if not (root / "README.md").exists():
         pytest.skip(f"shared data not found at {root} (set PACS_DATA_ROOT)")
     return root
+
+
+@pytest.fixture
+def vllm_installed(monkeypatch):
+    """The config checks run as if vllm were installed (``check_engine_installed`` passes): for the tests of a
+    ``rollout.engine=vllm`` config's other checks, which import no vllm and so need none (a venv with
+    ``.[test]`` only, ``PACS_HIDE_EXTRAS=vllm``). The missing-vllm line itself: tests/test_cli.py."""
+    from pacs_megatron.launch import device_checks
+
+    monkeypatch.setattr(device_checks, "check_engine_installed", lambda rollout: None)
 
 
 @pytest.fixture(scope="session")

@@ -45,6 +45,7 @@ def test_an_unmarked_test_that_starts_a_process_fails_with_the_fix(door):
 
     report = _run_as(_Item("t.py::unmarked", ()), start)
     assert report.outcome == "failed" and "@pytest.mark.distributed" in report.longrepr
+    assert _tiers.launches.pop("t.py::unmarked") == 1  # counted once (a Process.start's own Popen is the same)
     for mark in ("slow", "distributed", "subprocess"):
         assert _run_as(_Item(f"t.py::{mark}", (mark,)), start).outcome == "passed"
     assert _run_as(_Item("t.py::quiet", ()), lambda: None).outcome == "passed"  # no process, no marker needed
@@ -61,3 +62,4 @@ def test_a_library_probe_of_the_machine_needs_no_marker():
             pass
 
     assert _run_as(_Item("t.py::plots", ()), start).outcome == "passed"
+    assert "t.py::plots" not in _tiers.launches  # a probe is no launch of the suite's

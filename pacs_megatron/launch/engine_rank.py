@@ -22,7 +22,7 @@ from typing import Any
 
 from pacs_megatron.rollout.protocol import INDEX_ENV, STORE_ENV, TIMEOUT_ENV
 from pacs_megatron.utils.logging import get_logger, init_logging
-from pacs_megatron.utils.proc import die_with_parent, helper_process
+from pacs_megatron.utils.proc import die_with_parent, helper_process, run_main
 
 logger = get_logger(__name__)
 
@@ -133,4 +133,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)  # no interpreter teardown; multiprocessing's exit (vLLM's children) still runs

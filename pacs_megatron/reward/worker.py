@@ -28,7 +28,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from pacs_megatron.utils.proc import helper_process
+from pacs_megatron.utils.proc import helper_process, run_main
 
 FLUSH_S = 0.01
 
@@ -100,4 +100,4 @@ def _score_one(fn, i: int, prompt, response, answer, extra) -> tuple:
 
 
 if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1])))
+    run_main(lambda: serve(Connection(int(sys.argv[1]))))  # no interpreter teardown (utils/proc.py)

@@ -84,7 +84,13 @@ def run_main(main: Callable[[], int | str | None]) -> NoReturn:
     point therefore calls it before importing anything that registers a handler (logging, imported by then,
     is shut down here). Skipped: collecting what is still alive (the project closes its files and writers
     itself) and C-level exit hooks, such as nanobind's leak report (triton's), which a frozen heap set off
-    (``gc.freeze`` was tried first). When ``main`` raises, the interpreter exits as usual (traceback, 1)."""
+    (``gc.freeze`` was tried first). When ``main`` raises, the interpreter exits as usual (traceback, 1).
+
+    One handler registered *before* this one would be skipped and matters: multiprocessing's (its exit function
+    terminates its daemonic children and joins the others), registered when ``multiprocessing`` is first
+    imported. The engine process and the reward worker import it before their entry point runs (their
+    protocol is a ``multiprocessing.connection``), so the exit calls that function itself when multiprocessing
+    is loaded; it runs once (its own flag), so a handler registered after this one is no second join."""
     atexit.register(_exit_now)
     code = main()
     _RETURNED.append(code)
@@ -95,6 +101,9 @@ def _exit_now() -> None:
     if not _RETURNED:  # main raised, or a SystemExit of its own (argparse): the interpreter's usual exit
         return
     code = _RETURNED[0]
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:  # its atexit handler may have been registered before ours, and would be skipped
+        mp_util._exit_function()
     logging.shutdown()  # in case logging was imported before this handler was registered
     for stream in (sys.stdout, sys.stderr):
         try:

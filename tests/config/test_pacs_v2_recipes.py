@@ -27,7 +27,7 @@ QWEN3 = {
 
 
 @pytest.mark.parametrize("size", ["4b", "8b"])
-def test_qwen3_v2_recipes_dry_run_and_doctor(size, data_root, tmp_path, monkeypatch, capsys):
+def test_qwen3_v2_recipes_dry_run_and_doctor(size, data_root, tmp_path, monkeypatch, capsys, vllm_installed):
     model = tmp_path / f"Qwen3-{size}"
     model.mkdir()
     hf = dict(QWEN3[size], model_type="qwen3", vocab_size=151936, head_dim=128, max_position_embeddings=40960)

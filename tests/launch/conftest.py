@@ -26,3 +26,14 @@ def slurm():
         cluster.cancel_jobs()
         cluster.stop()
         shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_default():
+    """Skips, saying what to install, where ray[default] (the ``ray-jobs`` extra) is missing: without it a Ray
+    node starts no dashboard or metrics agent, so nothing listens on their ports. Requested before
+    ``ray_cluster`` (same scope, argument order), so a skip starts no cluster."""
+    try:
+        import ray.dashboard.optional_deps  # noqa: F401 - what Ray imports to start its agents and job server
+    except ImportError as e:
+        pytest.skip(f"needs ray[default], the ray-jobs extra ({e}): pip install -e '.[ray-jobs]'")

@@ -255,7 +255,7 @@ def test_doctor_distributed_under_ray(ray_cluster, tmp_path):
 
 
 @pytest.mark.distributed
-def test_cluster_nodes_listen_on_their_pinned_ports(ray_cluster):
+def test_cluster_nodes_listen_on_their_pinned_ports(ray_default, ray_cluster):
     """The fixture's ports (tests/_ray_cluster.py) are the ones the nodes registered and listen on:
     distinct, and outside the kernel's ephemeral range, where Ray's port-0 binds land."""
     from _ray_cluster import AGENT_PORTS

@@ -139,13 +139,13 @@ def test_sbatch_warning_before_the_shell_has_its_handlers_requeues(slurm, tmp_pa
     # installed its USR1 trap: the shell died of it and the job FAILED. Make that window wide and
     # certain (the plan step sleeps 8 s first) and send the warning to the batch shell alone inside it.
     out = tmp_path / "run"
-    slow = tmp_path / "python"
-    slow.write_text(f'#!/bin/bash\n[[ "$2" == pacs_megatron.launch.slurm ]] && sleep 8\nexec {sys.executable} "$@"\n')
+    slow, in_plan = tmp_path / "python", tmp_path / "in_plan"
+    plan = f'[[ "$2" == pacs_megatron.launch.slurm ]] && {{ touch {in_plan}; sleep 8; }}'
+    slow.write_text(f'#!/bin/bash\n{plan}\nexec {sys.executable} "$@"\n')
     slow.chmod(0o755)
     job = _submit(slurm, tmp_path, "--config", str(CONFIG), *short_run(out, 500), env={"PYTHON": str(slow)})
-    shell_log = tmp_path / "logs" / f"pacs-{job}.out"
-    wait_until(shell_log.exists, 60, "the batch shell", lambda: slurm.job_field(job, "JobState") != "FAILED")
-    time.sleep(1.0)  # inside the plan's sleep
+    # the plan step has begun its sleep (a wait on that, not a fixed second after the shell's log appeared)
+    wait_until(in_plan.exists, 60, "the plan's sleep", lambda: slurm.job_field(job, "JobState") != "FAILED")
     slurm.run("scancel", "--batch", "--signal=USR1", job)
     wait_until(
         lambda: slurm.job_field(job, "Restarts") != "0",
@@ -169,7 +169,9 @@ def test_sbatch_scancel_cancels_without_requeue(slurm, tmp_path):
     wait_until(lambda: 1 in steps_of(out / "metrics.jsonl"), 240, "step 1", running, lambda: files_under(tmp_path))
     slurm.run("scancel", job)  # SIGTERM to every step and the batch shell, as a user does
     assert _finished(slurm, tmp_path, job, 60) == "CANCELLED"
-    time.sleep(3)  # a requeue would show here (the old TERM trap requeued the completing job)
+    # Not a wait for a condition but a window to see that nothing happens: a requeue would show here (the old TERM
+    # trap requeued the completing job at once; the controller polls every second), and no event says "none came"
+    time.sleep(3)
     assert slurm.job_field(job, "JobState") == "CANCELLED" and slurm.job_field(job, "Restarts") == "0"
     log = _log(tmp_path, job)
     assert "batch shell got SIGTERM" in log and "requeueing" not in log, log[-3000:]

@@ -25,14 +25,14 @@ from pacs_megatron.rollout.vllm_params import llm_kwargs, moe_layer_indices, rou
 REPLAY = ["model.path=/m", "rollout.engine=vllm", "actor.routing_replay=rollout"]
 
 
-def test_config_refuses_routing_replay_with_the_vllm_engine_on_cpu():
+def test_config_refuses_routing_replay_with_the_vllm_engine_on_cpu(vllm_installed):
     with pytest.raises(ConfigError, match=r"routing_replay=rollout with rollout.engine=vllm on CPU.*Triton.*engine=hf"):
         check_device(load_config(None, [*REPLAY, "parallel.backend=gloo"]))
     for ok in (["rollout.engine=hf", "actor.routing_replay=rollout"], ["rollout.engine=vllm"]):
         check_device(load_config(None, ["model.path=/m", "parallel.backend=gloo", *ok]))
 
 
-def test_config_accepts_routing_replay_with_the_vllm_engine_on_gpu():
+def test_config_accepts_routing_replay_with_the_vllm_engine_on_gpu(vllm_installed):
     """parallel.backend=nccl is a GPU run: vLLM's CUDA path returns routed experts (written, never run)."""
     cfg = load_config(None, [*REPLAY, "parallel.backend=nccl"])
     check_device(cfg)

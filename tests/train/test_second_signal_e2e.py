@@ -38,7 +38,11 @@ def _stop_twice(tmp_path: Path, name: str, *overrides: str) -> tuple[str, list[p
     try:
         wait_for(marker.exists, 600, proc)
         job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        time.sleep(0.5)  # well inside the native call
+        # Not waits on a condition, and safe as fixed times: the first SIGTERM only asks for a checkpoint after
+        # the step, whether it lands just before the native call or inside it, so the 0.5 s only makes "inside"
+        # the usual case; the second must come more than DUPLICATE_S after the first to count as a second
+        # request (utils/preemption.py), a minimum that a loaded machine can only lengthen.
+        time.sleep(0.5)
         proc.terminate()
         time.sleep(DUPLICATE_S + 0.5)
         assert proc.poll() is None, "the first SIGTERM must only ask for a checkpoint after the step"

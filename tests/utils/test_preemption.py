@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
-from _runs import gone_within
+from _runs import gone_within, wait_until
 
 from pacs_megatron.config import ConfigError
 from pacs_megatron.launch.slurm import EXIT_REQUEUE, apply_srun_env, plan, srun_exit_code
@@ -68,7 +69,7 @@ def test_ctrl_c_twice_stops_at_once_but_a_duplicate_does_not():
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGINT)  # the same Ctrl-C, forwarded by a launcher: ignored
     assert proc.stdout.readline().split() == ["stop", "True", str(EXIT_INTERRUPTED)]
-    time.sleep(1.3)
+    time.sleep(1.3)  # safe as a fixed time: more than DUPLICATE_S (1 s) after the pair, a minimum, not a wait
     assert proc.poll() is None  # still running: the duplicate did not stop it
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)  # a real second Ctrl-C
@@ -114,9 +115,13 @@ def test_a_second_signal_stops_a_long_native_call_at_once(case):
     try:
         word, helper = proc.stdout.readline().split()
         assert word == "ready"
-        time.sleep(0.5)  # inside the GEMM by now
+        # inside the GEMM: the child's CPU time grows (nothing else runs after "ready"), a wait on that rather
+        # than a fixed 0.5 s (eval's first Ctrl-C before the call would unwind at once and end the child)
+        child = psutil.Process(proc.pid)
+        start = sum(child.cpu_times()[:2])
+        wait_until(lambda: sum(child.cpu_times()[:2]) > start + 0.3, 60, "the GEMM", lambda: proc.poll() is None)
         proc.send_signal(sig)
-        time.sleep(1.3)  # more than DUPLICATE_S: a second request, not the first one seen twice
+        time.sleep(1.3)  # more than DUPLICATE_S: a second request, not the first one seen twice (a minimum)
         assert proc.poll() is None  # the first waits for the step (or the call) to end
         t0 = time.monotonic()
         proc.send_signal(sig)

@@ -53,3 +53,90 @@ def test_the_entry_points_run_through_it():
     assert scripts["pacs-megatron"] == "pacs_megatron.cli:script"
     for module in ("pacs_megatron/__main__.py", "pacs_megatron/launch/__main__.py"):
         assert "run_main(" in (REPO / module).read_text(), module
+
+
+MP_CHILD = """
+import multiprocessing.connection, sys, time  # as the engine and the reward worker do: this registers
+# multiprocessing's atexit handler (multiprocessing.util) before run_main registers its own
+import multiprocessing
+from pathlib import Path
+from pacs_megatron.utils.proc import run_main
+def late(path):
+    time.sleep(1.0)
+    Path(path).write_text("done")
+def main():
+    ctx = multiprocessing.get_context("spawn")
+    ctx.Process(target=late, args=(sys.argv[1],)).start()  # joined at exit by multiprocessing
+    daemon = ctx.Process(target=time.sleep, args=(120,), daemon=True)  # terminated at exit by multiprocessing
+    daemon.start()
+    Path(sys.argv[2]).write_text(str(daemon.pid))
+    return 0
+if __name__ == "__main__":
+    run_main(main)
+"""
+
+
+@pytest.mark.subprocess
+def test_run_main_keeps_multiprocessings_exit_when_it_was_imported_first(tmp_path):
+    """The engine process and the reward worker import multiprocessing before their entry point runs. Old
+    code: run_main's os._exit ran before multiprocessing's handler, so the non-daemon child was not joined
+    (its file appeared a second after the exit) and the daemonic one outlived its parent."""
+    import psutil
+    from _runs import gone_within
+
+    script, done, pid, log = tmp_path / "child.py", tmp_path / "done", tmp_path / "pid", tmp_path / "log"
+    script.write_text(MP_CHILD)
+    try:
+        with log.open("w") as fh:  # a file, not a pipe: a child left running must not hold the run open
+            code = subprocess.run([sys.executable, str(script), str(done), str(pid)], stdout=fh, stderr=fh, timeout=60)
+        assert code.returncode == 0, log.read_text()
+        assert done.is_file() and done.read_text() == "done", "the non-daemon child was not joined"
+        assert gone_within(int(pid.read_text()), 10), "the daemonic child outlived its parent"
+    finally:
+        if pid.is_file() and psutil.pid_exists(int(pid.read_text())):
+            psutil.Process(int(pid.read_text())).kill()
+
+
+TEARDOWN_PROBE = """
+import gc, runpy, sys
+gc.disable()  # the imports' allocations would collect the cycle early: only the teardown's collection may
+class Cycle:  # kept alive by a cycle: only the interpreter's teardown would finalise it
+    def __del__(self):
+        print("teardown ran", flush=True)
+c = Cycle(); c.me = c; del c
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("module", ["pacs_megatron.reward.worker", "pacs_megatron.launch.engine_rank"])
+def test_the_engine_process_and_the_reward_worker_exit_without_teardown(module):
+    """Old code: ``sys.exit(main())`` / a plain return, and the interpreter's teardown finalised the cycle.
+    The reward worker gets a reward and a stop message; the engine, started without its trainer's store and
+    index, fails its start (exit 1) as it would when its trainer is gone."""
+    import os
+    import socket
+
+    from pacs_megatron.rollout.protocol import INDEX_ENV, STORE_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in (INDEX_ENV, STORE_ENV)}
+    argv, fds, parent = [sys.executable, "-c", TEARDOWN_PROBE, module], (), None
+    if module.endswith("worker"):
+        from multiprocessing.connection import Connection
+
+        mine, theirs = socket.socketpair()
+        parent = Connection(mine.detach())
+        parent.send(("init", "arith", sys.path))
+        parent.send(None)
+        argv.append(str(theirs.fileno()))
+        fds = (theirs.fileno(),)
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, pass_fds=fds)
+    finally:
+        if parent is not None:
+            theirs.close()
+            assert parent.recv() == ("ready", None)
+            parent.close()
+    assert out.returncode == (0 if parent is not None else 1), out.stderr[-3000:]
+    assert "teardown ran" not in out.stdout, out.stdout

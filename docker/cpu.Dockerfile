@@ -7,6 +7,8 @@
 #     [--secret id=ca,src=/etc/ssl/certs/ca-certificates.crt] .     # the CA a TLS proxy needs, if any
 #   podman run --rm -v "$PWD/outputs:/workspace/outputs" pacs-megatron:cpu \
 #     pacs-megatron train --config examples/configs/cpu_tiny.yaml
+#   # a tool run (rollout.multi_turn): bubblewrap mounts its own /proc, which podman masks by default
+#   podman run --rm --security-opt 'unmask=/proc/*' ... pacs-megatron train --config examples/configs/cpu_smollm2_tools.yaml
 #
 # The "wheels" build context is a folder of local wheels pip may use first (here /opt/wheels holds
 # torch 2.13.0+cpu); any folder works (e.g. --build-context wheels=docker), and torch then comes from
@@ -29,7 +31,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # Python 3.11 (bookworm's), a compiler for the extension, bubblewrap (the sandbox of tool-integrated rollouts,
-# docs/tools.md: without it tools.sandbox=auto falls back to rlimits only), and a venv the commands run in.
+# docs/tools.md: without it tools.sandbox=auto refuses to start a tool run), and a venv the commands run in.
 # Unpinned on purpose: a stable release's point updates replace these versions (exact pins would break).
 # hadolint ignore=DL3008
 RUN apt-get update \

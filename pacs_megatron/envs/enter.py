@@ -73,7 +73,10 @@ if cfg["uid"] is not None:
 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # lo up, as bwrap does (SIOCGIFFLAGS, SIOCSIFFLAGS)
     flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH", b"lo", 0)))[1]
     fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags | 1))
-socket.sethostname("sandbox")
+try:
+    socket.sethostname("sandbox")
+except OSError:  # a container's seccomp profile may refuse it: the name is cosmetic
+    pass
 worker = os.fork()
 if worker == 0:
     drop_and_exec()

@@ -185,7 +185,9 @@ def bwrap_argv(
     /dev/shm, both gone when the call ends.
     """
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session"]
-    args += ["--cap-drop", "ALL", "--hostname", "sandbox", *_system_dirs()]
+    # no --hostname: a container's seccomp profile refuses sethostname even in bwrap's own uts namespace
+    # (podman 4.3: "Can't set hostname to sandbox: Operation not permitted"), and bwrap then starts nothing
+    args += ["--cap-drop", "ALL", *_system_dirs()]
     if not (interp.prefix == "/usr" or interp.prefix.startswith("/usr/")):
         args += ["--ro-bind", interp.prefix, interp.prefix]
     for path in packages:

@@ -12,6 +12,7 @@ so a config carrying it is asked to say ``rlimits-trusted`` once, knowingly.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,11 +41,24 @@ def check_name(level: str, key: str, error: type[Exception]) -> None:
 
 def bwrap_refusal(key: str, level: str, problem: str) -> str:
     """The one line that stops a run whose bubblewrap cannot start: what is missing, the install, the setting."""
+    # a container masks parts of /proc (bwrap cannot mount its own then), and docker's seccomp profile refuses
+    # user namespaces without CAP_SYS_ADMIN: docs/tools.md, "In a container"
+    where = (
+        "; in a container: podman run --security-opt unmask=/proc/*, docker run --security-opt "
+        "systempaths=unconfined --security-opt seccomp=unconfined"
+        if _in_container()
+        else ""
+    )
     return (
         f"{key}={level} but bubblewrap cannot start a sandbox here ({problem}): {INSTALL} (it needs unprivileged "
-        f"user namespaces: sysctl user.max_user_namespaces > 0), or accept a weaker level with "
+        f"user namespaces: sysctl user.max_user_namespaces > 0{where}), or accept a weaker level with "
         f"{key}=rlimits-trusted (root only; host files stay readable: docs/tools.md)"
     )
+
+
+def _in_container() -> bool:
+    """Docker and podman leave these files in every container they start."""
+    return os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
 
 
 def non_root_refusal(key: str, uid: int) -> str:

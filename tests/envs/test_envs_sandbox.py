@@ -109,3 +109,12 @@ def test_a_machine_failure_is_a_result_not_an_exception(level, monkeypatch):
     result = sandbox.run("print(1)")
     assert result.kind == "sandbox_error" and "No space left" in result.stderr
     assert run_python("print(1)", sandbox).text == "[error: the sandbox could not run the code]\n"
+
+
+def test_bwraps_command_sets_no_hostname():
+    """Fails on the old code: ``--hostname`` makes bwrap call sethostname, which a container's seccomp profile
+    refuses even in bwrap's own uts namespace (podman 4.3: "Can't set hostname to sandbox: Operation not
+    permitted"), so no call could start in the CPU image."""
+    interp = isolation.Interpreter("/usr/bin/python3", "/usr", True)
+    args, inner, _ = isolation.bwrap_argv("bwrap", interp, [], "/tmp/x/main.py", 64)
+    assert "--hostname" not in args and "--unshare-all" in args and inner == "/tmp/main.py"

@@ -63,6 +63,45 @@ def test_both_images_install_the_package_with_the_one_shared_script():
     assert "--no-build-isolation" in script and 'print(f"torch=={torch.__version__}")' in script  # torch pinned
 
 
+def test_both_images_install_bubblewrap_where_the_trainer_runs():
+    """Issue 57: tools.sandbox=auto is bubblewrap or a refusal, so each image installs it in the stage it runs
+    in (the last FROM), as root before the runtime user, and checks that the binary is there."""
+    for dockerfile in (DOCKERFILE, CPU_DOCKERFILE):
+        runtime = dockerfile.read_text().rsplit("\nFROM ", 1)[1]
+        install = re.search(r"apt-get install -y --no-install-recommends [^\n]*\bbubblewrap\b", runtime)
+        assert install and install.start() < runtime.index("\nUSER "), dockerfile.name
+
+
+# what a tool run needs from the container (docs/tools.md, "In a container"): bwrap mounts its own /proc
+UNMASK = {"podman": ["--security-opt", "unmask=/proc/*"]}
+UNMASK["docker"] = ["--security-opt", "systempaths=unconfined", "--security-opt", "seccomp=unconfined"]
+
+
+def _bwrap_starts_inside(cli: str, image: str, env: dict) -> None:
+    """bwrap makes its namespaces inside ``image`` as the image's user, and the sandbox's own check passes."""
+    run = [cli, "run", "--rm", *UNMASK.get(Path(cli).name, []), image]
+    bwrap = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "true"]
+    res = subprocess.run([*run, *bwrap], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    check = "from pacs_megatron.envs.sandbox import check_sandbox; print(check_sandbox('auto'))"
+    res = subprocess.run([*run, "python", "-c", check], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "bwrap", res.stdout[-2000:] + res.stderr
+
+
+@pytest.mark.slow
+def test_bwrap_starts_inside_a_built_image():
+    """Opt-in: PACS_TEST_IMAGE=<tag> of an image built from either Dockerfile (the GPU image is built where a
+    registry and a builder are; podman, or PACS_CONTAINER_CLI=docker). Needs no GPU: bwrap and the sandbox
+    check only."""
+    image = os.environ.get("PACS_TEST_IMAGE")
+    if not image:
+        pytest.skip("opt-in: set PACS_TEST_IMAGE to an image built from Dockerfile or docker/cpu.Dockerfile")
+    cli = shutil.which(os.environ.get("PACS_CONTAINER_CLI", "podman"))
+    if cli is None:
+        pytest.skip("no container CLI: install podman, or set PACS_CONTAINER_CLI=docker")
+    _bwrap_starts_inside(cli, image, _podman_env())
+
+
 def _podman_env() -> dict:
     env = dict(os.environ)
     env.setdefault("CONTAINERS_CONF", str(REPO / "docker" / "containers.conf"))
@@ -90,6 +129,7 @@ def test_cpu_image_builds_and_trains_the_cpu_default(tmp_path):
     build += [f"--secret=id=ca,src={ca}"] if Path(ca).is_file() else []
     res = subprocess.run([*build, str(REPO)], env=env, capture_output=True, text=True, timeout=3600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _bwrap_starts_inside(podman, tag, env)  # the tool sandbox starts in the image (issue 57)
     out = tmp_path / "outputs"
     out.mkdir()
     out.chmod(0o777)  # the image runs as its own user (uid 1000)

@@ -1,13 +1,19 @@
 """Issue 13 end to end on the CPU default (2 ranks, TP=2 over gloo, tiny task), one run dir:
 
-1. a fresh 3-step run: summary on rank 0 + final.json, configs/launch_000.yaml, ETA log lines;
+1. a fresh 3-step run: summary on rank 0 + final.json, configs/launch_000.yaml, ETA log lines; it
+   validates at its last step although 3 is not a multiple of ``test_freq`` (issue 42);
 2. its newest checkpoint truncated, then resumed with lr, loss, n and batch settings changed: the
    damaged one is moved aside with a warning and the previous one used; the diff is printed and
    recorded in launch_001.yaml; the new lr really applies; rollouts.jsonl / TensorBoard are trimmed;
    pruning keeps 2 valid checkpoints;
 3. a launch refused (model.tiny disagrees with model.path) writes no launch record;
-4. a re-run of the complete run says so, exits 0 and, with trainer.export_hf=true, exports;
-5. ``pacs-megatron export`` at TP=1 gives the same files, loadable by transformers and by eval.
+4. a re-run of the complete run says so, exits 0 and, with trainer.export_hf=true, exports; once the
+   export is there, another re-run says so from the run directory, without spawning ranks (issue 42);
+5. ``pacs-megatron export`` at TP=1 gives the same files, loadable by transformers and by eval;
+6. ``--dry-run`` works beside a running run (it takes no lock); a real launch beside it is refused (issue 42).
+
+(4)'s second re-run and (6) were tests/train/test_run_end.py's, which trained a 3-step run of its own for them
+(issue 59: one launch of ranks less; docs/testing.md lists the merge).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -24,7 +31,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
-SMALL = ["trainer.train_batch_size=10", "trainer.sft_warmup_steps=1", "trainer.save_freq=1", "trainer.test_freq=3"]
+SMALL = ["trainer.train_batch_size=10", "trainer.sft_warmup_steps=1", "trainer.save_freq=1", "trainer.test_freq=2"]
 CHANGED = ["optimizer.lr=0.5", "algorithm.loss=grpo", "rollout.n=8", "algorithm.micro_batch_size=40"]
 
 
@@ -67,6 +74,8 @@ def test_resume_changed_damaged_complete_and_export(tmp_path):
     assert "run complete: step 3/3" in a.stderr and "val           arith pass@1: best" in a.stderr
     assert "progress: step 3/3 (100%)" in a.stderr and "ETA" in a.stderr  # captured output: no terminal
     assert _launches(out) == ["launch_000.yaml"]
+    validated = [r["step"] for r in _jsonl(out / "metrics.jsonl") if "val/arith/pass@1" in r]
+    assert validated == [2, 3]  # fails on issue 42's old code: [2] (the last step was not a multiple of test_freq)
 
     # (2) the newest checkpoint is damaged; resume with changed settings
     shard = sorted((out / "checkpoints" / "step_00000003" / "megatron").glob("*.distcp"))[-1]
@@ -106,6 +115,11 @@ def test_resume_changed_damaged_complete_and_export(tmp_path):
     assert json.loads((out / "final.json").read_text())["status"] == "complete"  # the run's own record stays
     hf = out / "checkpoints" / "step_00000004" / "hf"
     assert (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
+    again = _train(out, "trainer.total_steps=4", "trainer.export_hf=true", *CHANGED)  # the export is there now
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "run already complete at step 4" in again.stderr
+    assert "local ranks" not in again.stderr and "resuming from" not in again.stderr  # fails on issue 42's old code
+    assert json.loads((out / "final.json").read_text())["status"] == "complete"
 
     # (5) export at another layout: the same tensors; transformers and eval load it
     from safetensors.torch import load_file
@@ -130,3 +144,13 @@ def test_resume_changed_damaged_complete_and_export(tmp_path):
     argv += ["--reward-workers", "0", "--n", "2", "--k", "1", "--max-tokens", "3"]
     assert main(argv) == 0
     assert json.loads((exported / "eval_metrics.json").read_text())["arith"]["num_problems"] == 3
+
+    # (6) beside a live run: a dry run works (it takes no lock), a real launch is refused
+    from pacs_megatron.run.run_dir import LOCK, this_process
+
+    (out / LOCK).write_text(json.dumps(asdict(this_process())))  # this live process holds the run
+    dry = _train(out, "trainer.total_steps=5", "--dry-run")
+    assert dry.returncode == 0, dry.stderr[-3000:]  # fails on issue 42's old code: refused by the lock
+    assert "# layout" in dry.stdout
+    busy = _train(out, "trainer.total_steps=5")
+    assert busy.returncode == 2 and "is in use by another run" in busy.stderr, busy.stderr[-2000:]  # a real run is

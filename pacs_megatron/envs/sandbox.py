@@ -50,11 +50,12 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class Limits:
-    """What one call may use. Per process: CPU, memory; per call: wall time, processes, output."""
+    """What one call may use. Per process: CPU; per call: memory, processes, wall time, output."""
 
     cpu_seconds: float = 10.0
     wall_seconds: float = 20.0
     memory_mb: int = 1024
+    """The call's memory, its /tmp included: one cgroup, or split into processes (cgroup.memory_plan)."""
     max_processes: int = 64
     output_bytes: int = 16384
     """Bytes kept per stream; one more and the call is stopped (``output_limit``)."""

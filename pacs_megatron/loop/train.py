@@ -74,12 +74,11 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
         logger.info("format warm-up: %s", format_metrics(warmup.format_warmup(cfg, rt, c)))
         critic_stages.init_after_warmup(cfg, c)  # the critic starts from the warmed-up policy
     c.sync.sync(version=start)  # the engines start from the actor's weights (policy version = step), verified
-    record.tool_sandbox, first = stages.tool_sandbox(cfg)  # the tools' sandbox level: first row and final.json
-    if rt.resume is None and cfg.trainer.val_before_train:
-        writer.truncate_after(-1)  # a restarted fresh run's earlier step-0 validation
-        writer.log(0, first | stages.validate(cfg, c, 0))
-    elif first:
-        writer.log(start, first)
+    # the tools' sandbox level and limits: final.json (this launch) and a fresh run's first row (step 0)
+    record.tool_sandbox, first = stages.tool_sandbox(cfg)
+    if rt.resume is None and (first or cfg.trainer.val_before_train):
+        writer.truncate_after(-1)  # a restarted fresh run's earlier step-0 row
+        writer.log(0, first | (stages.validate(cfg, c, 0) if cfg.trainer.val_before_train else {}))
     progress = Progress(cfg.trainer.total_steps, start, rt.is_rank0 and cfg.logging.progress_bar)
     run = _Run(cfg, rt, c, ckpt, writer, flag, progress, StepMemory(rt.groups.device))
     step, stopped = _steps(run, start, rollout_source(cfg, c, start))

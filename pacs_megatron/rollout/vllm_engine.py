@@ -14,9 +14,10 @@ replica this rank is in (rollout/collect.py shards prompts by them). Every rank 
 the same requests with the same seeds (vLLM's external launcher relies on identical scheduling).
 
 Device branches (one engine, one sync path):
-- CPU: float32 for ``model.dtype=auto`` (bf16 allowed), eager execution (inductor's compile costs more
-  than it saves on small CPU runs), no sleep mode (vLLM refuses it on CPU: "Sleep mode is not supported
-  on current platform"), KV cache of ``rollout.vllm.cpu_kv_cache_gib``. No FP8 kernels on CPU.
+- CPU: the run's ``model.dtype`` (``auto`` is resolved at launch: bf16 with native bf16, else float32), eager
+  execution (inductor's compile costs more than it saves on small CPU runs), no sleep mode (vLLM refuses it on
+  CPU: "Sleep mode is not supported on current platform"), KV cache of ``rollout.vllm.cpu_kv_cache_gib``. No FP8
+  kernels on CPU.
 - GPU (never run): bf16 for ``auto``, sleep mode (``LLM.sleep(level=2)``: weights and KV cache dropped,
   nothing copied to host; every sleep is followed by a weight sync, which is when vLLM's docs advise
   level 2). :meth:`update_weights` wakes only the weights, the next :meth:`generate`/:meth:`logprobs`

@@ -21,10 +21,11 @@ def logged_keys() -> set[str]:
         keys |= set(KEY.findall(path.read_text()))
     keys = {k for k in keys if not k.endswith("_")}  # prefixes ("pacs/post_") are expanded below
     keys -= {"critic/megatron"}  # a checkpoint folder (run/checkpoint_check.py), not a metric
-    from pacs_megatron.loop.diagnostics import POST_PREFIX
+    from pacs_megatron.loop.diagnostics import POST_PREFIX, POST_SKIP
 
     keys |= {POST_PREFIX + k.split("/", 1)[1] for k in keys if k.startswith("pacs/") and "post" not in k}
-    keys -= {"pacs/post_mixed_group_frac", "pacs/post_first_minibatch_max_logratio"}  # not recomputed after
+    not_recomputed = {*POST_SKIP, "pacs/first_minibatch_max_logratio"}
+    keys -= {POST_PREFIX + k.split("/", 1)[1] for k in not_recomputed}
     phases = re.findall(r'timer\("(\w+)"\)', (REPO / "pacs_megatron" / "loop" / "train.py").read_text())
     return keys | {f"timing/{p}_s" for p in phases} | {f"timing/{p}_cpu_s" for p in phases}
 

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from pacs_megatron.pacs.batch import TrainBatch
 
 POST_PREFIX = "pacs/post_"
-_SKIP = ("pacs/mixed_group_frac",)  # a property of the rewards, not of the classifier
+POST_SKIP = ("pacs/mixed_group_frac", "pacs/lone_row_groups")
+"""Not recomputed after the update: properties of the rewards and the row weights, not of the classifier."""
 QUANTILES = (0.1, 0.5, 0.9)
 
 
@@ -62,7 +63,7 @@ def post_update_metrics(cfg: RunConfig, actor: MegatronActor, local: TrainBatch)
         psi = psi if keep is None else psi[keep]
         for q, v in zip(QUANTILES, torch.quantile(psi.double(), torch.tensor(QUANTILES, dtype=torch.float64))):
             m[f"pacs/psi_p{round(q * 100)}"] = v
-    keys = [k for k in m if k not in _SKIP]
+    keys = [k for k in m if k not in POST_SKIP]
     groups = actor.groups
     values = torch.stack([m[k].detach().float() for k in keys]).to(groups.device)  # nccl reduces device tensors
     if groups.dp_size > 1:  # every DP rank holds as many rows: the plain mean is the batch mean

@@ -18,7 +18,9 @@ Cost: one pass over the parameters with integer ops; the random bits come from a
 16 dropped bits: unbiased; weights ``POOL`` apart within one chunk share theirs, which biases nothing).
 The noise is drawn from a generator seeded by ``(seed, Adam's step)`` and consumed in parameter order, so
 replicas of a parameter (DP ranks, TP-replicated norms) round identically and a resumed run rounds as an
-uninterrupted one.
+uninterrupted one (after a PACS v2 reset Adam's count restarts, and so does the noise sequence: it stays uniform
+and independent of the weights, so nothing is biased). Measured cost on SmolLM2's 134.5M parameters, one thread
+of the loaded 2-core Zen 3: ~0.6 s a step against ~0.1 s for the nearest copy.
 """
 
 from __future__ import annotations

@@ -10,8 +10,11 @@ left the bf16 policy nearly where it started (sft/loss 0.548 against fp32's 0.05
 
 Stochastic rounding (round up with probability equal to the remainder's share of the spacing) makes the bf16
 copy an unbiased estimate of the fp32 main weight at every step: the forward follows the fp32 trajectory in
-expectation, with noise of at most one bf16 spacing per weight (the precision bf16 has anyway). Measured on a
-tiny Qwen2 with SmolLM2-sized weights, 8 supervised steps at lr 1e-5 (tests/actor/test_bf16_rounding.py).
+expectation, with noise of at most one bf16 spacing per weight (the precision bf16 has anyway). Measured on
+SmolLM2-135M (the Q4_1 import), 5 supervised steps at lr 1e-5 on 8 tool-call demonstrations, Zen 3 (bf16
+emulated): mean NLL 2.47 -> 1.32 in fp32, -> 2.29 in bf16 with round-to-nearest, -> 1.30 with stochastic
+rounding; the worst token's NLL 8.7 -> 6.2, 8.2, 6.2 (the issue's warm-up ended at 8.3 in bf16). At the smallest
+size: tests/actor/test_bf16_rounding.py.
 
 Cost: one pass over the parameters with integer ops; the random bits come from a pool of
 :data:`POOL` values drawn per step and read at random offsets (each weight's noise is still uniform over the

@@ -22,12 +22,10 @@ from pathlib import Path
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.run.run_record import DTYPE_REASON_ENV
+from pacs_megatron.utils.cpu import cpu_bf16_flags
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-"""/proc/cpuinfo flags of native bf16 arithmetic (AVX512-BF16 dot products, AMX bf16 tiles)."""
 
 
 @dataclass(frozen=True)
@@ -46,20 +44,6 @@ class DtypeChoice:
 
     def line(self) -> str:
         return f"model.dtype={self.dtype}: {self.reason}"
-
-
-def cpu_bf16_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> list[str]:
-    """The :data:`BF16_FLAGS` this CPU reports ([] when the file is missing: not Linux)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return []
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            break
-    return [f for f in BF16_FLAGS if f in flags]
 
 
 def choose_dtype(

@@ -136,7 +136,7 @@ class Runner:
 
         spec = Spec(*spec_fields)
         if spec not in self._dirs:
-            cfg = load_config(self.args.config, self.settings(*spec))
+            cfg = self._resolved(load_config(self.args.config, self.settings(*spec)))
             key = config_key(cfg)
             self._dirs[spec] = self.out / "runs" / f"{run_name(*spec)}-{key}"
             self._builds_model[spec] = cfg.model.init != "pretrained"
@@ -144,13 +144,25 @@ class Runner:
                 self._adopt(spec, cfg, self._dirs[spec])
         return self._dirs[spec]
 
+    def _resolved(self, cfg: Any) -> Any:
+        """``cfg`` with ``model.dtype=auto`` as this machine resolves it (launch/dtype.py), so the key says what the
+        run computes in: auto is bf16 on a GPU or a native-bf16 CPU and fp32 elsewhere, and an fp32 run of one
+        machine is never reused as a bf16 run of another. An explicit dtype is keyed as given."""
+        from pacs_megatron.launch.dtype import choose_dtype
+        from pacs_megatron.utils.cpu import cpu_bf16_flags
+
+        if cfg.model.dtype == "auto":
+            cfg.model.dtype = choose_dtype("auto", on_gpu=bool(self.gpus), bf16_flags=cpu_bf16_flags()).dtype
+        return cfg
+
     def _adopt(self, spec: Spec, cfg: Any, new: Path) -> None:
         """A finished run of the same settings under another key (the key's scheme changed since: it once
         hashed every field, so each field a version added changed every key) is renamed to this key, so a
         long protocol's results (on a GPU lease, its minutes) are reused rather than run again."""
         from pacs_megatron.config import ConfigError, load_config
 
-        for old in sorted(new.parent.glob(f"{run_name(*spec)}-*")):
+        kept = [self.results.kept(new).root.parent] if self.results else []  # committed runs are re-keyed there
+        for old in sorted(p for folder in [new.parent, *kept] for p in folder.glob(f"{run_name(*spec)}-*")):
             saved = RunLayout(old).config
             if not (saved.is_file() and RunLayout(old).final.is_file()):
                 continue
@@ -159,11 +171,11 @@ class Runner:
             own = [f"trainer.output_dir={cfg.trainer.output_dir}"]
             own += [f"model.path={cfg.model.path}"] if cfg.model.init != "pretrained" else []
             try:
-                stored = load_config(saved, own)
+                stored = self._resolved(load_config(saved, own))
             except ConfigError:
                 continue  # a config this version cannot read: not the same settings
             if config_key(stored) == new.name.rsplit("-", 1)[1]:
-                old.rename(new)
+                old.rename(old.parent / new.name)
                 logger.info("%s: the finished run %s has these settings (an older key): reused", new.name, old.name)
                 return
 

@@ -6,6 +6,7 @@ AMX; emulated elsewhere), so every measurement names the CPU it ran on (docs/ben
 
 from __future__ import annotations
 
+import os
 import platform
 from functools import cache
 from pathlib import Path
@@ -33,9 +34,18 @@ def cpu_flags() -> set[str]:
     return set(_cpuinfo().get("flags", "").split())
 
 
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (any of :data:`BF16_FLAGS`)."""
-    return bool(cpu_flags() & set(BF16_FLAGS))
+def cpu_bf16_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> list[str]:
+    """The :data:`BF16_FLAGS` this CPU reports ([] when the file is missing: not Linux)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return []
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    return [f for f in BF16_FLAGS if f in flags]
 
 
 def cpu_description() -> str:

@@ -126,3 +126,46 @@ def test_overrides_are_checked_with_each_methods_settings(tmp_path):
     check_args(p.parse_args([*base, "--methods", "pacs_v2", *k]))
     with pytest.raises(ConfigError, match=r"^grpo: algorithm.reference_reset_every=2 resets a reference policy"):
         check_args(p.parse_args([*base, "--methods", "pacs_v2,grpo", *k]))
+
+
+def test_an_auto_dtype_run_is_keyed_as_this_machine_resolves_it(tmp_path, monkeypatch):
+    """model.dtype=auto is bf16 on a native-bf16 CPU and fp32 on another: the same settings compute in other
+    dtypes there, so their runs must not share a key (an fp32 run reused as a bf16 one); an explicit dtype keeps
+    one key everywhere (the paired protocol's runs, committed from any machine)."""
+    import argparse
+
+    import pacs_megatron.utils.cpu as cpu
+    from pacs_megatron.tools.compare_runs import Runner
+
+    def key(flags, *extra):
+        monkeypatch.setattr(cpu, "cpu_bf16_flags", lambda: flags)
+        args = argparse.Namespace(config=str(GENERALIZE), out=str(tmp_path), steps=2, overrides=[*SMALL, *extra])
+        args.gpus = []
+        return Runner(args).run_dir("pacs", 1e-3, 0).name
+
+    assert key([]) != key(["avx512_bf16"])
+    assert key([]) == key([], "model.dtype=float32")
+    assert key([], "model.dtype=float32") == key(["amx_bf16"], "model.dtype=float32")
+
+
+def test_a_committed_run_under_an_older_key_is_rekeyed_in_the_results_and_restored(tmp_path):
+    import argparse
+
+    from omegaconf import OmegaConf
+
+    from pacs_megatron.config import load_config
+    from pacs_megatron.tools.compare_runs import Runner, Spec
+
+    args = argparse.Namespace(config=str(GENERALIZE), out=str(tmp_path / "out"), steps=2, overrides=SMALL)
+    args.results, args.gpus = str(tmp_path / "results"), []
+    old = tmp_path / "results" / "runs" / "pacs_lr0.001_s0-0123456789"  # committed before the key changed
+    cfg = load_config(GENERALIZE, [*Runner(args).settings("pacs", 1e-3, 0), f"trainer.output_dir={old}"])
+    old.mkdir(parents=True)
+    OmegaConf.save(OmegaConf.structured(cfg), old / "config.yaml")
+    (old / "final.json").write_text("{}")
+    (old / "metrics.jsonl").write_text('{"step": 1}\n')
+    runner = Runner(args)
+    new = runner.run_dir("pacs", 1e-3, 0)
+    assert not old.exists() and (tmp_path / "results" / "runs" / new.name / "final.json").is_file()
+    runner.restore(Spec("pacs", 1e-3, 0))
+    assert (new / "metrics.jsonl").read_text() == '{"step": 1}\n'

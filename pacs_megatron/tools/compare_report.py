@@ -178,15 +178,24 @@ def plot(summary: dict, path: Path) -> Path:
             c = s["curves"].get(key)
             if not c or not c["step"]:
                 continue
-            lo = [m - (h if math.isfinite(h) else 0) for m, h in zip(c["mean"], c["half_width"])]
-            hi = [m + (h if math.isfinite(h) else 0) for m, h in zip(c["mean"], c["half_width"])]
-            (line,) = ax.plot(c["step"], c["mean"], label=f"{method} (lr {_lrs(s)})", linewidth=1.4)
-            ax.fill_between(c["step"], lo, hi, color=line.get_color(), alpha=0.2)
-        ax.set_title(f"{key}: mean +- 95% CI over {summary['seeds']} seeds")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            band(ax, c["step"], c["mean"], c["half_width"], f"{method} (lr {_lrs(s)})", linewidth=1.4)
+        finish(ax, f"{key}: mean +- 95% CI over {summary['seeds']} seeds", "step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def band(ax, xs: list, means: list[float], halves: list[float], label: str, **line) -> None:
+    """A mean curve and its 95% band (no band where the half-width is nan: one seed)."""
+    h = [x if math.isfinite(x) else 0.0 for x in halves]
+    (drawn,) = ax.plot(xs, means, label=label, **line)
+    ax.fill_between(xs, [m - d for m, d in zip(means, h)], [m + d for m, d in zip(means, h)],
+                    color=drawn.get_color(), alpha=0.2)  # fmt: skip
+
+
+def finish(ax, title: str, xlabel: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)

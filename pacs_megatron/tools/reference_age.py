@@ -17,7 +17,7 @@ import math
 import re
 from pathlib import Path
 
-from pacs_megatron.tools.compare_report import _pm, find_val_key, interval, series
+from pacs_megatron.tools.compare_report import _pm, band, find_val_key, finish, interval, series
 from pacs_megatron.tools.plot import read_metrics
 
 BRIER, POST, AGE, REWARD = "pacs/brier", "pacs/post_brier", "reference/age", "reward/mean"
@@ -93,17 +93,11 @@ def plot(sweep: dict[int, list[list[dict]]], path: Path) -> Path:
             t = by_age(runs, key)
             if not t:
                 continue
-            ages, s = list(t), list(t.values())
-            mean = [x["mean"] for x in s]
-            half = [x["half_width"] if math.isfinite(x["half_width"]) else 0.0 for x in s]
-            (line,) = ax.plot(ages, mean, marker="o", ms=3, label=f"K {'never' if k == 0 else k}")
-            ax.fill_between(ages, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
-                            color=line.get_color(), alpha=0.15)  # fmt: skip
+            stats = list(t.values())
+            label = f"K {'never' if k == 0 else k}"
+            band(ax, list(t), [x["mean"] for x in stats], [x["half_width"] for x in stats], label, marker="o", ms=3)
         ax.axhline(0.25, color="grey", linewidth=0.8, linestyle="--")  # a coin's Brier (psi = 0)
-        ax.set_title(f"{key} by the reference's age (mean +- 95% CI over seeds)")
-        ax.set_xlabel("reference age (updated steps)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        finish(ax, f"{key}, mean +- 95% CI over seeds", "reference age (updated steps)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

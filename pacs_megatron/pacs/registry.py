@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pacs_megatron.pacs.advantage import drop_lone_rows
 from pacs_megatron.pacs.batch import Rollouts, TrainBatch
 from pacs_megatron.pacs.loss import pacs_loss
 from pacs_megatron.pacs.policy_loss import clipped_policy_loss, gspo_policy_loss
@@ -44,7 +45,8 @@ class LossSpec:
     needs_advantages: bool
     """Whether the trainer must compute outcome advantages for it before the update."""
     unit: str = "row"
-    """What the returned mean averages over: "row", "token", or "agg" (the config's loss_agg_mode)."""
+    """What the returned mean averages over: "row", "group" (rows, less those left alone in their group: a group
+    baseline's loss, PACS), "token", or "agg" (the config's loss_agg_mode)."""
     needs_entropy: bool = False
     """Whether the loss reads the current policy's entropy (the train step then asks the kernel for it)."""
 
@@ -57,7 +59,10 @@ class LossSpec:
             return mask.sum().to(torch.float64)
         if self.unit == "agg":  # sequence-level aggregations average over rows that kept a token
             return mask.any(dim=-1).sum().to(torch.float64)
-        return kept_rows(len(rows), rows.is_weights).sum().to(torch.float64)
+        keep = kept_rows(len(rows), rows.is_weights)
+        if self.unit == "group":  # a row alone in its group has no baseline and leaves too (pacs/advantage.py)
+            keep, _ = drop_lone_rows(keep, rows.group_size)
+        return keep.sum().to(torch.float64)
 
 
 LOSSES: dict[str, LossSpec] = {}
@@ -65,8 +70,8 @@ LOSSES: dict[str, LossSpec] = {}
 
 def register_loss(name: str, needs_advantages: bool = False, unit: str = "row") -> Callable[[LossFn], LossFn]:
     """Decorator: make ``fn`` selectable as ``algorithm.loss=name`` (``unit``: see LossSpec)."""
-    if unit not in ("row", "token", "agg"):
-        raise ValueError(f"unit={unit!r}: choose row, token or agg")
+    if unit not in ("row", "group", "token", "agg"):
+        raise ValueError(f"unit={unit!r}: choose row, group, token or agg")
 
     def deco(fn: LossFn) -> LossFn:
         if name in LOSSES:
@@ -87,7 +92,7 @@ def get_loss(name: str) -> LossSpec:
 Metrics = dict[str, torch.Tensor]
 
 
-@register_loss("pacs")
+@register_loss("pacs", unit="group")
 def _pacs(
     b: TrainBatch, logp: torch.Tensor, cfg: Any, entropy: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, Metrics]:

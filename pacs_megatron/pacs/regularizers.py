@@ -22,7 +22,9 @@ train step's micro-batch weighting (``LossSpec.denominator``) stays exact:
     unit "token"   token-mean over the micro-batch
     unit "agg"     the config's loss_agg_mode (GRPO / PPO; verl aggregates its kl and entropy terms
                    with the actor's loss_agg_mode too)
-    unit "row"     per-row token mean, averaged over the loss's rows (PACS, whose BCE is per row)
+    unit "row"     per-row token mean, averaged over the loss's rows
+    unit "group"   the same over the rows a group baseline keeps (PACS, whose BCE is per row: a row left
+                   alone in its group leaves, pacs/advantage.py)
 
 Neither term is weighted by importance ratios (as verl: those multiply the policy surrogate only).
 With both coefficients 0 :func:`regularize` returns the loss unchanged, the same object.
@@ -35,11 +37,12 @@ from typing import Any
 
 import torch
 
+from pacs_megatron.pacs.advantage import drop_lone_rows
 from pacs_megatron.pacs.batch import TrainBatch
 from pacs_megatron.pacs.config import KL_TYPES
 from pacs_megatron.pacs.policy_loss import aggregate
 from pacs_megatron.pacs.registry import LossSpec
-from pacs_megatron.pacs.rollout_correction import kept_mask
+from pacs_megatron.pacs.rollout_correction import kept_mask, kept_rows
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
@@ -79,6 +82,9 @@ def _aggregate(values: torch.Tensor, x: TrainBatch, spec: LossSpec, cfg: Any) ->
     if spec.unit == "token":
         return values.sum() / m.sum().clamp(min=1.0)
     row_means = values.sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)
+    if spec.unit == "group":  # the loss's rows only: a row left alone in its group left the loss
+        keep, _ = drop_lone_rows(kept_rows(len(x), x.is_weights, values.device), x.group_size)
+        row_means = row_means * keep.to(values.dtype)
     return row_means.sum() / spec.denominator(x, cfg).to(values.dtype).clamp(min=1.0)
 
 

@@ -3,7 +3,7 @@
     python -m pacs_megatron.tools.reference_age docs/results/k_sweep_cpu_default --out docs/results/k_sweep_cpu_default
 
 DIR holds one folder per K (``K2/``, ``K5/``, ``K0/`` for "never reset"), each a ``compare --results`` folder
-(``runs/NAME-KEY/metrics.jsonl`` per seed). Every step's row carries ``reference/age`` (the age of the reference
+(a run directory per seed under ``runs/``). Every step's row carries ``reference/age`` (the age of the reference
 that step's update measured r against, loop/update_stages.py) and the classifier's Brier score of sigmoid(psi)
 against the outcome during the update (``pacs/brier``) and after it (``pacs/post_brier``). Writes
 ``OUT/k_table.md`` (per K: the run's mean Brier, its reward and validation; per age: the Brier over all K) and
@@ -17,6 +17,7 @@ import math
 import re
 from pathlib import Path
 
+from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.tools.compare_report import _pm, band, find_val_key, finish, interval, series
 from pacs_megatron.tools.plot import read_metrics
 
@@ -28,7 +29,7 @@ def load_sweep(root: Path) -> dict[int, list[list[dict]]]:
     out: dict[int, list[list[dict]]] = {}
     for folder in sorted(root.glob("K*")):
         m = re.fullmatch(r"K(\d+)", folder.name)
-        runs = sorted(d for d in (folder / "runs").glob("*") if (d / "metrics.jsonl").is_file()) if m else []
+        runs = sorted(d for d in (folder / "runs").glob("*") if RunLayout(d).metrics.is_file()) if m else []
         if runs:
             out[int(m.group(1))] = [read_metrics(d) for d in runs]  # type: ignore[union-attr]
     return dict(sorted(out.items(), key=lambda kv: (kv[0] == 0, kv[0])))  # K ascending, never last
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sweep = load_sweep(Path(args.sweep))
     if not sweep:
-        p.error(f"{args.sweep} has no K<k>/runs/*/metrics.jsonl: run examples/k_sweep_cpu.sh first")
+        p.error(f"{args.sweep} has no K<k>/runs/ with a finished run: run examples/k_sweep_cpu.sh first")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "k_table.md").write_text(k_table(sweep))

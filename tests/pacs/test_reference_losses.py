@@ -117,7 +117,8 @@ def test_mis_rejection_leaves_the_denominator(mode):
 
 def test_mis_rejected_pacs_rows_leave_the_mean():
     """PACS: the BCE mean runs over the rows masked IS kept, and a rejected row leaves its group's baseline
-    (pacs/advantage.py): row 0 is left alone in its group, so its psi is its own r (verl's group of one)."""
+    (pacs/advantage.py): row 0 is left alone in its group, with no baseline, so it leaves too (it was kept with
+    psi = r, verl's group of one, before issue 56): the mean is over rows 2 and 3, and the denominator says 2."""
     logp = 0.2 * torch.randn(MASK.shape, generator=G, dtype=torch.float64)
     old = torch.zeros(MASK.shape, dtype=torch.float64)
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -125,12 +126,12 @@ def test_mis_rejected_pacs_rows_leave_the_mean():
     w = torch.tensor([[1.0], [0.0], [1.0], [1.0]], dtype=torch.float64)
     spec = get_loss("pacs")
     loss, _ = spec.fn(loss_batch(old, MASK, scores, 2, is_weights=w), logp, cfg)
-    # by hand: RLOO of the implicit rewards within each group of 2, BCE per row, mean over kept rows 0, 2, 3
+    # by hand: RLOO of the implicit rewards within each group of 2, BCE per row, mean over kept rows 2, 3
     r = (logp * MASK).sum(-1)
     psi = torch.stack([r[0], r[1] - r[0], r[2] - r[3], r[3] - r[2]])
     bce = torch.nn.functional.binary_cross_entropy_with_logits(psi, scores.double(), reduction="none")
-    assert loss.item() == pytest.approx(bce[[0, 2, 3]].mean().item(), rel=1e-12)
-    assert spec.denominator(loss_batch(old, MASK, scores, 2, is_weights=w), cfg).item() == 3
+    assert loss.item() == pytest.approx(bce[[2, 3]].mean().item(), rel=1e-12)
+    assert spec.denominator(loss_batch(old, MASK, scores, 2, is_weights=w), cfg).item() == 2
 
 
 def _ref_gae(rewards, values, gamma, lam):

@@ -21,6 +21,14 @@ class _Synthetic(Runner):
         super().__init__(argparse.Namespace(out="/nonexistent", tune_seeds=tune_seeds))
         self.score, self.ran = score, []
 
+    def run_dir(self, *spec):  # no run has a directory: nothing to restore, no CPU or dtype on record
+        from pathlib import Path
+
+        return Path(self.args.out) / "runs" / run_name(*spec)
+
+    def restore(self, spec):
+        pass
+
     def run_all(self, specs):
         self.ran += [Spec(*s) for s in specs]
         rows = lambda s: [  # noqa: E731
@@ -74,6 +82,7 @@ def test_each_method_tunes_on_its_own_grid(tmp_path, monkeypatch):
         config="c.yaml", out=str(tmp_path), overrides=[], steps=0, seeds=1, tune_seeds=1, max_extend=0,
         methods=["pacs", "pacs_lora"], lrs=[3e-6, 1e-5, 3e-5], method_lrs={"pacs_lora": [3e-5, 1e-4, 3e-4]},
         critic_lrs=[], reset_every=[], val_key="val/report/pass@1", tune_key="val/tune/pass@1",
+        score_validations=3, pairs=[], results="",
     )  # fmt: skip
     summary = compare_mod.compare(args)
     assert summary["tuning"]["pacs"]["lr"]["grid"] == pytest.approx([3e-6, 1e-5, 3e-5])
@@ -115,7 +124,7 @@ def test_pacs_v2_tunes_its_reset_period_at_its_chosen_lr(tmp_path, monkeypatch):
     args = argparse.Namespace(
         config=str(GENERALIZE), out=str(tmp_path), overrides=SMALL, steps=4, seeds=1, tune_seeds=1, max_extend=0,
         methods=["pacs", "pacs_v2"], lrs=[3e-4, 1e-3, 3e-3], method_lrs={}, critic_lrs=[], reset_every=[5, 10, 20],
-        val_key="val/report/pass@1", tune_key="val/tune/pass@1",
+        val_key="val/report/pass@1", tune_key="val/tune/pass@1", score_validations=3, pairs=[], results="",
     )  # fmt: skip
     summary = compare_mod.compare(args)
     assert (

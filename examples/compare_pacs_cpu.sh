@@ -28,7 +28,7 @@
 # ~35-40 min, the 18 runs ~11-12 CPU hours; with a native-bf16 CPU and bf16 (once allowed) ~2.5x less.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-K="${K:-5}"  # PACS v2's reset period: examples/k_sweep_cpu.sh's choice (docs/pacs_v2.md)
+K="${K:-5}"  # PACS v2's reset period, chosen from the CPU-default sweep (docs/results/k_sweep_cpu_default/)
 METHODS="${METHODS:-pacs,pacs_v2,grpo}"
 KFLAG=()
 [[ ",$METHODS," == *,pacs_v2,* ]] && KFLAG=(--reset-every "$K")

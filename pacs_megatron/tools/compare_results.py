@@ -24,6 +24,14 @@ def _record(layout: RunLayout) -> list[Path]:
     return [layout.metrics, layout.rollouts, layout.final, layout.config, layout.launch]
 
 
+def _copy(src: RunLayout, dst: RunLayout) -> None:
+    """A run's record from one run directory into another (made if missing)."""
+    dst.root.mkdir(parents=True, exist_ok=True)
+    for a, b in zip(_record(src), _record(dst)):
+        if a.is_file():
+            shutil.copy2(a, b)
+
+
 class ResultsDir:
     """``DIR/runs/NAME-KEY/``: the committed record of each finished run of a comparison."""
 
@@ -38,11 +46,7 @@ class ResultsDir:
         kept = self.kept(run_dir)
         if RunLayout(run_dir).final.is_file() or not kept.final.is_file():
             return False
-        own = RunLayout(run_dir)
-        for src, dst in zip(_record(kept), _record(own)):
-            if src.is_file():
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src, dst)
+        _copy(kept, RunLayout(run_dir))
         logger.info("%s: finished run restored from %s", run_dir.name, kept.root)
         return True
 
@@ -51,10 +55,7 @@ class ResultsDir:
         own, kept = RunLayout(run_dir), self.kept(run_dir)
         if not own.final.is_file():
             return
-        kept.root.mkdir(parents=True, exist_ok=True)
-        for src, dst in zip(_record(own), _record(kept)):
-            if src.is_file():
-                shutil.copy2(src, dst)
+        _copy(own, kept)
         logger.info("%s: kept in %s (commit it)", run_dir.name, kept.root)
 
 

@@ -32,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.utils.logging import get_logger, init_logging
 
 logger = get_logger(__name__)
@@ -75,7 +76,7 @@ def launch(out: Path, steps: int, overrides: list[str]) -> list[dict]:
     proc = subprocess.run([*cmd, *overrides], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(overrides)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [json.loads(x) for x in RunLayout(out).metrics.read_text().splitlines() if x.strip()]
 
 
 def summarize(rows: list[dict], skip: int) -> dict:

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.utils.logging import get_logger, init_logging
 
 logger = get_logger("pacs_megatron.bench.rl_step")  # also when run as __main__
@@ -221,7 +222,7 @@ def run_ours(args, dtype: str, work: Path, prompts_file: Path, arm: list[str] = 
     with (work / "train.log").open("w") as log:
         subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
     records = []
-    for line in (out / "metrics.jsonl").read_text().splitlines():
+    for line in RunLayout(out).metrics.read_text().splitlines():
         m = json.loads(line)
         rec = {"step": m["step"], "tokens": m["data/tokens"], "step_s": m["timing/step_s"]}
         rec["rank_tokens"] = m["data/tokens"] / _layout(args.ours)["dp"]  # what rank 0 trains on

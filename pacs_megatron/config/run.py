@@ -24,6 +24,7 @@ from pacs_megatron.config.rollout import RolloutConfig, SyncConfig, check_lora_s
 from pacs_megatron.config.switches import check_run_switches
 from pacs_megatron.config.tools import ToolsConfig
 from pacs_megatron.config.training import AlgorithmConfig, LoggingConfig, OptimizerConfig, TrainerConfig
+from pacs_megatron.config.warmup import check_warmup_stop
 
 
 @dataclass
@@ -70,6 +71,7 @@ class RunConfig:
             self.rollout.placement,
             self.trainer.sft_warmup_steps,
         )
+        check_warmup_stop(self.trainer.sft_warmup_stop, self.trainer.sft_warmup_steps, self.rollout.multi_turn.enabled)
         mini = self.mini_batch_prompts
         if self.trainer.train_batch_size % mini:
             raise ConfigError(

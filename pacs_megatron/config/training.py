@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from pacs_megatron.config.base import ConfigError, _choice, _positive
 from pacs_megatron.config.switches import OverlongConfig, check_algorithm_switches
+from pacs_megatron.config.warmup import WarmupStopConfig
 from pacs_megatron.pacs.config import (
     GSPOConfig,
     PACSConfig,
@@ -250,7 +251,11 @@ class TrainerConfig:
     export_hf: bool = False
     """Also write Hugging Face safetensors with each checkpoint."""
     sft_warmup_steps: int = 0
-    """Supervised steps before RL (the synthetic task uses it to learn the answer *format* only)."""
+    """Supervised steps before RL (the synthetic task uses it to learn the answer *format* only); the maximum
+    when ``sft_warmup_stop.until=valid_calls``."""
+    sft_warmup_stop: WarmupStopConfig = field(default_factory=WarmupStopConfig)
+    """When the warm-up stops: after sft_warmup_steps ("steps"), or once the tool warm-up's held-out calls parse
+    and run ("valid_calls"; config/warmup.py)."""
     val_n: int = 4
     """Samples per validation problem."""
     val_k: list[int] = field(default_factory=lambda: [1])

@@ -70,12 +70,15 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     launched = psutil.Process().create_time()
     flag = PreemptionFlag(replace(cfg.trainer, stop_after_s=0.0, deadline_unix=stop_deadline(cfg.trainer, launched)))
     writer.truncate_after(start)  # metrics, rollouts and TensorBoard end at the resumed step
+    warmed: dict = {}
     if rt.resume is None and cfg.trainer.sft_warmup_steps:
-        logger.info("format warm-up: %s", format_metrics(warmup.format_warmup(cfg, rt, c)))
+        warmed = warmup.format_warmup(cfg, rt, c)
+        logger.info("format warm-up: %s", format_metrics(warmed))
         critic_stages.init_after_warmup(cfg, c)  # the critic starts from the warmed-up policy
     c.sync.sync(version=start)  # the engines start from the actor's weights (policy version = step), verified
     # the tools' sandbox level and limits: final.json (this launch) and a fresh run's first row (step 0)
     record.tool_sandbox, first = stages.tool_sandbox(cfg)
+    first |= warmup.stop_record(warmed)  # how long a measured warm-up ran and where it stopped
     if rt.resume is None and (first or cfg.trainer.val_before_train):
         writer.truncate_after(-1)  # a restarted fresh run's earlier step-0 row
         writer.log(0, first | (stages.validate(cfg, c, 0) if cfg.trainer.val_before_train else {}))

@@ -12,6 +12,10 @@ Shape legend: s sequence, b rows, t packed tokens, h query heads, g KV heads (th
     sbhd: q [s, b, h, d], k/v [s, b, g, d]       -> [s, b, h * d]
     thd : q [t, h, d], k/v [t, g, d], cu_seqlens -> [t, h, d]    (megatron reshapes it to [t, 1, h * d])
 
+Context parallelism (``parallel.cp`` > 1, sbhd only): each rank holds its zig-zag chunks of every row
+(parallel/cp_split.py); K and V are all-gathered over the CP group and the causal mask is built from the
+tokens' global positions: exact, and the CPU reference for Transformer Engine's ring (actor/model.py).
+
 THD attention scatters the packed tokens into a zero-padded ``[rows, max_len]`` layout, runs the causal
 SDPA there and gathers the real tokens back: a padded query only attends to itself and earlier tokens of
 its own (padding) row, so no real token ever sees padding or another row. Attention is a small share of
@@ -25,6 +29,9 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+
+from pacs_megatron.parallel.cp_comm import gather_for_attention
+from pacs_megatron.parallel.cp_split import causal_allowed, chunk_positions, gathered_positions
 
 MATMUL_ATTENTION_MAX_LEN = 256
 """Longest (padded) row for which half-precision attention on CPU runs as two batched matmuls with an fp32
@@ -60,6 +67,9 @@ class SDPACoreAttention(MegatronModule):
         from megatron.core.transformer.enums import AttnMaskType
 
         tp = pg_collection.tp.size() if pg_collection is not None else config.tensor_model_parallel_size
+        cp_group = getattr(pg_collection, "cp", None)
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        """The CP group when the sequence is split over it (K/V are gathered over it), else None."""
         self.layer_number = layer_number
         self.heads = config.num_attention_heads // tp
         self.kv_heads = (config.num_query_groups or config.num_attention_heads) // tp
@@ -71,19 +81,33 @@ class SDPACoreAttention(MegatronModule):
                 f"(got mask {attn_mask_type}, type {attention_type!r}, dropout {dropout})"
             )
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention on ``[b, h|g, s, d]``; KV heads are repeated for grouped-query attention."""
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None):
+        """Attention on ``[b, h|g, s, d]``; KV heads are repeated for grouped-query attention. Causal, or
+        ``allowed`` ``[s_q, s_k]`` (True: may attend) when the queries are a CP rank's chunks."""
         if self.kv_heads != self.heads:
             rep = self.heads // self.kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        s = q.shape[-2]
+        s = k.shape[-2]
         if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and s <= MATMUL_ATTENTION_MAX_LEN:
             scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale
-            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-            probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1).to(q.dtype)
+            hidden = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1) if allowed is None else ~allowed
+            probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1).to(q.dtype)
             return torch.matmul(probs, v)
+        if allowed is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+
+    def _cp_sbhd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """sbhd attention of this CP rank's chunks: K/V of every rank, the causal mask in global positions."""
+        s, b = query.shape[:2]
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        kv = gather_for_attention(torch.stack([key, value]), self.cp_group, dim=1)  # [2, s * cp, b, g, d]
+        allowed = causal_allowed(
+            chunk_positions(s * cp, cp, rank, query.device), gathered_positions(s * cp, cp, query.device)
+        )
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, kv[0], kv[1]))
+        return self._sdpa(q, k, v, allowed).permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def forward(
         self,
@@ -97,10 +121,14 @@ class SDPACoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("SDPACoreAttention takes no explicit attention mask or bias (causal only)")
+        if packed_seq_params is None and self.cp_group is not None:
+            return self._cp_sbhd(query, key, value)
         if packed_seq_params is None:  # sbhd
             s, b = query.shape[:2]
             out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        if self.cp_group is not None:
+            raise ValueError("THD-packed micro-batches with parallel.cp > 1 are not supported on CPU (actor/thd.py)")
         rows, cols, num_rows, width = _thd_index(packed_seq_params.cu_seqlens_q, query.device)
 
         def padded(x: torch.Tensor) -> torch.Tensor:  # [t, h, d] -> [rows, h, width, d]

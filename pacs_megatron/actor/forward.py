@@ -16,6 +16,10 @@ training pass run the same micro-batches with the same shapes.
 
 Input convention (data/batching.py): right-padded rows, positions 0..T-1, causal mask only;
 ``token_logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` and ``token_logp[:, 0] = 0``.
+
+Context parallelism (``groups.cp_size`` > 1): rows are padded to a multiple of 2 * cp and each CP rank runs
+the model on its zig-zag chunks (parallel/cp_split.py); its per-token log-probs are all-gathered over the CP
+group (parallel/cp_comm.py), so every loss, sum and metric downstream reads whole ``[b, T]`` rows.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from pacs_megatron.actor.thd import ThdBatch, pack_thd
 from pacs_megatron.data.batching import Rollouts, split_micro_batches
 from pacs_megatron.ops import fused_head_logprobs, fused_logprobs
 from pacs_megatron.parallel import ParallelGroups
+from pacs_megatron.parallel.cp_comm import gather_replicated
+from pacs_megatron.parallel.cp_split import pad_to_split, padded_length, split_sequence, unsplit_sequence
 
 IGNORE_ID = -100
 """Target id of the last position in the log-prob call: outside [0, V), so logp 0 and no gradient."""
@@ -75,13 +81,22 @@ def token_logprobs(
     A :class:`HeadInput` (the fused LM head: hidden states and the output weight instead of logits) takes
     the same targets through ops/head.py, which masks the padded vocab itself and holds one logits block
     at a time (``inplace_backward`` is moot there: no logits gradient exists).
+
+    Under context parallelism the logits (or hidden states) are this CP rank's chunks of the rows
+    padded by :func:`cp_inputs`; the results are gathered over the CP group into whole rows, whose
+    backward reaches this rank's chunks only (every CP rank computes the same loss from them).
     """
+    cp = groups.cp_size
+    if cp > 1 and (thd is not None or rows is not None):
+        raise ValueError("parallel.cp > 1 takes padded micro-batches of full logit rows (no THD, no logit rows)")
     if not isinstance(logits, HeadInput):
         logits = mask_padded_vocab(logits, spec, groups, inplace=inplace_backward)
     if rows is not None:
         targets = rows.targets(input_ids)
     elif thd is None:
         targets = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_ID)
+        if cp > 1:  # the targets of this rank's positions (the next token of each, from the whole row)
+            targets = split_sequence(pad_to_split(targets, cp, IGNORE_ID), cp, groups.cp_rank)
     else:
         targets = thd.next_token_targets(IGNORE_ID)
     if isinstance(logits, HeadInput):
@@ -110,9 +125,24 @@ def token_logprobs(
         token_logp = unpack(rec.token_logp.float())
         entropy = unpack(rec.entropy.float()) if with_entropy else None
         return token_logp, entropy
-    token_logp = F.pad(rec.token_logp[:, :-1].float(), (1, 0))
-    entropy = F.pad(rec.entropy[:, :-1].float(), (1, 0)) if with_entropy else None
-    return token_logp, entropy
+    T = input_ids.shape[1]
+
+    def whole(x: torch.Tensor) -> torch.Tensor:  # [b, T(/cp)] predictions -> [b, T] in sequence order
+        x = x.float()
+        if cp > 1:
+            x = unsplit_sequence(gather_replicated(x, groups.cp_group, dim=1), cp)
+        return F.pad(x[:, : T - 1], (1, 0))
+
+    return whole(rec.token_logp), (whole(rec.entropy) if with_entropy else None)
+
+
+def cp_inputs(ids: torch.Tensor, groups: ParallelGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, position_ids)`` this rank runs the model on: the whole ``[b, T]`` rows without context
+    parallelism, else the rows padded to a multiple of 2 * cp and cut to this CP rank's chunks."""
+    cp, rank = groups.cp_size, groups.cp_rank
+    ids = pad_to_split(ids, cp) if cp > 1 else ids
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    return split_sequence(ids, cp, rank), split_sequence(positions, cp, rank)
 
 
 LossFactory = Callable[..., Callable]
@@ -156,6 +186,10 @@ def run_schedule(
     n_real = len(micro)
     micro = list(micro) + [micro[-1]] * interleave_padding(n_real, groups)
     mbs, T = micro[0].input_ids.shape
+    if groups.cp_size > 1:
+        if thd:
+            raise ValueError("THD-packed micro-batches with parallel.cp > 1 are not supported (actor/thd.py use_thd)")
+        T = padded_length(T, groups.cp_size)  # the schedule's p2p shapes divide it by cp
     device = groups.device
 
     def forward_step(data_iterator, model):
@@ -166,7 +200,9 @@ def run_schedule(
         routed = None if mb.routed_experts is None else mb.routed_experts.padded(ids.shape[1])
         set_routing_replay(model, routed, ids.shape[1], p, groups.tp_rank, groups.tp_size)
         mask = _moe_padding_mask(model, mb, ids.shape[1], p, k >= n_real, groups)
-        rows = response_rows(mb.response_mask.to(device), p) if response_only and selects_rows(model) else None
+        # under CP the LM head's input is this rank's chunks: the logit rows are not selected there
+        select = response_only and groups.cp_size == 1 and selects_rows(model)
+        rows = response_rows(mb.response_mask.to(device), p) if select else None
         extra = {"thd": p} if p is not None else {}
         if rows is not None:
             extra["rows"] = rows
@@ -181,8 +217,8 @@ def run_schedule(
                     padding_mask=mask,
                 )
             else:  # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
-                positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
-                out = model(input_ids=ids, position_ids=positions, attention_mask=None, padding_mask=mask)
+                model_ids, positions = cp_inputs(ids, groups)
+                out = model(input_ids=model_ids, position_ids=positions, attention_mask=None, padding_mask=mask)
         loss_func = make_loss_func(mb, ids, k >= n_real, **extra)
         return out, head_input_loss(loss_func, model) if fused else loss_func
 

@@ -187,6 +187,8 @@ def transformer_config(
     MoE: experts are never tensor-parallel (``expert_tensor_parallel_size=1``: EP splits the expert
     list, each expert is whole), no token dropping, the allgather dispatcher, and megatron's own
     load balancing off: the aux loss is actor/moe_aux.py (megatron's scales with the loss units).
+    Context parallelism: megatron slices RoPE per CP rank; Transformer Engine's attention runs the p2p
+    ring (``cp_comm_type``; **written for GPU, never run**), the CPU's is actor/attention.py's all-gather.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -212,6 +214,8 @@ def transformer_config(
         pipeline_model_parallel_size=groups.pp_size,
         virtual_pipeline_model_parallel_size=groups.vpp_size if groups.vpp_size > 1 else None,
         sequence_parallel=sequence_parallel,
+        context_parallel_size=groups.cp_size,
+        cp_comm_type="p2p" if groups.cp_size > 1 else None,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

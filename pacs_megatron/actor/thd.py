@@ -102,15 +102,16 @@ def pack_thd(input_ids: torch.Tensor, seq_lens: torch.Tensor, multiple: int = 8)
     )
 
 
-def use_thd(dynamic_batching: bool, device: torch.device, ep_size: int = 1) -> bool:
+def use_thd(dynamic_batching: bool, device: torch.device, ep_size: int = 1, cp_size: int = 1) -> bool:
     """THD packing: with dynamic batching, on CPU (actor/attention.py) or on GPU where Transformer
     Engine imports (the layer spec is then TE's, whose attention reads ``packed_seq_params``). MoE
     routing replay hands the routers their experts in packed order (actor/moe.py ``replay_order``).
     Not with expert parallelism on CPU: megatron's all-gather token dispatcher needs the same token count
     on every EP rank, which padded micro-batches give and packed ones (each rank its own rows' tokens) do
-    not (gloo aborted on the size mismatch in tests/rollout/test_vllm_moe_train.py)."""
+    not (gloo aborted on the size mismatch in tests/rollout/test_vllm_moe_train.py). Not with context
+    parallelism: token-budget micro-batches are then padded (each row split over the CP ranks, actor/forward.py)."""
     from pacs_megatron.actor.model import have_transformer_engine
 
-    if not dynamic_batching or (ep_size > 1 and device.type == "cpu"):
+    if not dynamic_batching or cp_size > 1 or (ep_size > 1 and device.type == "cpu"):
         return False
     return device.type == "cpu" or (device.type == "cuda" and have_transformer_engine())

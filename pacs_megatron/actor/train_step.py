@@ -15,7 +15,9 @@ n from the last stage and all-reducing over DP). The update therefore follows
     grad( sum_{i,d} n_i * mean_i / N )  =  grad( mini-batch loss computed on one process ),
 
 for any micro-batch size and DP size. Metrics are combined with the same weights n_i / N, except
-``actor/max_abs_logratio`` (a max).
+``actor/max_abs_logratio`` (a max). Context parallelism: every CP rank computes the same loss from the
+gathered log-probs (actor/forward.py), megatron's DDP sums the CP ranks' gradients (each reaches its own
+tokens), and only CP rank 0 returns n_i, so N counts every unit once.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ def train_loss_func(
             if old_from_forward:
                 reported.update(zip(FORWARD_KEYS, (token_logp.detach(), batch.old_entropy)))
         n = denom.detach().round().to(torch.int).to(dev)
+        if groups.cp_rank > 0:  # the CP group shares one loss: rank 0 counts its units (module docstring)
+            n = torch.zeros_like(n)
         return value * denom.to(value.dtype), n, reported
 
     return loss_func

@@ -152,7 +152,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Megatron-Core layout: world size = tp * pp * dp."""
+    """Megatron-Core layout: world size = tp * pp * cp * dp."""
 
     tp: int = 1
     """Tensor-parallel size (must divide attention heads and KV heads)."""
@@ -160,8 +160,12 @@ class ParallelConfig:
     """Pipeline-parallel size (must divide the layers, times vpp)."""
     vpp: int = 1
     """Virtual pipeline stages per rank (interleaved 1F1B); 1 disables interleaving."""
+    cp: int = 1
+    """Context-parallel size: each of the cp ranks of a replica holds 1/cp of every sequence's tokens
+    (megatron's load-balanced split, parallel/cp_split.py) and attention runs over the CP group; rows are
+    never split. Weights are replicated over CP and gradients reduced over DP x CP (docs/parallelism.md)."""
     dp: int = 1
-    """Data-parallel size. A self-launched run starts tp * pp * dp local processes."""
+    """Data-parallel size. A self-launched run starts tp * pp * cp * dp local processes."""
     ep: int = 1
     """Expert-parallel size (MoE models): each rank holds num_experts / ep experts of every MoE
     layer. Adds no ranks: the EP ranks are drawn from the tp * dp ranks of a pipeline stage, so ep
@@ -172,7 +176,7 @@ class ParallelConfig:
     """torch.distributed backend: "auto" (nccl with GPUs, gloo without), "nccl" or "gloo"."""
 
     def __post_init__(self) -> None:
-        for k in ("tp", "pp", "vpp", "dp", "ep"):
+        for k in ("tp", "pp", "vpp", "cp", "dp", "ep"):
             _positive(f"parallel.{k}", getattr(self, k))
         if (self.tp * self.dp) % self.ep:
             raise ConfigError(
@@ -188,4 +192,4 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp

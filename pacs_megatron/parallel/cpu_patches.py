@@ -50,6 +50,8 @@ _CUDA_LITERAL_MODULES = {
     "megatron.core.transformer.utils": "causal mask",
     # _ParamAndGradBuffer: tmp_warmup_tensor (NCCL warm-up)
     "megatron.core.distributed.param_and_grad_buffer": "warm-up tensor",
+    # get_pos_emb_on_this_cp_rank (RoPE under context parallelism): torch.tensor(..., pin_memory=True)
+    "megatron.core.models.common.embeddings.rope_utils": "CP rank's RoPE slice",
 }
 _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
 
@@ -71,6 +73,8 @@ def _on_cpu(fn):
     def wrapper(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        # pinned memory needs an accelerator; a CPU-only torch raises on pin_memory=True
+        kwargs.pop("pin_memory", None)
         return fn(*args, **kwargs)
 
     return wrapper

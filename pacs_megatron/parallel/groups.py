@@ -6,9 +6,11 @@ it, which megatron-core 0.16.1 accepts as ``pg_collection=`` in GPTModel, DDP, t
 schedules), so model and loss code never asks a global for its groups.
 
 Rank layout is megatron's default order "tp-cp-ep-dp-pp": TP ranks are adjacent (fast links inside
-a node), then DP, then PP. Expert parallelism (MoE) does not add ranks: the EP ranks of an expert
-layer are drawn from the TP x DP ranks of one pipeline stage (experts are not tensor-parallel,
-``expert_tensor_parallel_size=1``), so EP must divide TP x DP.
+a node), then CP, then DP, then PP. Context parallelism splits every sequence over the CP ranks of a
+replica (parallel/cp_split.py); megatron's DDP and optimizer reduce gradients over DP x CP. Expert
+parallelism (MoE) does not add ranks: the EP ranks of an expert layer are drawn from the TP x DP ranks
+of one pipeline stage (experts are not tensor-parallel, ``expert_tensor_parallel_size=1``), so EP must
+divide TP x DP.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ logger = get_logger(__name__)
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's place in the TP x PP x DP layout, and the groups to talk over.
+    """This rank's place in the TP x PP x CP x DP layout, and the groups to talk over.
 
     Example:
         >>> hf = {"num_attention_heads": 4, "num_hidden_layers": 2}
@@ -47,7 +49,7 @@ class ParallelGroups:
     pp_group: Any
     """Pipeline group (stages of one model replica)."""
     dp_group: Any
-    """Data-parallel group (gradients and metrics are reduced over it)."""
+    """Data-parallel group (metrics are reduced over it; gradients over DP x CP, inside megatron's DDP)."""
     mp_group: Any
     """Model-parallel group (TP x PP: one replica)."""
     tp_rank: int
@@ -71,6 +73,10 @@ class ParallelGroups:
     ep_size: int = 1
     expert_dp_group: Any = None
     """Ranks holding the same experts (expert gradients are reduced over it); None when ep=1."""
+    cp_group: Any = None
+    """Context-parallel group (the ranks holding one sequence's chunks); None when cp=1."""
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -126,7 +132,7 @@ def init_distributed(cfg: ParallelConfig) -> torch.device:
 
 
 def initialize_parallel(cfg: ParallelConfig, hf_config: Any, training: bool = True) -> ParallelGroups:
-    """Check the layout, then build megatron's TP/PP/DP/EP groups (initialises torch.distributed if needed).
+    """Check the layout, then build megatron's TP/PP/CP/DP/EP groups (initialises torch.distributed if needed).
     ``training=False``: the model only runs forward passes (see :func:`check_layout`)."""
     import_megatron()  # first: on CPU, without building the compiled wrappers nothing calls
     from megatron.core import parallel_state as ps
@@ -139,6 +145,7 @@ def initialize_parallel(cfg: ParallelConfig, hf_config: Any, training: bool = Tr
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp,
         pipeline_model_parallel_size=cfg.pp,
+        context_parallel_size=cfg.cp,
         virtual_pipeline_model_parallel_size=cfg.vpp if cfg.vpp > 1 else None,
         expert_model_parallel_size=cfg.ep,
         expert_tensor_parallel_size=1,
@@ -164,13 +171,17 @@ def initialize_parallel(cfg: ParallelConfig, hf_config: Any, training: bool = Tr
         ep_rank=ps.get_expert_model_parallel_rank(),
         ep_size=cfg.ep,
         expert_dp_group=pgc.expt_dp if cfg.ep > 1 else None,
+        cp_group=pgc.cp if cfg.cp > 1 else None,
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=cfg.cp,
     )
     logger.info(
-        "parallel layout: world=%d tp=%d pp=%d vpp=%d dp=%d ep=%d (%s)",
+        "parallel layout: world=%d tp=%d pp=%d vpp=%d cp=%d dp=%d ep=%d (%s)",
         groups.world_size,
         cfg.tp,
         cfg.pp,
         cfg.vpp,
+        cfg.cp,
         groups.dp_size,
         cfg.ep,
         dist.get_backend(),

@@ -16,10 +16,15 @@ def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = N
     """
     get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
     if world_size is not None and world_size != cfg.world_size:
+        replica = cfg.tp * cfg.pp * cfg.cp
+        fix = (
+            f"set parallel.dp={world_size // replica}"
+            if world_size % replica == 0
+            else f"parallel.tp * parallel.pp * parallel.cp = {replica} must divide it: change parallel.cp (or tp, pp)"
+        )
         raise ConfigError(
-            f"the job has {world_size} ranks but parallel.tp * parallel.pp * parallel.dp = "
-            f"{cfg.tp}*{cfg.pp}*{cfg.dp} = {cfg.world_size}: set parallel.dp={max(1, world_size // (cfg.tp * cfg.pp))} "
-            "or launch that many ranks"
+            f"the job has {world_size} ranks but parallel.tp * parallel.pp * parallel.cp * parallel.dp = "
+            f"{cfg.tp}*{cfg.pp}*{cfg.cp}*{cfg.dp} = {cfg.world_size}: {fix}, or launch that many ranks"
         )
     heads = int(get("num_attention_heads", 1))
     kv = int(get("num_key_value_heads", None) or heads)
@@ -35,6 +40,7 @@ def check_layout(cfg: ParallelConfig, hf_config: Any, world_size: int | None = N
             f"parallel.pp * parallel.vpp = {cfg.pp}*{cfg.vpp} must divide the model's num_hidden_layers={layers}"
         )
     check_expert_layout(cfg, get, training)
+    check_context_layout(cfg, get)
     if cfg.sequence_parallel and not _have_te_or_apex():
         raise ConfigError(
             "parallel.sequence_parallel=true needs Transformer Engine or NVIDIA Apex (fused norms): "
@@ -58,6 +64,16 @@ def check_expert_layout(cfg: ParallelConfig, get, training: bool = True) -> None
             "under TP only with it; it needs Transformer Engine or Apex): on CPU set parallel.tp=1 and split the "
             "experts with parallel.ep"
         )
+
+
+def check_context_layout(cfg: ParallelConfig, get) -> None:
+    """parallel.cp against the model (ConfigError naming the field); the sequence-length rules are
+    parallel/cp_split.py's, checked per batch."""
+    if cfg.cp == 1:
+        return
+    if get("model_type", None) == "qwen3_moe":
+        # routing replay and the MoE padding mask index tokens in the unsplit order (actor/moe.py)
+        raise ConfigError(f"parallel.cp={cfg.cp} with a MoE model is not supported yet: set parallel.cp=1")
 
 
 def _have_te_or_apex() -> bool:

@@ -17,7 +17,7 @@ MODEL = {"num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers"
 
 def test_layout_checks_name_the_field_and_fix():
     check_layout(ParallelConfig(tp=2, pp=3, dp=1), MODEL, world_size=6)
-    with pytest.raises(ConfigError, match=r"4 ranks but parallel.tp \* parallel.pp \* parallel.dp"):
+    with pytest.raises(ConfigError, match=r"4 ranks but parallel.tp \* parallel.pp \* parallel.cp \* parallel.dp"):
         check_layout(ParallelConfig(tp=2), MODEL, world_size=4)
     with pytest.raises(ConfigError, match="num_attention_heads=8"):
         check_layout(ParallelConfig(tp=3), MODEL)

@@ -1,0 +1,91 @@
+"""The actor under context parallelism (parallel.cp = 2) equals one process on the same rows.
+
+One launch per layout runs every check (process start dominates the cost): log-probs and entropy of
+compute_logprobs, then a PACS v1, a GRPO and a GSPO step (with an entropy bonus, so the gathered entropy's
+backward is exercised too), the weights exported after each. The rows have odd lengths, so the split pads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from _actor_helpers import hf_config, make_qwen2, rel_update_diff, run_config, sample_batch, valid_positions
+from _dist import run_distributed
+
+from pacs_megatron.data.batching import as_train_batch
+
+VOCAB = 255
+LOSSES = (("pacs", "pacs/loss"), ("grpo", "policy/loss"), ("gspo", "policy/loss"))
+
+# name -> (world size, tp, cp)
+LAYOUTS = {"cp2": (2, 1, 2), "tp2cp2": (4, 2, 2)}
+
+
+def _export(actor) -> dict:
+    return {n: t.detach().cpu().clone() for n, t in actor.export_hf_weights()}
+
+
+def _cp_body(rank, world, model_dir, tp, cp, fused):
+    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.parallel import initialize_parallel
+
+    cfg = run_config(model_dir, tp=tp)
+    cfg = replace(
+        cfg,
+        parallel=replace(cfg.parallel, cp=cp),
+        model=replace(cfg.model, fused_lm_head="true" if fused else "false"),
+        algorithm=replace(cfg.algorithm, entropy_coeff=0.01),
+    )
+    groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
+    actor = MegatronActor(cfg, groups, model_dir)
+    batch = sample_batch(VOCAB)
+    out = {"cp": (groups.cp_rank, groups.cp_size), "dp": groups.dp_size, "weights": [_export(actor)]}
+    first = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0, with_entropy=True)
+    out["token_logp"], out["entropy"] = first.token_logp, first.entropy
+    out["metrics"] = []
+    for name, _ in LOSSES:
+        old = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0, with_entropy=True)
+        out["metrics"].append(actor.train_step(as_train_batch(batch, old.token_logp, old_entropy=old.entropy), loss_name=name))
+        out["weights"].append(_export(actor))
+    if rank:
+        out.pop("weights")
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_qwen2(tmp_path_factory.mktemp("qwen2_cp") / "m", vocab=VOCAB, tie=True)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return run_distributed(_cp_body, 1, model_dir, 1, 1, True)[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("layout", "fused"), [("cp2", True), ("cp2", False), ("tp2cp2", True)])
+def test_cp_matches_one_process(layout, fused, reference, model_dir):
+    world, tp, cp = LAYOUTS[layout]
+    results = run_distributed(_cp_body, world, model_dir, tp, cp, fused)
+    assert {r["cp"][1] for r in results} == {cp} and {r["cp"][0] for r in results} == set(range(cp))
+    assert all(r["dp"] == 1 for r in results), "CP ranks must not count as data-parallel replicas"
+    valid = valid_positions(sample_batch(VOCAB))
+    for r in results:
+        assert (r["token_logp"] - reference["token_logp"])[valid].abs().max() <= 1e-5, f"{layout}: log-probs"
+        assert (r["entropy"] - reference["entropy"])[valid].abs().max() <= 1e-5, f"{layout}: entropy"
+        assert r["metrics"] == results[0]["metrics"], f"{layout}: metrics differ between ranks"
+    head = results[0]
+    for i, (name, key) in enumerate(LOSSES):
+        for k in (key, "actor/grad_norm", "actor/entropy"):
+            if k in reference["metrics"][i]:
+                assert head["metrics"][i][k] == pytest.approx(reference["metrics"][i][k], rel=1e-4, abs=1e-6), (
+                    f"{layout} {name}: {k}"
+                )
+        a0, a1 = reference["weights"][i], reference["weights"][i + 1]
+        b0, b1 = head["weights"][i], head["weights"][i + 1]
+        assert rel_update_diff(a0, a1, b0, b1) <= 1e-4, f"{layout}: the {name} update differs from CP = 1"
+    w = reference["weights"]
+    moved = max(float((w[3][k] - w[0][k]).abs().max()) for k in w[0])
+    assert moved > 1e-4, "the steps did not change the weights"

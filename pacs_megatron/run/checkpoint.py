@@ -1,30 +1,12 @@
 """Checkpoint directories that are either complete or invisible.
 
-Layout under ``OUTPUT_DIR/checkpoints``::
-
-    step_00000012/           complete: holds COMPLETE (written last, then the directory renamed)
-    .tmp_step_00000014/      being written, or left by a crash: never picked up, removed on the next save
-    corrupt_step_00000010/   failed validation (a missing / truncated shard, no extra state): moved
-                             aside with a warning naming the damage, never deleted
-
-Resuming picks the newest complete checkpoint that passes :func:`checkpoint_problem` (a cheap check
-of shard sizes against megatron's ``.metadata``); damaged ones are moved aside and the previous one
-is used. Pruning keeps the newest ``keep_last`` *valid* checkpoints, so a damaged newest one never
-costs the last good one.
-
-A full disk is named, not buried: before writing, the free space of the checkpoint directory is
-compared with the size of the last checkpoint (the next one is as large) and a save that cannot fit is
-refused with one line; after each save a warning says when the *next* one will not fit, while there
-is still time to free space; before the first save the check uses an estimate from the model's size
-(``first_size``; the launcher's preflight makes the same check, launch/preflight.py). A write that
-fails with an ``OSError`` anywhere in its exception chain (megatron's writers often re-raise ENOSPC
-as "unexpected pos ...") or with torch's ``CheckpointException`` (a *BaseException* whose per-rank
-failures carry the errno only as text, "Worker failure: [Errno 28] ...") raises
-:class:`CheckpointWriteError` naming the directory and the errno, and the half-written ``.tmp`` dir is
-removed to give the space back.
-
-Every rank calls :meth:`CheckpointManager.save` (the actor's dist_checkpointing writes shards from all
-ranks); rank 0 alone finalises: marker, atomic rename, pruning.
+Under ``OUTPUT_DIR/checkpoints``: ``step_N/`` is complete (``COMPLETE`` written last, then renamed from
+``.tmp_step_N/``, which is never picked up); one that fails :func:`checkpoint_problem` is moved to
+``corrupt_step_N/``, never deleted, and the previous one is used. Pruning keeps the newest ``keep_last``
+*valid* ones. A save that cannot fit the disk is refused with one line, and a failed write raises
+:class:`CheckpointWriteError` naming the directory and the errno. Every rank calls
+:meth:`CheckpointManager.save`; rank 0 alone finalises (marker, atomic rename, pruning).
+The full-disk checks and error chains: docs/runs.md, "Checkpoints".
 """
 
 from __future__ import annotations

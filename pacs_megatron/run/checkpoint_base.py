@@ -1,28 +1,11 @@
 """The base model under a LoRA checkpoint: what it is, a hash of its weights, and the check before a resume.
 
-A LoRA checkpoint holds the adapters (and their optimizer state, the RNG, the counters), not the frozen base
-(actor/checkpoint.py, docs/lora.md). Its ``extra_state.json`` names the base instead, under :data:`LORA_KEY`::
-
-    "lora": {"adapters_only": true, "rank": 8, "targets": [...], "merges": [2.0, 2.0],
-             "base": {"init": "pretrained", "path": "/models/SmolLM2", "sha256": "...", "source": "..."}}
-
-``merges``: the scaling of every PACS v2 reset whose adapters were folded into the base since the start;
-the checkpoint holds those adapters too, and a load replays the merges onto the pretrained base.
-
-The hash (:func:`describe_base`):
-
-* weights read from files (``model.init=pretrained``, and ``gguf`` once imported into ``model.path``): a
-  sha256 of the tensors as stored in ``model.path``'s safetensors, every tensor's name, dtype, shape and
-  bytes. Not of the files' bytes: a copy split into other shards or with other file metadata holds the same
-  base and gets the same hash (a GGUF imported again writes the same tensors). It reads the files, not a
-  model, so it runs before anything heavy is built: 0.9 s for SmolLM2-135M's 538 MB on this machine (files
-  in the page cache), once per process (cached on the files' sizes and mtimes);
-* a random base (``model.init=tiny | random``): its weights are a function of config.json, ``model.seed``,
-  the device they are drawn on and the pipeline layout (megatron draws every stage's layers from the same
-  seed; on a GPU each TP / EP rank draws its own shard): a sha256 of exactly these.
-
-No megatron and no torch here: the trainer checks a resume (run/resume.py) before its ranks build a model,
-and ``export`` before it starts any.
+A LoRA checkpoint holds the adapters, not the frozen base: its ``extra_state.json`` names the base under
+:data:`LORA_KEY` (init, path, sha256) with the ``merges`` of every PACS v2 reset folded into it. The hash
+(:func:`describe_base`) is of the stored tensors (names, dtypes, shapes, bytes), not the files' bytes, or for
+a random base of what draws it (config, seed, device, layout). No megatron and no torch here: a resume and
+an export check the base before any model is built. Details: docs/runs.md, "The base model under a LoRA
+checkpoint".
 """
 
 from __future__ import annotations

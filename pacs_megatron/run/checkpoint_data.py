@@ -1,28 +1,11 @@
 """A checkpoint's pickles read as data: reading a checkpoint never runs code from it.
 
-A megatron ``torch_dist`` checkpoint holds three kinds of pickle, and a pickle may name any
-importable callable (``builtins.exec``, ``os.system``) to be called when it is read:
-
-- ``megatron/common.pt`` (``torch.save``): scheduler, counters, layout, optimizer param groups;
-- ``megatron/.metadata`` (plain ``pickle``): torch.distributed.checkpoint's index of the shards;
-- byte items inside the ``*.distcp`` shards: megatron's ShardedObjects (the RNG states, the
-  modules' ``_extra_state``), each a ``torch.save`` of a Python object.
-
-Every read here refuses a global outside an allow-list, with one line naming it. ``common.pt`` and
-the byte items load with ``torch.load(weights_only=True)``: tensors and plain containers (torch's own
-list) plus :data:`DATA_GLOBALS`. That is what a megatron-core 0.16.1 checkpoint of this project holds
-(inspected on CPU: common.pt needs nothing more, the RNG states need numpy's four); on GPU the RNG
-state adds a CUDA tensor and Transformer Engine's ``_extra_state`` is a uint8 tensor (never run
-here). Where ``megatron.core`` is imported (the ranks), the classes it registers for its own loads
-(``megatron/core/safe_globals.py``) are allowed too. ``.metadata`` is read by an Unpickler that
-resolves only torch.distributed.checkpoint's metadata classes.
-
-The trust boundary: megatron's own load (``dist_checkpointing.load``, torch 2.13) unpickles
-``.metadata`` with ``pickle.load`` and the byte items with ``torch.load(weights_only=False)``, and
-Transformer Engine unpickles the bytes of an FP8 layer's ``_extra_state`` itself. The project checks
-the first two (:func:`~pacs_megatron.run.checkpoint_check.checkpoint_problem`) before every resume
-and export, so a checkpoint that passes holds data there; a file changed between the check and the
-load, and TE's FP8 state, are not covered: load only checkpoints you trust.
+``megatron/common.pt``, ``megatron/.metadata`` and the byte items inside the ``*.distcp`` shards are pickles,
+which may name any callable. Every read here refuses a global outside an allow-list, with one line naming
+it: ``torch.load(weights_only=True)`` plus :data:`DATA_GLOBALS` (and megatron's own safe globals where it is
+imported), and an Unpickler for ``.metadata`` that resolves only torch.distributed.checkpoint's classes.
+Megatron's own load and Transformer Engine's FP8 state still unpickle fully: load only checkpoints you trust.
+The three pickles and the trust boundary: docs/runs.md, "A checkpoint's pickles are read as data".
 """
 
 from __future__ import annotations

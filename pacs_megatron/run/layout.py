@@ -22,9 +22,7 @@
           critic/                            .critic      the PPO critic's own checkpoint
           reference/                         .reference   PACS v2's / the KL term's frozen reference (a DistLayout)
 
-Every other module asks these objects for a path; tests/run/test_layout.py fails when one of the names above
-is spelled anywhere else in the package. Nothing here touches the file system except the two listings
-(``checkpoint_steps``, ``has_run``), so a layout may be built for a directory that does not exist yet.
+Every module asks these for a path (tests/run/test_layout.py); only ``checkpoint_steps`` and ``has_run`` read disk.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """What may change when a run resumes, and what may not.
 
-A checkpoint's ``extra_state.json`` records the run's resolved config and the model's shape. On
-resume the new config is compared with it:
-
-* settings the loop reads every step change at once (lr and schedule, loss and its knobs, n, batch
-  sizes, reward, validation, logging, total_steps): they are listed as a diff, then applied; the
-  LR schedule is rebuilt from the new config at the checkpoint's position (actor/optimizer.py);
-* the parallel layout may change: the weights and optimizer state are resharded on load
-  (dist_checkpointing), the RNG streams of the old layout are dropped;
-* the model's shape and vocabulary cannot: the run is refused with one line naming what differs;
-* nor can LoRA be turned on or off, or its rank and targets change; and the base model of a checkpoint that
-  holds only LoRA adapters must be the one it was trained on: this run's ``model.*`` must give the same
-  base hash (run/checkpoint_base.py), checked by rank 0 before any model is built (:func:`check_lora_base`).
-
-``model.init=tiny`` writes ``model.path/config.json`` only when missing; a config.json that
-disagrees with ``model.tiny.*`` is refused too (:func:`check_tiny_model_dir`), since it would
-silently train another model than the config says. Both checks read only small files and import no
-megatron, so a launcher can run :func:`preflight_resume` before any rank starts.
+A checkpoint's ``extra_state.json`` records the run's resolved config and the model's shape; on resume the
+new config is compared with it. The loop's settings change at once (listed as a diff), the parallel layout
+may change (resharded on load), but the model's shape and vocabulary, LoRA's settings and a LoRA
+checkpoint's base (:func:`check_lora_base`) may not, nor may ``model.tiny.*`` disagree with an existing
+config.json (:func:`check_tiny_model_dir`). Small files only and no megatron, so a launcher runs
+:func:`preflight_resume` before any rank starts. The list: docs/runs.md, "What may change when a run resumes".
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """The one owner of ``trainer.output_dir``: a lock, and the rules of a fresh start, a resume and an overwrite.
 
-One run owns a run directory at a time. Two launches into one directory interleave ``metrics.jsonl``
-and rollouts and fight over checkpoints; a fresh start into an old run's directory keeps the old
-run's later checkpoints, which the next auto-resume then continues. So:
-
-- **The lock** ``OUTPUT_DIR/.lock`` (JSON: host, pid, process start time, command) is taken by rank 0
-  right after the process groups exist, before any heavy work, whatever started the ranks (local
-  spawn, torchrun, srun, Ray actors: none of them needs a parent launcher process), and removed when
-  the run ends. A second launch is refused at once, naming the running one. A lock whose process is
-  gone (kill -9) is *stale*: on the same host the pid tells (a dead pid, or a pid reused by a process
-  started later), and the lock is taken over with a warning; on another host only an earlier attempt
-  of the same scheduler job (a Slurm requeue, a torchrun restart) is known to be gone, otherwise the
-  error says how to clear it by hand.
-- **A fresh start** (``--resume never``) needs a run directory without a run: one that already holds
-  a run (``metrics.jsonl``, ``final.json``, checkpoints, launch configs, rollouts) is refused, naming
-  ``--resume never --overwrite`` or a new directory. ``auto`` without a checkpoint restarts a run
-  that never checkpointed, which is the same run from step 0 (its logs are cut back to step 0).
-- **An overwrite** (``trainer.overwrite`` / ``--overwrite``) moves the old run aside whole, to
-  ``OUTPUT_DIR.old-YYYYmmdd-HHMMSS`` beside it (a rename: instant, nothing deleted), then starts fresh.
-- **A resume** (``auto`` with a checkpoint, or a named checkpoint) continues the run. Resuming from a
-  named checkpoint older than the newest one would leave the newer ones behind for the next
-  auto-resume: it is refused unless ``--overwrite``, which moves the newer ones aside
-  (``checkpoints/superseded_step_N``).
-
-:meth:`RunDir.problem` answers all of this without changing anything, so the launcher's preflight
-refuses before any rank starts; :meth:`RunDir.claim` (rank 0, inside the job) takes the lock and
-applies the overwrite. Neither imports torch.
+Two launches into one directory would interleave their logs and fight over checkpoints, and a fresh start
+into an old run would leave checkpoints the next auto-resume continues. So rank 0 holds ``OUTPUT_DIR/.lock``
+under every launcher (a stale one is taken over when its process is surely gone), a fresh start needs a
+directory without a run, an overwrite moves the old run aside whole, and a resume from an older checkpoint
+needs ``--overwrite``. :meth:`RunDir.problem` answers all of this without changing anything (the
+launcher's preflight); :meth:`RunDir.claim` (rank 0) takes the lock. Neither imports torch.
+The rules in full: docs/runs.md, "One run per directory".
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """What happened to a batch of rewards, and when failures stop the run: shared by every scoring backend.
 
-A backend (the local process pool in :mod:`.scorer`, or any other behind its factory) only decides
-*how* responses are scored; it reports *what* happened through one :class:`BatchCounts` per batch:
-
-    counts = BatchCounts(fn="math", timeout_s=10)
-    counts.error(i, "ZeroDivisionError: ...")     # a response raised, returned NaN/inf, or its worker died: 0
-    counts.timeout(i)                             # a response ran past reward.timeout_s: scored 0
-    counts.hung()                                 # two timeouts in a row: give up the batch's unscored ones
-    counts.restart()                              # a worker was replaced
-    counts.interrupt(k)                           # a stop signal cut the batch short: k responses unscored
-    counts.metrics() -> {"reward/timeouts": ..., "reward/errors": ..., "reward/worker_restarts": ...}
-
-so the counters, the log lines (the first few per batch, never one per response) and the last error
-message mean the same thing for every backend. :class:`FailureGuard` then looks at whole steps (summed
-over ranks by :func:`pacs_megatron.reward.rollouts.score_rollouts`): ``reward.max_failure_steps``
-consecutive steps in which every response failed stop the run with :class:`RewardFailureError`,
-naming the function and its last error, instead of training on all-zero rewards.
-
-**One timeout per batch, not one per response.** A response gets ``reward.timeout_s`` from when it
-starts; one timeout may be one pathological answer, so the batch goes on. Two timeouts in a row with
-no answer between them mean the reward hangs: every response still unscored counts as a timeout at
-once (:meth:`BatchCounts.hung`). With several workers their first responses time out together, so a
-reward that hangs on everything costs one ``timeout_s`` per batch (two with a single worker),
-whatever the batch size, instead of ``responses / workers`` timeouts one after another.
+A backend (the local process pool in :mod:`.scorer`, or any other behind its factory) only decides *how*
+responses are scored; it reports *what* happened through one :class:`BatchCounts` per batch, so counters,
+log lines and the last error mean the same for every backend. :class:`FailureGuard` stops the run with
+:class:`RewardFailureError` after ``reward.max_failure_steps`` steps in which every response failed.
+Two timeouts in a row with no answer between them mean the reward hangs (:meth:`BatchCounts.hung`): the
+batch's unscored responses count as timeouts at once. The calls and why: docs/rewards.md, "Accounting".
 """
 
 from __future__ import annotations

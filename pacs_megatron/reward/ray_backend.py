@@ -1,23 +1,9 @@
 """``reward.backend=ray``: score responses in Ray actors spread over the cluster's CPUs.
 
-Same contract, accounting and metric names as the local process pool in :mod:`.scorer`, for steps
-that score tens of thousands of long responses:
-
-    driver (a trainer rank): pending responses -> idle ready actor -> (status, value) | deadline | actor lost
-    actor (one process, 1 CPU, SPREAD over the nodes): load reward.fn once -> score one response per call
-
-- Each actor is a plain (non-threaded, non-async) Ray actor: its calls run in the main thread of its
-  own worker process, which is what math-verify's ``signal.alarm`` timeouts need.
-- A response that raises scores 0 and counts in ``reward/errors``; one still running ``timeout_s``
-  after it was handed over scores 0, counts in ``reward/timeouts``, and its actor is killed
-  (``ray.kill``, no restart) and replaced (``reward/worker_restarts``); an actor lost mid-response
-  (its process or node died) counts as an error and is replaced.
-- An actor only gets work once its reward function loaded (and math-verify warmed up), so start-up
-  and scheduling never count against a response's deadline; one response per call keeps the
-  deadline exact, at a Ray call (~1 ms) per response.
-
-The pool joins the cluster of ``$RAY_ADDRESS`` (the Ray launcher sets it for every rank), else
-starts a private Ray instance on this machine. ``ray`` is imported only here.
+Same contract, accounting and metric names as the local process pool in :mod:`.scorer`, one response per
+call to a plain Ray actor (its main thread, as math-verify's ``signal.alarm`` needs); an actor past the
+deadline is killed and replaced. Joins ``$RAY_ADDRESS``, else starts a private Ray instance; ``ray`` is
+imported only here. Details: docs/rewards.md, "reward.backend=ray".
 """
 
 from __future__ import annotations

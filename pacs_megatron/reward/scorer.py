@@ -1,36 +1,15 @@
 """Batch reward scoring that never crashes or hangs the trainer, in every mode.
 
-math-verify times its parsers out with ``signal.alarm``, which only works in a process's main thread,
-a pathological answer can still make sympy run for minutes, and a user's reward can hang or raise on
-anything. So rewards always run in worker processes, each response with a hard deadline:
+Rewards always run in worker processes, each response with a hard deadline (math-verify's ``signal.alarm``
+needs a main thread, and a reward may hang or raise on anything):
 
     RewardScorer.score(prompts, responses, answers, extras)
         -> backend.score(items, counts)   # how: a local process pool (here) or another backend
         -> counts: BatchCounts            # what happened: shared accounting (accounting.py)
 
-- A response that raises scores 0 and counts in ``reward/errors`` (the first few are logged).
-- A response still running ``timeout_s`` after it started scores 0 and counts in ``reward/timeouts``;
-  its worker is killed (SIGKILL) and replaced, so a hung worker costs one timeout, never the run. A
-  worker that dies mid-task counts as an error and is replaced. Two timeouts in a row with no answer
-  between them mean the reward hangs: the rest of the batch counts as timed out at once (one timeout
-  per batch, not one per response; see accounting.py).
-- A score that is NaN or infinite is a reward error: counted in ``reward/errors``, scored 0.
-- A stop signal (SIGTERM / SIGUSR1) while a batch is still running gives it ``timeout_s`` more, then
-  abandons it (:class:`~pacs_megatron.reward.accounting.RewardInterrupted` once every rank knows).
-- A reward that returns a non-number, or that cannot be loaded in a worker, raises
-  :class:`~pacs_megatron.reward.registry.RewardFunctionError`: those are bugs, not noisy samples.
-
-``num_workers=0`` means one worker: there is no unprotected in-process mode, because a hang there
-could only be stopped by SIGKILL. Responses go to a worker in chunks and their answers come back in
-small groups (see worker.py), so a cheap reward (``arith``) pays a few pipe writes per batch, not a
-round trip per response, and the deadline still applies to each response (it restarts at every
-answer the parent receives).
-
-Workers are fresh interpreters (``python -m pacs_megatron.reward.worker``, see that module for the
-protocol): never ``fork`` (the trainer holds torch threads and gloo groups), and not multiprocessing's
-spawn either, which re-imports the parent's ``__main__``. They start when the scorer is built (so
-their imports overlap the trainer's set-up) and get work only once they reported ready, so start-up
-never counts against a response's deadline.
+A response that raises, returns NaN/inf or runs past ``timeout_s`` scores 0 and is counted; a hung worker is
+killed and replaced. ``num_workers=0`` means one worker: there is no unprotected in-process mode.
+Each case, the chunked protocol and why workers are fresh interpreters: docs/rewards.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """A reward worker process: ``python -m pacs_megatron.reward.worker FD`` (started by :mod:`.scorer`).
 
-It is a fresh interpreter started with ``subprocess`` rather than ``multiprocessing``: the trainer
-holds torch threads and gloo groups (so no fork), and multiprocessing's spawn re-imports the parent's
-``__main__`` (slow for the trainer, impossible for ``python -`` or notebooks). Protocol on the
-inherited socket ``FD`` (a ``multiprocessing`` Connection: pickled messages)::
-
-    parent -> ("init", spec, sys_path)           child -> ("ready", None) | ("fatal", message)
-    parent -> ("score", [(i, prompt, response, answer, extra), ...])
-                                                 child -> ("results", [result, ...]) as they come, where
-                                                 result = (i, "ok", float) | (i, "error", msg) | (i, "bad_type", msg)
-    parent -> None (or closes)                   child exits
-
-A chunk saves a round trip per response. Results are flushed when the chunk is done and, by a small
-thread, every ``FLUSH_S`` while it runs: a cheap reward costs one message per chunk, and when one
-response hangs the parent already holds the answers before it, so it times the right response
-(the thread runs while the scoring thread is in Python code; a C call that holds the GIL delays
-the flush, which can only make the parent blame the response before the hung one).
-
-The worker imports nothing heavy (no torch) and asks the kernel to kill it when the parent dies, so
-a response stuck in C code cannot outlive the trainer.
+A fresh interpreter, not ``multiprocessing``: the trainer holds torch threads and gloo groups (so no fork),
+and spawn re-imports the parent's ``__main__``. It speaks pickled messages on the inherited socket ``FD``
+(init -> ready, score a chunk -> results flushed every ``FLUSH_S``), imports nothing heavy and dies with its
+parent. The protocol, message by message: docs/rewards.md, "The worker's protocol".
 """
 
 from __future__ import annotations

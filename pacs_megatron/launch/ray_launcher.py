@@ -9,22 +9,9 @@
          (a second SIGTERM / Ctrl-C is not forwarded: the driver stops supervising at once, 143 / 130)
       -> kill the actors, remove the placement group, return the trainer's exit code
 
-Bundles are ``{"CPU": cpus_per_rank}`` plus ``{"GPU": 1}`` on a GPU cluster. ``pack`` keeps
-consecutive ranks (hence each TP group, the innermost dimension) on one node wherever they fit:
-ranks are assigned to bundles in node order, not bundle order. LOCAL_RANK / LOCAL_WORLD_SIZE count
-the job's ranks on a node; on GPUs each rank sees its node's job GPUs in local-rank order
-(CUDA_VISIBLE_DEVICES), as under torchrun, so CUDA IPC between colocated ranks works (GPU path never
-run: unverified on GPU).
-
-With ``rollout.placement=separate`` the placement group has ``rollout.engines`` more bundles of the
-same shape, one engine process each (launch/engine_rank.py, hosted by a RankActor as a rank is), told
-rank 0's rendezvous store; an engine that ends before the ranks fails the job like a rank, and the
-engines are stopped once the ranks are done.
-
-A rank exiting non-zero gets the others :data:`~pacs_megatron.launch.local.GRACE_S` to follow (they
-usually fail in the same collective); a lost actor (node or process gone) stops the job at once,
-since its peers would wait in a collective forever. OMP_NUM_THREADS is the launching shell's, else
-``cpus_per_rank``: the thread count, like the maths, matches a local run with the same setting.
+Ranks are assigned to bundles in node order, so under ``pack`` each TP group shares a node. A rank exiting
+non-zero gets the others :data:`~pacs_megatron.launch.local.GRACE_S` to follow; a lost actor stops the job at
+once. Bundles, environment, separate engines and what was tested: docs/launch.md, "Ray".
 """
 
 from __future__ import annotations

@@ -1,44 +1,17 @@
 """Graceful stop: on a signal or when the time budget runs out, checkpoint after the step and exit.
 
-Signals: SIGTERM / SIGUSR1 (Slurm pre-emption and time limits, ``scancel``, a container stop) exit
-with :data:`EXIT_PREEMPTED` (143, what requeue scripts test); SIGINT (Ctrl-C) exits with 130. The
-handler only records the signal: the trainer asks :meth:`PreemptionFlag.should_stop` between steps,
-every rank agrees (an all-reduce: one rank may see the signal first, or alone), checkpoints and
-returns :attr:`PreemptionFlag.exit_code`.
+SIGTERM / SIGUSR1 exit with :data:`EXIT_PREEMPTED` (143, what requeue scripts test), SIGINT (Ctrl-C) with 130.
+The handler only records the signal: between steps every rank agrees in :meth:`PreemptionFlag.should_stop`
+(an all-reduce: one rank may see the signal alone), checkpoints and returns :attr:`PreemptionFlag.exit_code`.
+A second SIGTERM or Ctrl-C means "now" (:func:`watch_second_signal`): a thread reading the wakeup fd kills the
+descendants and ``os._exit``s, since a Python handler waits out a long native call. A signal within
+:data:`DUPLICATE_S` of the first is the same request seen twice; SIGUSR1 is a warning, never "now".
+The time budget (``trainer.stop_after_s``, ``trainer.deadline_unix``) stops when
+``now + longest interval between checks + trainer.stop_margin_s`` would pass the end.
+:attr:`PreemptionFlag.requeue` (a warning or the budget: continue later; any SIGTERM: the job ends) is agreed
+by every rank and written by :meth:`PreemptionFlag.write_requeue_marker` for the batch script.
 
-A second SIGTERM or Ctrl-C means "now" (:func:`watch_second_signal`): the process logs one line saying
-the current step was not saved, SIGKILLs its descendants (reward workers, engines it started) and
-``os._exit``s with 143 (SIGTERM) or 130 (Ctrl-C). That cannot be left to a Python signal handler: those
-run in the main thread between bytecodes, and a long native call there (a generate, a GEMM) keeps them
-waiting for as long as it runs (a second SIGTERM did nothing for 30 s, issue #40). CPython's C-level
-handler writes each signal's number to the wakeup fd at once, so a helper thread reading it acts while
-the main thread is still in the call. Not covered: a native call that holds the GIL all along (torch
-ops, sleeps and I/O release it); the launchers' parents (launch/local.py, the Ray driver) kill the ranks
-on a second signal themselves, and SIGKILL needs no handler. SIGUSR1 is a warning, never "now". A signal
-within :data:`DUPLICATE_S` of the first is the same request seen twice, not a second one: ``scancel``
-signals the launcher and each rank, which the launcher also forwards to, and a terminal's Ctrl-C reaches
-every process in its group.
-
-Time budget (no signal needed): ``trainer.stop_after_s`` (seconds since the launch: the trainer
-turns it into a deadline with ``config.training.stop_deadline``) and ``trainer.deadline_unix`` (an
-absolute end, e.g. the Slurm job's end time, set by
-``launch/slurm.py``). At each check the flag stops when the next step could end after the budget:
-``now + longest interval between checks + trainer.stop_margin_s > end``. The interval between two
-checks is one step plus any periodic checkpoint, so it also sizes the final save; the margin covers
-the save when none has happened yet. Each rank decides on its own clock; the all-reduce makes it one
-decision.
-
-Requeue or not: a pre-emption warning (SIGUSR1, what ``--signal=B:USR1@T`` leads to) and the time
-budget mean "the job ends soon, continue it later"; SIGTERM means someone ends the job (``scancel``,
-a container stop, Slurm's own pre-emption, which requeues by itself with ``PreemptMode=REQUEUE``).
-:attr:`PreemptionFlag.requeue` is that decision, agreed by every rank (any SIGTERM wins), and
-:meth:`PreemptionFlag.write_requeue_marker` records it for the batch script after the final
-checkpoint: the script requeues from that file, never from srun's exit code (a rank exiting 75 is a
-"bad exit" to srun, which may then SIGKILL slower ranks and report 137).
-
-Early signals (``utils/early_signals.py``, installed first thing by ``python -m pacs_megatron.launch``
-and again by ``launch/rank.py``): a SIGTERM / SIGUSR1 during start-up is recorded instead of killing
-the rank; the loop's flag picks it up and stops after its first step.
+Who gets which signal, requeue and the early signals: docs/launch.md, "Pre-emption".
 """
 
 from __future__ import annotations

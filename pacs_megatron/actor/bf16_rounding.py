@@ -1,29 +1,13 @@
 """Stochastic rounding of the bf16 parameters the forward reads from the fp32 main weights (issue 58).
 
-With ``model.dtype=bfloat16`` megatron keeps fp32 main weights in the optimizer and, after each step, copies
-them into the bf16 parameters by round-to-nearest. The main weights start ON the bf16 grid (they are copies
-of the bf16 parameters), so a bf16 parameter changes only once its main weight has moved by half a bf16
-spacing, ``|w| * 2**-9`` to ``|w| * 2**-8``. Adam moves a weight by about ``lr`` a step: SmolLM2-135M's matrix
-weights (median ``|w|`` 0.108) need 0.2-0.4e-3, i.e. 20-40 steps at lr 1e-5, before their bf16 copy moves at
-all, and 84% of them are unchanged after 11 steps (1.1e-4). The tool recipe's 11-step supervised warm-up then
-left the bf16 policy nearly where it started (sft/loss 0.548 against fp32's 0.059).
-
-Stochastic rounding (round up with probability equal to the remainder's share of the spacing) makes the bf16
-copy an unbiased estimate of the fp32 main weight at every step: the forward follows the fp32 trajectory in
-expectation, with noise of at most one bf16 spacing per weight (the precision bf16 has anyway). Measured on
-SmolLM2-135M (the Q4_1 import), 5 supervised steps at lr 1e-5 on 8 tool-call demonstrations, Zen 3 (bf16
-emulated): mean NLL 2.47 -> 1.32 in fp32, -> 2.29 in bf16 with round-to-nearest, -> 1.30 with stochastic
-rounding; the worst token's NLL 8.7 -> 6.2, 8.2, 6.2 (the issue's warm-up ended at 8.3 in bf16). At the smallest
-size: tests/actor/test_bf16_rounding.py.
-
-Cost: one pass over the parameters with integer ops; the random bits come from a pool of
-:data:`POOL` values drawn per step and read at random offsets (each weight's noise is still uniform over the
-16 dropped bits: unbiased; weights ``POOL`` apart within one chunk share theirs, which biases nothing).
-The noise is drawn from a generator seeded by ``(seed, Adam's step)`` and consumed in parameter order, so
-replicas of a parameter (DP ranks, TP-replicated norms) round identically and a resumed run rounds as an
-uninterrupted one (after a PACS v2 reset Adam's count restarts, and so does the noise sequence: it stays uniform
-and independent of the weights, so nothing is biased). Measured cost on SmolLM2's 134.5M parameters, one thread
-of the loaded 2-core Zen 3: ~0.6 s a step against ~0.1 s for the nearest copy.
+Round-to-nearest moves a bf16 parameter only once its main weight has moved half a bf16 spacing, which at
+lr 1e-5 takes SmolLM2's weights 20-40 steps. Rounding up with probability equal to the remainder's share of
+the spacing makes the bf16 copy an unbiased estimate of the fp32 main weight at every step, with noise of at
+most one spacing. The random bits come from a pool of :data:`POOL` values drawn per step and read at random
+offsets (each weight's noise is still uniform over the 16 dropped bits). The generator is seeded by
+``(seed, Adam's step)`` and consumed in parameter order, so replicas of a parameter round identically and a
+resumed run rounds as an uninterrupted one (after a PACS v2 reset the sequence restarts, still unbiased).
+Measurements and cost: docs/benchmarks.md, "bf16 parameters: stochastic rounding vs round-to-nearest".
 """
 
 from __future__ import annotations

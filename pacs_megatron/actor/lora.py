@@ -2,36 +2,12 @@
 
     y = W x + (alpha / r) * B A dropout(x)        W frozen; A [r, in] (Kaiming-uniform), B [out, r] = 0 (PEFT's init)
 
-Each adapter is sharded the way its base is, so that a TP rank holds exactly the slice of ``B A`` that
-matches its slice of ``W`` (the merged weight is a local product: no collective for a weight sync or export):
-
-    base              its W shard          A                    B                    merged shard
-    column-parallel   [out / tp, in]       [r, in] replicated   [out / tp, r]        B_shard @ A
-    (linear_qkv, linear_fc1)
-    row-parallel      [out, in / tp]       [r, in / tp]         [out, r] replicated  B @ A_shard
-    (linear_proj, linear_fc2)
-
-Collectives: none in forward and none per micro-batch beyond what the base layer already does.
-- Column: the base all-reduces the gradient of its input (megatron does it inside the matmul's backward,
-  overlapped with the weight gradient). With the base frozen there is no weight gradient to overlap, so
-  the adapted forward moves that one all-reduce in front of base and adapter together
-  (``copy_to_tensor_model_parallel_region``): the partial input gradients of both are summed by it.
-- Row: the adapter's partial product ``x_shard A_shard^T B^T`` is added to the base's partial output
-  *before* the base's all-reduce, which sums both.
-- The replicated factor (A of a column layer, B of a row layer) gets a partial gradient on each TP rank
-  (its output gradient is split over the ranks). :func:`allreduce_replicated_grads` sums them over the TP
-  group once per optimizer step, all adapters in one coalesced call (as megatron sums the layer-norm
-  gradients under sequence parallelism): r * (in + out) numbers a layer, against Megatron-Bridge's
-  layout, whose column adapter (``ParallelLinearAdapter``: A column-parallel with ``gather_output``)
-  all-gathers a ``[tokens, r]`` activation in every forward and splits its gradient in every backward.
-
-Sequence parallelism is not supported yet (the column adapter would need the gathered sequence; SP needs
-Transformer Engine or Apex, which this machine has not): :func:`apply_lora` refuses it in one line.
-The adapter is attached in place (:func:`attach_lora`): ``lora_a`` / ``lora_b`` sit on the base module, so
-every base parameter keeps its name for checkpoints, the HF name maps and the weight sync, which sends the
-merged weight (actor/weights.py). The reference policy is the base with the adapters off
-(actor/lora_reference.py); the PEFT export is actor/lora_export.py. Megatron's own layers only: with LoRA the
-actor builds the local layer spec even where Transformer Engine imports (written for GPU, never run there).
+Each adapter is sharded the way its base is (column-parallel: B split like W, A replicated; row-parallel: A
+split, B replicated), so a rank's merged weight is a local product, and no collective is added in forward or
+per micro-batch: :func:`allreduce_replicated_grads` sums the replicated factor's gradient once a step.
+The adapter is attached in place (:func:`attach_lora`), so every base parameter keeps its name for
+checkpoints, the HF name maps and the weight sync. Sequence parallelism is refused (:func:`apply_lora`).
+Sharding table, collectives, Megatron-Bridge's layout: docs/lora.md, "Sharding" and "Collectives".
 """
 
 from __future__ import annotations

@@ -1,31 +1,20 @@
 """MoE helpers of the actor: per-step router statistics and routing replay (R3).
 
-Statistics (``MoeStats``): a forward hook on every router of this rank counts, during the training
-forwards of one step, the tokens sent to each expert and the mean router probability per expert.
-They are summed over DP and PP (EP ranks are DP ranks for the router), and over TP under sequence
-parallelism, where each TP rank routes only its ``[s/tp, b]`` shard (without it the TP ranks see the
-same tokens), so the metrics are identical on every rank and count whole micro-batches:
+Statistics (``MoeStats``): a forward hook on every router counts, over one step's training forwards and real
+tokens only (:func:`padding_mask`), the tokens sent to each expert and the mean router probability per
+expert, summed over DP, PP and (under sequence parallelism) TP, so the metrics are the same on every rank:
+``moe/aux_loss`` (the balancing loss, 1.0 balanced, E / k worst) and ``moe/max_token_share``.
 
-    moe/aux_loss         mean over MoE layers of E * sum_i f_i * P_i, the load-balancing loss that
-                         model.moe_aux_loss_coeff multiplies (f_i: share of the top-k assignments
-                         that went to expert i, P_i: mean softmax probability of expert i); 1.0 is
-                         perfectly balanced, E / k the worst. Logged whatever the coefficient, 0 too.
-    moe/max_token_share  max over MoE layers of (tokens of the busiest expert) / (mean per expert)
-
-Only real tokens count: the forward passes megatron a padding mask (:func:`padding_mask`; padding
-positions and the dummy micro-batches of the interleaved schedule are routed but left out), so the
-metrics do not depend on the batching. The aux loss itself is actor/moe_aux.py.
-
-Routing replay: megatron-core 0.16.1's ``RouterReplay`` (``moe_enable_routing_replay``) holds one
-instance per router, in construction order; ``set_replay_data`` takes one ``[tokens, k]`` index
-tensor per router and ``REPLAY_FORWARD`` makes the router use those experts, with the probabilities
-taken from its own scores at those indices (so the gate still gets gradients). This module turns a
-micro-batch's recorded experts ``[b, T, L, k]`` (global layer L) into those per-router tensors, in
-the order the router sees its tokens (megatron is sequence-first, ``[s, b]`` flattened):
+Routing replay: megatron-core 0.16.1's ``RouterReplay`` takes one ``[tokens, k]`` index tensor per router;
+this module turns a micro-batch's recorded experts ``[b, T, L, k]`` into those, in the order the router sees
+its tokens (megatron is sequence-first, ``[s, b]`` flattened):
 
     padded rows      [T, b]   position-major
     THD-packed rows  [N, 1]   the rows concatenated (actor/thd.py), then the tail padding
     sequence parallel         this TP rank's contiguous slice s in [r * s/tp, (r+1) * s/tp) of either
+
+Definitions and the replay's memory and tests: docs/models.md ("Qwen3-MoE", "Routing replay"); the aux
+loss itself is actor/moe_aux.py.
 """
 
 from __future__ import annotations

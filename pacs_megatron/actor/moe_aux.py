@@ -1,34 +1,15 @@
 """The MoE load-balancing (aux) loss, scaled so that its gradient does not depend on the RL loss.
 
-Definition (``model.moe_aux_loss_coeff`` = c, megatron's per-layer convention). For MoE layer l and
-micro-batch i with t_i real tokens (padding and dummy micro-batches excluded)::
+For MoE layer l and micro-batch i with t_i real tokens (padding and dummy micro-batches excluded)::
 
     aux_{l,i} = E * sum_e f_e * P_e      f_e = (top-k assignments to expert e) / (k * t_i)
                                          P_e = mean over the t_i tokens of the router's softmax prob of e
 
-and the update follows the gradient of ``c * sum_l sum_{i,d} (t_i / T) * aux_{l,i}`` with T the
-mini-batch's real tokens over all micro-batches and DP ranks: a token-weighted mean over micro-batches,
-summed over layers. f_e counts the experts the tokens were dispatched to (the replayed ones under
-``actor.routing_replay=rollout``); gradients flow through P_e (router weights and hidden states).
-
-Why not megatron's own ``aux_loss``: with ``calculate_per_token_loss`` (train_step.py) megatron scales
-each micro-batch's aux loss by its routed tokens and ``finalize_model_grads`` divides every gradient by
-the sum of the counts the loss functions return, which here are the loss's own units (rows for PACS,
-response tokens for token-mean). Its aux gradient was therefore multiplied by routed tokens / units
-(10x under PACS and 1.7x under a token-mean loss on an 8-row batch), counted padding, grew with the dummy
-micro-batches of the interleaved schedule, and under sequence parallelism each TP rank scaled its shard
-by its own token count (half the gradient at TP=2). Here megatron's balancing is off and a forward hook
-on each router attaches ``aux_{l,i,r} * s * t_i`` (megatron's ``MoEAuxLossAutoScaler``, which injects
-that gradient in the backward), with the step constant ``s = c * U / T`` (U = the sum of the loss
-units finalize divides by) and ``aux_{l,i,r}`` this TP rank's share under sequence parallelism (expert
-counts and t_i summed over TP; P_e over the rank's tokens, so the shares add up to aux_{l,i}). The
-hook runs wherever the router runs, including the recomputed forward of ``recompute_activations``.
-
-Conversion from Hugging Face's ``router_aux_loss_coef`` (docs/models.md): transformers pools one loss
-over all layers' tokens, ``E * sum_e (assignments_e / tokens) * P_e`` (k times this normalisation), and
-adds it only with ``output_router_logits=True``; megatron (and this module) sums one loss per layer. At
-the same coefficient the router gradient here is about L / k times HF's: c = router_aux_loss_coef * k / L
-(0.001 * 8 / 48 = 1.7e-4 for Qwen3-30B-A3B).
+and the update follows the gradient of ``c * sum_l sum_{i,d} (t_i / T) * aux_{l,i}`` (c =
+``model.moe_aux_loss_coeff``, T the mini-batch's real tokens over all micro-batches and DP ranks).
+Megatron's own aux loss is off: its gradient scaled with the loss's units, padding and TP. A forward hook on
+each router attaches the loss with the step constant ``s = c * U / T`` (U the loss units finalize divides by).
+Why, the hook's TP share and HF's coefficient (c = router_aux_loss_coef * k / L): docs/models.md.
 """
 
 from __future__ import annotations

@@ -4,34 +4,11 @@
     ref = ReferencePolicy(actor)                         # built beside the actor, same TP/PP/VPP layout
     ref_logp = ref.logprobs(actor, batch, mbs, T, packed, thd)   # no grad; [B, T] on every rank
 
-What it is: a second set of megatron GPTModel chunks built by the actor's own functions
-(``transformer_config``, ``build_model_chunks``) on the actor's process groups, so each rank holds the
-reference's shard of exactly the layers and vocabulary rows it holds of the actor; no DDP wrapper, no
-optimizer, no gradients. Its weights are the policy RL starts from: copied from the actor the first
-time they are needed (step 1's log-prob pass, after the format warm-up when there is one, before
-any RL update), saved with every checkpoint (``step_N/reference/``, megatron dist_checkpointing, so
-it reshards to another layout on resume) and loaded back on resume. A checkpoint without one (a run
-that turned the KL term on when resuming) makes the resumed policy the reference, with a warning.
-
-Hard resets (``algorithm.reference_reset_every`` = K; PACS v2, after ProRL, Liu et al. 2025): after the update
-of every K-th step since the last reset the live policy is copied in (:meth:`ReferencePolicy.copy_from`) and
-the optimizer's Adam state is re-initialised (actor/optimizer.py ``reset_optimizer_state``), so the step after
-a reset trains exactly as a fresh start from the live policy would (tests/actor/test_reference_reset.py). The
-lr schedule keeps its position: the paper's and ProRL's schedules are constant, Adam's bias correction already
-scales the first steps after a re-initialisation, and replaying a warm-up at every reset would make the
-run's lr depend on K. The step of the last reset (``reset_step``) is in every checkpoint's extra state
-beside the reference's weights, so a resume across a reset continues the same schedule bit for bit.
-
-In the asynchronous loop (``rollout.placement=separate``) the anchor does not depend on staleness: r is
-measured against pi_ref, fixed between resets, whichever policy version sampled the rows; the decoupled
-weights pi_prox / pi_behaviour (pacs/decoupled.py) multiply each row's BCE weight as they do under v1, so
-they correct the sampling distribution and never enter r.
-
-Memory: the parameters once more, in the actor's dtype (2 bytes per parameter of the rank's shard in
-bf16; launch/memory_plan.py counts it). ``actor.offload_reference`` keeps them in host memory (pinned on
-CUDA) and brings them to the device only for the log-prob pass: storages are copied out and resized
-to 0 bytes, as actor/offload.py does for the optimizer state, so every module keeps its tensors.
-The CPU run exercises the same code; the CUDA path is WRITTEN FOR GPU, NEVER RUN HERE.
+A second set of megatron chunks on the actor's process groups (no DDP, optimizer or gradients), copied from
+the actor the first time it is needed and saved with every checkpoint. A hard reset
+(``algorithm.reference_reset_every``) copies the live policy in (:meth:`ReferencePolicy.copy_from`) and
+re-initialises Adam, so the next step trains as a fresh start would; the lr schedule keeps its position.
+Lifecycle, resets, the asynchronous loop and memory (``actor.offload_reference``): docs/pacs_v2.md.
 """
 
 from __future__ import annotations

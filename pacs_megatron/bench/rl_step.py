@@ -6,30 +6,11 @@
     python -m pacs_megatron.bench.rl_step --model HF_DIR --trainers ours \
         --arm fused:model.fused_lm_head=true --arm unfused:model.fused_lm_head=false   # a switch, before/after
 
-The work (issue 27): ``--prompts`` prompts x ``--n`` samples, at most ``--max-tokens`` new tokens at T=1,
-lr ``--lr``, one optimizer update per step, the same raw prompts (two-digit sums with the PACS instruction, no
-chat template) in the same order for both trainers. Every (trainer, dtype) is a fresh process that runs
-``--steps`` steps; the first is a warm-up and is not counted. Rounds alternate the order of the variants, so
-load on a shared machine falls on all of them alike. TRL comes from the bench's optional extra
-(``pip install -e ".[bench-trl]"``; bench/trl_step.py says exactly how it is configured).
-
-Printed per variant (medians over the counted steps of all rounds): each stage's wall time (ours: rollout incl.
-reward, old log-probs, update, weight sync; TRL: generation, scoring, update), the step, tokens per step
-(prompt + completion, each trainer's own count), tokens/s and its ratio to TRL at the same dtype and to TRL
-fp32, the achieved matmul FLOP/s as a fraction of the machine's floor for that dtype, peak RSS per rank, and
-bytes per token in flight. Process CPU seconds are printed beside the step (on a loaded machine they still
-measure the work itself).
-
-* **Matmul floor**: measured in the same run, ``torch.matmul`` at the model's own GEMM shapes (q/k/v, o,
-  gate+up, down, LM head) on ``--floor-tokens`` rows, with the threads the trainers get; FLOP-weighted.
-* **Model FLOPs of a step** (same formula for both trainers, the work the algorithm needs): ``2 P`` per prompt
-  token of each distinct prompt and per generated token (sampling), plus ``6 P`` per prompt + completion token
-  (forward + backward of the update); ``P`` = the model's matmul parameters (the layers' linear weights and
-  the LM head; attention's own FLOPs are left out, a few % here). Padding, repeated prefills, recomputation
-  and a separate old-log-prob pass are overhead, not work: they lower the fraction.
-* **Bytes per token in flight**: the step's peak RSS minus the RSS when it started (rank 0 for ours: the
-  rank that samples, scores and holds the batch), over the step's tokens on that rank; also as vocabulary-
-  sized buffers (V x the dtype's bytes) per token.
+Both trainers get the same raw prompts in the same order; every (trainer, dtype) is a fresh process whose
+first step is a warm-up, and rounds alternate the variants' order. TRL comes from the ``bench-trl`` extra
+(bench/trl_step.py). Printed per variant: stage times, tokens/s against TRL, the fraction of the matmul
+floor, peak RSS and bytes per token in flight. Their definitions and results: docs/benchmarks.md,
+"This project's step beside TRL's".
 """
 
 from __future__ import annotations

@@ -3,27 +3,12 @@
     python -m pacs_megatron.bench.sync                          # ~100M-parameter Qwen2 shape, fp32, TP=1
     python -m pacs_megatron.bench.sync --tp 2 --bucket-mb 64 --json sync.json
 
-Each rank builds a randomly initialised megatron-core actor (:class:`MegatronActor`, ``model.init=random``)
-and an :class:`HFEngine` of the same shape from a generated ``config.json``, then times, interleaved,
-``--repeat`` times after one warm-up (medians reported):
-
-- sync     ``WeightSync.push()``: TP all-gather + Megatron->HF conversion + ``iter_buckets`` + the engine's
-           ``update_weights`` (the trainer's real path; the probe is excluded, as in ``sync/seconds``)
-- export   the same stream without loading (gather + convert only): where the time goes
-- memcpy   ``p.copy_(src)`` into every engine parameter from a same-shaped, pre-filled tensor set: the
-           same bytes written once, the floor any sync of this model into this engine can reach
-
-GB/s = the engine's parameter bytes / seconds (both land the same bytes in the engine; an engine that loads
-in place, as the HF engine does, receives the actor's dtype and casts on its copy, so ``sent_gbytes`` may be
-larger); the ratio sync / memcpy (median of the per-round ratios, which share the load of the moment) is the
-target (>= 0.5 on CPU). With
-``--tp N`` the command re-launches itself as N local gloo ranks (each rank receives the full model, as
-every trainer rank does); the report is rank 0's, with every rank's numbers in the JSON. On CUDA the
-GPU target (a 7B-shaped sync within 3x of the NVLink/HBM floor) needs NCCL ranks and was never measured.
-
-With ``--lora-rank R --config FILE [--set key=value ...]`` it times the three syncs of a LoRA actor into vLLM
-instead, side by side on the run's own model, layout and engine (bench/sync_lora.py): full, merged and
-adapter-only (``sync.lora``; docs/lora.md, docs/benchmarks.md).
+Each rank builds a random megatron-core actor (:class:`MegatronActor`) and an :class:`HFEngine` of the same
+shape, then times, interleaved, ``--repeat`` rounds after one warm-up (medians): ``sync`` (``WeightSync.push()``,
+the trainer's path, probe excluded), ``export`` (the same stream without loading) and ``memcpy`` (the same
+bytes copied into the engine: the floor). The target is sync / memcpy >= 0.5 on CPU. ``--tp N`` re-launches
+as N gloo ranks; ``--lora-rank R --config FILE`` times a LoRA actor's three syncs into vLLM instead
+(bench/sync_lora.py). Method and results: docs/benchmarks.md, "Weight sync".
 """
 
 from __future__ import annotations

@@ -4,22 +4,11 @@
     metrics["val/math500/pass@1"], metrics["val/overall/pass@1"]        # flat keys, ready for the logger
     write_rollouts(path, rows); compute_metrics(read_rollouts(path), [1, 4])   # recompute from a file
 
-The trainer calls :func:`evaluate` with its already-synced engine; ``sharded=True`` (call it on every
-rank) splits generation over the engine replicas and scoring over ranks, exactly like a training
-step, and every rank gets the same metrics. A row is one problem: its prompt, answer, the n
-responses, their scores, finish reasons and token counts (the ``eval_rollout.jsonl`` format), and the
-same under the PACS reference's names (``data_source``, ``output``, ``score``).
-
-Per dataset: ``pass@k`` for each k, ``mean@n`` (mean score), ``num_problems``, ``response_length``
-(mean tokens), ``truncation_rate`` and ``boxed_rate`` (share of responses with a non-empty
-``\\boxed{}``). ``overall`` is the unweighted mean over datasets of each metric they all share (the
-"Avg." column of papers), present with two or more datasets.
-
-The training loop's validation (``sharded=True``) is visible on the console: generation runs in about ten
-chunks of at least :data:`MIN_CHUNK_SAMPLES` samples (chunk j samples with seed + j, so a validation of
-one chunk samples exactly as before) with a
-progress line per chunk once it has run for :data:`QUIET_S` seconds (eval/progress.py), and the results are
-one line per set (:func:`result_lines`: pass@k, mean response length, boxed and truncation rates).
+The trainer calls :func:`evaluate` with its already-synced engine; ``sharded=True`` (on every rank) splits
+generation over the engine replicas and scoring over ranks, and every rank gets the same metrics. A row is
+one problem (the ``eval_rollout.jsonl`` format). ``overall`` is the unweighted mean over datasets (two or
+more). The training loop's validation samples in chunks of at least :data:`MIN_CHUNK_SAMPLES` with a
+progress line after :data:`QUIET_S` seconds. Rows, metrics and chunks: docs/eval.md, "The library".
 """
 
 from __future__ import annotations
@@ -154,10 +143,8 @@ def evaluate(
 
 
 def _generate(prompt_ids, engine, sampling: SamplingParams, sharded: bool, step: int) -> list[list[Response]]:
-    if sharded:
-        from pacs_megatron.rollout.collect import generate_sharded
-
-        return generate_sharded(engine, prompt_ids, sampling, step)
+    if sharded:  # a training run's engine (rollout/base.py Generator): every rank gets every group
+        return engine.generate_step(prompt_ids, sampling, step)
     groups = engine.generate(prompt_ids, sampling)
     if len(groups) != len(prompt_ids) or any(len(g) != sampling.n for g in groups):
         raise RuntimeError(

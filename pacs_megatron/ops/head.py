@@ -6,32 +6,12 @@ log-probs and entropy out, without ever materialising the ``[N, V]`` logits or t
     backward: per block, recompute z, write d/dz into the block, grad_weight[k] = g^T @ h,
         grad_hidden += g @ W[k]; then ONE all-reduce of grad_hidden over tp_group
 
-Blocks of vocab columns, not of rows: each block's grad_weight rows are written once, and only grad_hidden
-[N, H] is accumulated (csrc/head.cpp says why that matters on CPU).
+The all-reduce is the one megatron's output layer does (``reduce_grad_input=True``); under sequence
+parallelism the caller gathers the sequence itself and passes False. Kernels: ``pacs_megatron._C`` (csrc/head.cpp)
+or ``ops/head_reference.py``, by ``impl=`` / ``PACS_LOGPROB_IMPL``. Why blocks of columns, precision, memory,
+cost and the GPU timings: docs/kernel.md, "The fused LM head".
 
-Why the all-reduce: megatron's ``ColumnParallelLinear`` output layer (no sequence parallelism) copies its
-input to every TP rank (``copy_to_tensor_model_parallel_region``: identity forward, all-reduce backward),
-since each rank's logits shard depends on the whole hidden state. This op replaces that layer, so it
-does the same reduction (``reduce_grad_input=True``). Under sequence parallelism the caller gathers the
-sequence with megatron's ``gather_from_sequence_parallel_region`` (whose backward reduce-scatters the
-per-rank partial gradients) and passes ``reduce_grad_input=False``. grad_weight stays per rank (each rank
-owns its vocab rows), as megatron's layer leaves it.
-
-Memory beyond the inputs: the ``[N, Vc]`` block (``PACS_HEAD_BLOCK_BYTES``, 32 MiB by default: at most one
-``[chunk, V_local]`` of logits), grad_hidden (an fp32 accumulator for bf16/fp16) and grad_weight in backward,
-and 4 floats per row and block; nothing ``[N, V]`` is saved for backward.
-The price is one more GEMM in a training step (backward recomputes each block's logits): the upstream
-gradient of log p is only known after the PACS loss, so the gradient cannot be formed in forward as
-Liger's cross-entropy does.
-
-Implementations: ``pacs_megatron._C.head_partial / head_backward`` (csrc/head.cpp, CPU and CUDA tensors)
-or the pure-torch twin in ``ops/head_reference.py``; chosen like the logits op (``impl=`` / env
-``PACS_LOGPROB_IMPL``). The CUDA path ran on an H200 on 2026-11-28 (tests/ops/test_head_cuda.py and the one-GPU
-actor with the switch on: all passed); timed there it is slower than the unfused path (bf16, 8,192 x 152,064 x
-3,584: forward 0.84x, forward+backward 0.62x) for 42 MB instead of 2.4 GB of logits (docs/benchmarks.md).
-
-Legend: B, T leading dims; N = B * T rows; H hidden; V = V_local vocab shard; W tp world; Vc block columns;
-K = ceil(V / Vc) blocks.
+Legend: N = B * T rows; H hidden; V = V_local vocab shard; W tp world; Vc block columns; K = ceil(V / Vc) blocks.
 """
 
 from __future__ import annotations

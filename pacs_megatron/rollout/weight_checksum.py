@@ -1,34 +1,14 @@
 """Bitwise weight verification: an exact, cheap checksum per tensor, composable across fused layouts.
 
-A weight sync copies and casts; it computes nothing. The engine must therefore hold bit for bit what the
-actor sent, which a log-prob probe in bf16 cannot tell (bf16 noise of a correct sync is as large as a stale
-layer: docs/weight_sync.md). This module fingerprints tensors so that both sides can compare them without
-moving them:
-
     words    the tensor's bytes viewed as signed integers of its element size (bf16 -> int16, fp32 -> int32),
              as ``[rows, -1]`` with rows = shape[0] (a 1-D tensor: one row per element)
     row sums s_r = sum of row r's words                  (int64)
     checksum (rows, sum_r s_r, sum_r (r + 1) * s_r)     mod 2^64
 
-Why integers: integer addition is associative, so the value is the same for any reduction order, on any
-device, with any number of threads: exact, unlike a float sum. int64 arithmetic wraps mod 2^64 in torch (CPU
-and CUDA); :func:`combine` reduces mod 2^64 as well, so the residue is the same however it was computed. The
-first sum changes whenever one word changes; the row-weighted one also changes when rows move (a q/k/v or
-gate/up mix-up that keeps every value). Two errors cancelling in both sums at once is not a failure mode of
-a sync (a stale or half-written tensor differs in most of its words).
-
-Why rows: a fused engine parameter is the concatenation of HF tensors along dim 0 (vLLM's qkv_proj is
-[q; k; v], gate_up_proj is [gate; up]), and zero rows of vocab padding add nothing, so the checksum of the
-fused parameter follows from its parts' (:func:`combine`): the sender never builds the fused tensor.
-
-Signed zeros: -0.0 and +0.0 are counted equal (their words are mapped to 0). A GEMM kernel read back
-through an identity matrix (vLLM on CPU keeps only a packed copy of its linears: vllm_reload.held_checksums)
-returns x * 1 + 0 = +0.0 for a -0.0 weight, and the two are the same number to every kernel.
-
-Floating tensors are fingerprinted in the dtype the engine computes with (``dtype``): an engine that casts
-on load (an fp32 actor into a bf16 engine) holds the cast, which :func:`checksum` reproduces with the same
-round-to-nearest-even ``Tensor.to``. A held tensor stored wider than that (vLLM keeps some biases in fp32)
-is an exact upcast of it, and casting back is exact.
+Integer sums are exact in any reduction order, device or thread count; the row-weighted sum also sees rows
+that moved (a q/k/v mix-up). A dim-0 concatenation's checksum follows from its parts' (:func:`combine`), so
+no fused tensor is built. -0.0 and +0.0 count equal, and floating tensors are fingerprinted in the engine's
+``dtype``. Why each choice: docs/weight_sync.md, "The bitwise check".
 """
 
 from __future__ import annotations

@@ -3,28 +3,12 @@
     pacs-megatron eval --model CKPT_HF_DIR --data math500,aime2024,aime2025,amc23 --n 16 --k 1,4,16 \\
         --max-tokens 4096 --temperature 0.6 --top-p 0.95 [--engine hf|vllm] [--out DIR] [--limit N]
 
-Writes ``eval_rollout.jsonl`` (one row per problem: id, dataset, problem, prompt, answer, responses,
-scores, finish_reasons, num_tokens) and ``eval_metrics.json`` (per dataset and ``overall``, their
-mean) into ``--out`` or, by default, the model directory, as the PACS reference (``src/inference.py``)
-does. Rollouts are cached under a key (see :mod:`pacs_megatron.eval.cache`: model, data, n, temperature, top_p, top_k,
-max tokens, seed, template, tokenizer, reward): a re-run with the same key only recomputes the
-metrics (e.g. for another ``--k``); a different key samples anew and says what changed; ``--reuse``
-recomputes from the existing rollouts anyway and says what differs; ``--resample`` always samples.
-``eval_metrics.json`` records the key of the rollouts its numbers come from under ``"sampling"``.
-Rows also carry the PACS reference's field names (``data_source``, ``output``, ``score``).
-
-``--tool-turns N`` evaluates a tool-integrated policy as the trainer's validation does (rollout.multi_turn,
-docs/tools.md): the prompts end with ``--tool-instruction``, the model may call ``--tools`` in the sandbox
-between up to N turns, each set's metrics gain ``tools/call_rate``, ``tools/turns_mean`` ... and each row
-its ``transcripts`` (tool output included; ``responses`` are the policy's own words, what is scored).
-
-Prompts are built as for training: the PACS instruction in one user turn under ``--chat-template``
-(``auto``: the tokenizer's own, as ``data.chat_template``), tokenized with ``--tokenizer`` (default: the
-model directory).
-
-Before anything is sampled, every flag is checked (``--out`` writable, ``--reward`` loadable, ``--device``
-present, the model directory's weights, config and tokenizer: launch/model_dir.py); a problem is one
-line and exit 2 (the CLI's error boundary).
+Writes ``eval_rollout.jsonl`` (a row per problem) and ``eval_metrics.json`` (per dataset and ``overall``)
+into ``--out`` or the model directory, as the PACS reference does. Rollouts are cached under a key
+(:mod:`pacs_megatron.eval.cache`): the same key only recomputes the metrics, another samples anew and says
+what changed (``--reuse``, ``--resample`` override). ``--tool-turns N`` evaluates a tool-integrated policy
+as the trainer's validation does. Every flag is checked before anything is sampled (one line, exit 2).
+Files, cache, tools and prompts: docs/eval.md.
 """
 
 from __future__ import annotations

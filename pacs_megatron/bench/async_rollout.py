@@ -4,19 +4,11 @@ at equal total cores, side by side in one run.
     python -m pacs_megatron.bench.async_rollout                        # the CPU default, 40 steps, 2 rounds
     python -m pacs_megatron.bench.async_rollout --steps 30 --rounds 3 --json async.json rollout.n=32
 
-Every variant is a real training launch of ``examples/configs/cpu_tiny.yaml`` (plus the given overrides)
-through the local launcher, with the same number of processes of one thread each (OMP_NUM_THREADS=1):
-
-    colocated   parallel.tp=P, P ranks that generate (their HF engines) and train in turn
-                (``P = --cores``: all cores for each phase)
-    separate-kK parallel.tp=P-E, rollout.engines=E, rollout.max_staleness=K: E cores only generate,
-                P-E only train; K = 0 is the same synchronous schedule split over the cores
-
-Variants run interleaved, ``--rounds`` times (the machine's load changes under them; every round runs all of
-them within minutes), and the report gives, per variant, the median over rounds of the median step time
-after ``--skip`` steps, the phase times of the trainer (rollout = waiting for / generating rollouts), the
-async metrics, and the step-rate ratio to the colocated variant of the same round. The reward at the last
-step is reported beside it: a faster step that learns less is no gain.
+Every variant is a real training launch of the CPU default with the same number of one-thread processes:
+``colocated`` (P ranks that generate and train in turn) and ``separate-kK`` (E engine cores, P - E trainer
+cores, ``rollout.max_staleness=K``), interleaved over ``--rounds``. Reported per variant: the median step
+time, the step-rate ratio to colocated, and the reward at the last step (a faster step that learns less is
+no gain). Method and results: docs/benchmarks.md, "Step rate at equal cores".
 """
 
 from __future__ import annotations

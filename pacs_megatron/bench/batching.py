@@ -3,25 +3,11 @@
     python -m pacs_megatron.bench.batching                      # TP=1 in this process, then TP=2 (2 gloo ranks)
     python -m pacs_megatron.bench.batching --tp 1 --groups 8 --json batching.json
 
-The workload is a synthetic reasoning-RL step: ``--groups`` prompts of 16 to ``--max-prompt`` tokens,
-``--n`` (8) responses each. Response lengths are long-tailed and correlated within a group, as in
-reasoning RL (a hard problem gets long answers from all its samples): a per-prompt scale, log-normal
-with median ``--median-response`` and sigma ``--sigma``, times a per-response log-normal factor of sigma
-``--within-sigma``, clipped to ``--max-response``: most responses short, a few near the limit. Each rank
-builds two randomly initialised megatron-core actors (:class:`MegatronActor`, same weights), one with
-``algorithm.dynamic_batching=false`` (micro-batches of ``--micro-batch-size`` rows padded to the step's
-longest row) and one with it on (the default budget: ``micro_batch_size x`` the longest possible row, so
-no micro-batch exceeds fixed batching's worst case). Per round, after one warm-up round, each mode
-times its actor passes of one step, interleaved (which mode goes first alternates between rounds):
-the old-log-prob pass (``compute_logprobs``) and one optimizer step (``train_step``) on the whole
-batch as one mini-batch.
-
-Reported per mode: micro-batches, tokens computed including padding, the largest micro-batch's
-tokens (the deterministic activation-memory bound), padding fraction (padding / computed tokens),
-medians of the pass times, and peak extra RSS during the train step (VmHWM, see bench/logprob.py; on
-CPU pages touched by the mode that ran earlier are reused without raising it, so it is indicative
-only). ``speedup`` = median over rounds of (fixed time / dynamic time) of the two passes together;
-adjacent timings share the machine's load of the moment. Target on the default workload: >= 1.5x.
+The workload is a synthetic reasoning-RL step: ``--groups`` prompts x ``--n`` responses whose lengths are
+long-tailed and correlated within a group. Two random actors with the same weights, one per mode, time the
+old-log-prob pass and one optimizer step per round, interleaved (the first mode alternates). ``speedup`` is
+the median over rounds of fixed time / dynamic time; the target on the default workload is >= 1.5x.
+Workload, columns and results: docs/benchmarks.md, "Padding-free batching".
 """
 
 from __future__ import annotations

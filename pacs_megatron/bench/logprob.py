@@ -2,26 +2,14 @@
 
     python -m pacs_megatron.bench.logprob --device cpu --shapes 4096x32768 --dtype float32 --threads 2 --json out.json
 
-With ``--head H`` each N x V shape also gets the fused LM head's rows (bench/head.py): hidden [N, H] and the
-weight [V, H] in, against the unfused GEMM + this op and GEMM + naive torch, in the same run.
-
-For each N x V shape (one rank's shard: with ``--tp W`` every candidate works on [N, V / W], i.e. the per-rank
-compute; the fused op's single all-gather of [N, 4] stats and Megatron's three [N] all-reduces are not timed)
-it times forward and forward+backward of
+For each N x V shape (one rank's shard under ``--tp W``) it times forward and forward+backward of
 - fused      ``fused_logprobs(x, t, mask, temperature=T).seq_logp`` (fresh gradient buffer)
 - fused-ip   the same with ``inplace_backward=True`` (gradient written into the logits buffer)
 - naive      ``log_softmax(x / T).gather`` + masked sum, torch autograd
 - megatron   ``-vocab_parallel_cross_entropy(x / T, t)`` + masked sum (TP=1 group on a one-process world)
-Backward is ``torch.autograd.grad(loss, x)``: the gradient is returned, not accumulated into ``x.grad`` (which
-would copy an aliasing in-place gradient).
-
-Memory: peak extra bytes over the inputs during one forward+backward. CUDA: ``torch.cuda.max_memory_allocated``
-minus the allocated bytes before. CPU: the process's peak RSS (VmHWM, reset through /proc/self/clear_refs)
-minus RSS before: it sees every page torch touches (tracemalloc does not see torch's allocations), including
-allocator and page-granularity effects; tensors over glibc's mmap threshold are returned to the OS on free, so
-earlier runs do not hide later peaks. Falls back to sampling RSS with psutil every 1 ms where clear_refs is
-unavailable (reported as the method). CUDA also reports GB/s and % of the HBM floor: bytes = logits read once
-(forward); read twice + gradient written once (forward+backward).
+and the peak extra memory of one forward+backward (CPU: VmHWM reset through /proc/self/clear_refs; CUDA: the
+allocator's peak, plus GB/s against the card's HBM floor). ``--head H`` adds the fused LM head's rows
+(bench/head.py). Method and results: docs/benchmarks.md, "Fused log-prob kernel".
 """
 
 from __future__ import annotations
@@ -42,8 +30,8 @@ from pacs_megatron.ops import fused_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Datasheet HBM peaks (TB/s), matched in order against torch.cuda.get_device_name: the floor is per card (an
-# H200 moves 4.8 TB/s, so H100's 3.35 reported its kernel at "119 %" of the floor on 2026-11-26).
+# Datasheet HBM peaks (TB/s), matched in order against torch.cuda.get_device_name: the floor is per card
+# (one card's peak misgrades another's kernel: docs/benchmarks.md, "GPU: the H200 runs of 2026-11-26").
 HBM_PEAK_TBPS: tuple[tuple[str, float | None], ...] = (
     ("GH200", None),  # 4.0 (HBM3) or 4.9 TB/s (HBM3e) by model: give --hbm-tbps
     ("H200", 4.8),

@@ -3,19 +3,11 @@
     python -m pacs_megatron.bench.memory                         # vocab 32768, hidden 64, 8 x 256 tokens, fp32
     python -m pacs_megatron.bench.memory --vocab 65536 --json mem.json
 
-Variants (each in a FRESH process, so one cannot hide the other's peak):
-- ``sliced``   the path before the fix: ``fused_logprobs(logits[:, :-1], ids[:, 1:])`` without in-place
-               backward; autograd then builds a zeros + copy gradient of the whole logits for the slice
-               and the op writes its gradient into a fresh N x V buffer
-- ``inplace``  actor/forward.py now: full logits, last target = ignore id, ``inplace_backward=True`` (the
-               gradient is written into the logits buffer) and the padded-vocab mask applied in place
-
-The model is a vocab-heavy tiny Qwen2 (random init, TP=1, one gloo rank), so the N x V buffers dominate.
-One warm-up step allocates Adam's state; the second step is measured: peak RSS (VmHWM, reset through
-/proc/self/clear_refs; psutil polling where that is unavailable) minus RSS before the step. RSS sees every
-page torch touches (tracemalloc does not see torch's allocations); large tensors are mmap-ed and returned to
-the OS on free, so the high-water mark is the step's own. On CUDA the same code reports
-``torch.cuda.max_memory_allocated`` (never run here). The report puts the N x V size beside the figures.
+Variants, each in a FRESH process so that one cannot hide the other's peak: ``sliced`` (the path before the
+fix: sliced logits, a fresh N x V gradient) and ``inplace`` (actor/forward.py: full logits, the gradient
+written into the logits buffer). A vocab-heavy tiny Qwen2, so the N x V buffers dominate; the second step's
+peak RSS over RSS before it is reported beside the N x V size. Method and results: docs/benchmarks.md,
+"GPU readiness: training-pass memory".
 """
 
 from __future__ import annotations

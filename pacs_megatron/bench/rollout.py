@@ -4,18 +4,11 @@ beside a memcpy of the same bytes, in one process and one run.
     python -m pacs_megatron.bench.rollout                       # the CPU default's model and two shapes
     python -m pacs_megatron.bench.rollout --json rollout.json
 
-Both engines load the same randomly initialised tiny Qwen2 (the CPU default's shape: hidden 128, 2 layers,
-4 heads, tied embeddings, the arithmetic task's tokenizer) in float32 and sample the same prompts
-(``a+b=``) at T=1. Shapes: ``default`` (the CPU default's rollout: 50 prompts x n=16, at most 3 tokens)
-and ``long`` (16 prompts x n=16 = 256 samples, at most 64 tokens). Generated tokens / wall seconds,
-median of ``--repeat`` timed calls after one warm-up call; random models stop at EOS early, so the mean
-response length is reported too (both engines stop on the same tokens).
-
-Sync: ``VLLMEngine.update_weights`` of the model's HF state (vLLM's layerwise reload, the tied-head fix,
-the prefix-cache reset) against ``p.copy_(src)`` of the same tensors into a same-shaped set, median of
-``--repeat``; for the CPU default's model (1.2 MB: fixed costs dominate) and, with ``--sync-100m``, for
-bench/sync.py's ~100M-parameter Qwen2 (0.4 GB fp32: the bytes dominate). vLLM's external launcher runs
-as a world of one rank (no torchrun needed).
+Both engines load the same random tiny Qwen2 (the CPU default's shape, float32) and sample the same prompts
+at T=1: the ``default`` shape (50 prompts x 16, at most 3 tokens) and ``long`` (16 x 16, at most 64). The
+sync times ``VLLMEngine.update_weights`` against ``p.copy_(src)`` of the same tensors, for that model and,
+with ``--sync-100m``, bench/sync.py's ~100M Qwen2. Medians of ``--repeat`` after a warm-up; mean response
+lengths are reported (random models stop early). Results: docs/benchmarks.md, "vLLM on CPU".
 """
 
 from __future__ import annotations

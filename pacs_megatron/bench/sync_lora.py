@@ -4,21 +4,11 @@
     python -m pacs_megatron.bench.sync --lora-rank 8 --config examples/configs/cpu_smollm2.yaml \\
         --set model.path=/work/results/smol_hf --set model.init=pretrained --set model.gguf= --set model.dtype=float32
 
-Every rank of the config's layout builds the trainer's own actor (``MegatronActor`` with ``actor.lora.rank``,
-its adapters moved off B = 0 so that merged != base) and its own vLLM engine (``rollout.engine=vllm``, built
-with LoRA on), then times, interleaved, ``--repeat`` rounds after one warm-up (medians):
-
-- full      the base, adapters off, through the reshard and vLLM's layerwise reload: what a sync without
-            LoRA costs, and what the adapter sync pays at its first sync and after a PACS v2 reset
-- merged    ``sync.lora=merged``: the same stream with W + (alpha/r) B A computed per adapted weight
-- adapter   ``sync.lora=adapter``: gather the adapters, write the PEFT directory (/dev/shm), vLLM
-            ``add_lora`` / ``remove_lora``
-
-Seconds are ``WeightSync.push`` (and the adapter's load), the probe excluded, as ``sync/seconds`` in a run;
-the bitwise check is off (``sync.verify_bitwise=false``: a base sync pays it on top, the adapter sync has
-none). Bytes: what the engine receives (the adapter: its safetensors file). Ratios are medians of per-round
-ratios (adjacent timings share the machine's load). At the end, one verified adapter sync (base + adapter,
-probe through the adapter) shows the engine serving the actor's policy.
+Every rank builds the trainer's own LoRA actor (adapters moved off B = 0, so merged != base) and vLLM engine,
+then times, interleaved, ``--repeat`` rounds after one warm-up (medians): ``full`` (the base, adapters off),
+``merged`` (``sync.lora=merged``) and ``adapter`` (``sync.lora=adapter``: a PEFT directory and vLLM's
+``add_lora``), as ``WeightSync.push`` with the probe and the bitwise check off. One verified adapter sync
+ends the run. What is timed, and the results: docs/benchmarks.md, "LoRA weight sync into vLLM".
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Slurm glue for ``examples/slurm/multinode.sbatch``: srun starts the trainer ranks directly.
 
-Why srun and not torchrun under srun: on pre-emption every rank must finish its step and write its
-checkpoint shard. torchrun's agent handles SIGTERM/SIGINT/SIGHUP/SIGQUIT by forwarding the signal and
-SIGKILLing the workers after its shutdown timeout (30 s by default), and dies on the SIGUSR1 Slurm
-sends. With srun starting one task per rank there is no agent in between: a signal reaches the ranks
-themselves (:mod:`pacs_megatron.utils.preemption`), which stop collectively after the step; a second
-SIGTERM (``scancel`` twice) ends each rank at once with 143 and no requeue marker (docs/launch.md).
+srun, not torchrun under srun: with no agent in between, a signal reaches the ranks themselves
+(:mod:`pacs_megatron.utils.preemption`), which stop collectively after the step and checkpoint; torchrun's
+agent SIGKILLs its workers 30 s after a signal and dies on Slurm's SIGUSR1.
 
-Two pieces:
+- :func:`apply_srun_env` (in each task) maps ``SLURM_PROCID`` / ``SLURM_STEP_NUM_TASKS`` / ``SLURM_LOCALID`` to
+  ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``, with ``MASTER_ADDR``/``MASTER_PORT`` from the script or
+  ``scontrol``; such a rank exits :data:`EXIT_REQUEUE` (75) after a graceful stop (:func:`srun_exit_code`),
+  and the script requeues on rank 0's marker, not on that code.
+- ``python -m pacs_megatron.launch.slurm plan --nodes N --nproc-per-node P --config FILE [a.b=c ...]`` prints
+  the overrides srun adds (``parallel.dp``, ``trainer.deadline_unix``) or one error line, exit 2.
 
-- :func:`apply_srun_env` (called by ``pacs_megatron.launch`` in each task): maps ``SLURM_PROCID`` /
-  ``SLURM_STEP_NUM_TASKS`` / ``SLURM_LOCALID`` to the ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` that
-  torch.distributed reads. ``MASTER_ADDR``/``MASTER_PORT`` come from the batch script, or from
-  ``scontrol`` and the job id when absent (a plain ``srun`` of several tasks). Such a rank
-  exits :data:`EXIT_REQUEUE` (75) after a graceful stop (:func:`srun_exit_code`). The script does
-  not requeue on that code (srun's aggregate code can be 137 after ``--kill-on-bad-exit``) but on
-  the marker rank 0 writes after the final checkpoint (``utils/preemption.py``).
-- ``python -m pacs_megatron.launch.slurm plan --nodes N --nproc-per-node P --config FILE [a.b=c ...]``
-  (run once by the batch script, before any srun): validates the config for that world size and
-  prints the overrides srun adds: ``parallel.dp`` (world size / (tp * pp): the script does no
-  arithmetic) and ``trainer.deadline_unix`` (the job's end time from ``squeue``), or one error line
-  naming the node count, the processes per node and the layout, exit 2. The torchrun script
-  (``examples/torchrun/multinode.sh``) uses it too; outside a Slurm job there is no deadline.
+Details: docs/launch.md, "Slurm" and "Slurm: signals, time limits, requeue".
 """
 
 from __future__ import annotations

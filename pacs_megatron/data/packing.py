@@ -1,25 +1,17 @@
 """Padding-free batching: token-budget micro-batches of whole prompt groups, balanced over DP.
 
-Fixed batching pads every row of a step to the step's longest sequence. Reasoning RL has a long tail
-of response lengths, so most of the actor's FLOPs then go to padding. Here, per mini-batch:
+1. **DP balance** (:func:`balance_groups`, :func:`dp_balanced_shard`): each global mini-batch's groups go to
+   the data-parallel ranks by *tokens*, the same number of groups per rank: largest first in rounds of
+   ``dp``, each round's largest to the lightest rank. The spread ``max - min`` of the ranks' tokens stays at
+   most the largest group's tokens (induction: pairing the round's items, sorted descending, with the ranks,
+   sorted ascending, never widens the spread beyond ``max(spread, largest item)``).
+2. **Micro-batches** (:func:`plan_micro_batches`): whole groups, longest first, filled in order until the
+   next group would exceed the budget; a micro-batch costs ``rows x padded_len`` (its own longest row rounded
+   up to ``multiple``). A group that alone exceeds the budget is an error naming its tokens and the budget.
 
-1. **DP balance** (:func:`balance_groups`, :func:`dp_balanced_shard`): each global mini-batch's
-   groups go to the data-parallel ranks by *tokens*, the same number of groups per rank. Groups are
-   taken largest first in rounds of ``dp`` and each round's largest goes to the lightest rank. After
-   every round the spread ``max - min`` of the ranks' tokens is at most the largest group's tokens
-   (induction: pairing the round's items, sorted descending, with the ranks, sorted ascending, never
-   widens the spread beyond ``max(spread, largest item)``).
-2. **Micro-batches** (:func:`plan_micro_batches`): whole groups, longest first, filled in order
-   until the next group would exceed the budget. A micro-batch costs ``rows x padded_len`` where
-   ``padded_len`` is its own longest row rounded up to ``multiple`` (8): sorting keeps similar
-   lengths together, so little padding is left. A group that alone exceeds the budget is an error
-   naming its tokens and the budget.
-
-The plan is a pure, deterministic function of ``seq_lens``, ``group_size``, the budget and the
-mini-batch size in groups: the old-log-prob pass (the whole local batch, planned per mini-batch
-chunk) and the training pass (one mini-batch) get the identical partition and identical shapes,
-so log-probs stay batch-invariant. The loss weighting needs nothing new: every loss reports a mean
-and its unit count (train_step.py), which is exact for any partition. Docs: docs/batching.md.
+The plan is a pure function of ``seq_lens``, ``group_size``, the budget and the mini-batch size, so the
+old-log-prob and training passes get identical partitions and shapes (batch-invariant log-probs).
+Why, invariants and the loss weighting: docs/batching.md.
 """
 
 from __future__ import annotations

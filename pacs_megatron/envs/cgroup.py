@@ -23,7 +23,7 @@ SANDBOX_TASKS = 4
 """Tasks of the sandbox itself in a call's cgroup (enter stage, pid 1, bwrap's two) on top of its processes."""
 PROCESS_FLOOR_MB = 192
 """The least address space a process of a call gets where the budget is split by rlimits: Python with numpy
-and sympy imported needs 150-190 MiB of it (measured: fails at 128, starts at 192)."""
+and sympy imported needs 150-190 MiB of it (docs/tools.md, "One memory cap per call")."""
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ written in the logits' dtype, into the logits buffer itself with ``inplace_backw
 
 Implementation choice: the extension when it is built for the logits' device, else the pure-torch reference
 (``ops/reference.py``) with a one-time warning. ``impl="ext"|"reference"`` or env ``PACS_LOGPROB_IMPL``
-overrides (``auto`` by default); ``ext`` raises if the extension is missing. The CUDA path ran on an H100
-(2026-11-25: tests/ops/test_logprob_cuda.py passed, 84-87 % of the HBM floor; docs/benchmarks.md).
+overrides (``auto`` by default); ``ext`` raises if the extension is missing. Design, layers and the GPU runs:
+docs/kernel.md.
 
 Legend: B, T leading dims; N = B * T rows; V = V_local (this rank's vocab shard); W = tp world size.
 """

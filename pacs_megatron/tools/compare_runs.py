@@ -49,7 +49,7 @@ METHODS: dict[str, list[str]] = {
 TRAIN = (sys.executable, "-m", "pacs_megatron", "train")
 HEADROOM = 1.25
 """CPU runs: a run's host memory is taken as this times the most a run of the comparison has logged: a run's first
-step logs ~80% of its later peak (SmolLM2 on CPU, 2026-11-28: 9.9-10.3 GB at step 1, the run's peak 10.4-13.2 GB)."""
+step logs ~80% of its later peak (docs/benchmarks.md, "How compare sizes concurrent runs")."""
 
 
 def uses_critic(method: str) -> bool:
@@ -87,13 +87,11 @@ class Runner:
         self._dirs: dict[tuple, Path] = {}
         self._builds_model: dict[tuple, bool] = {}
         # The cores are split between the runs going at once: torch's default (every core per process)
-        # oversubscribes them, and OpenMP's spinning threads then cost several times the work (measured:
-        # 2 runs x 2 threads on 2 cores ran 5x slower per step than one). The shell's value wins.
+        # oversubscribes them (docs/benchmarks.md, "How compare sizes concurrent runs"). The shell's value wins.
         threads = str(getattr(args, "threads_per_rank", 1))
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
-        # Runs that share a GPU each keep to their share of its memory: on one H200, 12 SmolLM2 runs whose
-        # caching allocators each grew to ~12.5 GB filled its 140 GB and 13 of 24 runs died of CUDA OOM
-        # (2026-11-28). One-rank runs are pinned to the least busy GPU; larger ones see every GPU.
+        # Runs that share a GPU each keep to their share of its memory (unbounded caching allocators ran a
+        # shared GPU out of memory). One-rank runs are pinned to the least busy GPU; larger ones see every GPU.
         ranks = getattr(args, "ranks_per_run", 1)
         self.gpus = args.gpus if hasattr(args, "gpus") else visible_gpus()
         per_gpu, self.memory_fraction = share_gpus(getattr(args, "jobs", 1) or 1, ranks, self.gpus)

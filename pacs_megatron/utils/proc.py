@@ -60,10 +60,8 @@ def ray_job_runtime_env() -> dict[str, dict[str, str]]:
     reward workers): niceness 0, or the driver's ``RAY_worker_niceness`` where it sets one.
 
     Ray starts its worker processes at niceness 15 (its ``worker_niceness``) to keep the raylet responsive,
-    and a rank or engine process inherits its actor's. Beside nice-0 processes on the node they starved
-    (2026-11-26, 2 cores, two CPU burners: 0.7 s of CPU work took 8-15 s of wall time in a nice-15 actor,
-    1.1-1.7 s at 0; the ranks of a three-step Ray run took 3-4 min to their first step). Ray's job
-    supervisor asks for 0 for its own actor the same way; verl and NeMo-RL users export it in their scripts.
+    and a rank or engine process inherits its actor's, which starved it beside nice-0 processes (measured:
+    docs/launch.md, "Ray"). Ray's job supervisor asks for 0 for its own actor the same way.
     """
     return {"env_vars": {RAY_NICENESS: os.environ.get(RAY_NICENESS, "0")}}
 
@@ -75,16 +73,15 @@ def run_main(main: Callable[[], int | str | None]) -> NoReturn:
     """Run a process's entry point (``python -m pacs_megatron``, the console script, a torchrun rank) and exit
     with what it returned, without the interpreter's teardown after the ``atexit`` handlers.
 
-    That teardown (a full cycle collection, then every module's) took 2-4 s of CPU per process over the heap
-    of a rank that imported torch, megatron and transformers on this project's 2-core box (py-spy:
-    ``gc_collect_main`` under ``Py_FinalizeEx``), and the end-to-end tests start hundreds of such processes.
-    ``atexit`` runs its handlers in reverse, so the one registered here runs after those registered later:
-    non-daemon threads are joined and the libraries' handlers (Ray's, vLLM's, torch's, multiprocessing's)
-    have run when it shuts logging down, flushes the standard streams and calls :func:`os._exit`. An entry
-    point therefore calls it before importing anything that registers a handler (logging, imported by then,
-    is shut down here). Skipped: collecting what is still alive (the project closes its files and writers
-    itself) and C-level exit hooks, such as nanobind's leak report (triton's), which a frozen heap set off
-    (``gc.freeze`` was tried first). When ``main`` raises, the interpreter exits as usual (traceback, 1).
+    That teardown (a full cycle collection, then every module's) costs seconds of CPU per rank that imported
+    torch, megatron and transformers (docs/benchmarks.md, "A launch's start and exit"). ``atexit`` runs its
+    handlers in reverse, so the one registered here runs after those registered later: non-daemon threads are
+    joined and the libraries' handlers (Ray's, vLLM's, torch's, multiprocessing's) have run when it shuts
+    logging down, flushes the standard streams and calls :func:`os._exit`. An entry point therefore calls it
+    before importing anything that registers a handler (logging, imported by then, is shut down here).
+    Skipped: collecting what is still alive (the project closes its files and writers itself) and C-level
+    exit hooks, such as nanobind's leak report (triton's), which ``gc.freeze`` instead would set off.
+    When ``main`` raises, the interpreter exits as usual (traceback, 1).
 
     One handler registered *before* this one would be skipped and matters: multiprocessing's (its exit function
     terminates its daemonic children and joins the others), registered when ``multiprocessing`` is first

@@ -11,7 +11,8 @@ From the Hugging Face ``config.json`` and the run config, for the worst pipeline
   recompute) only each layer's input (2 bytes x seq x micro-batch x hidden) plus one layer's
   working set; without it ~34 bytes per token per hidden unit and layer (Korthikanti et al. 2022,
   flash attention so no seq^2 term; /TP with sequence parallelism, (10 + 24/TP) without), plus the
-  fp32 logits and their gradient (8 bytes x seq x micro-batch x vocab / TP).
+  fp32 logits and their gradient (8 bytes x seq x micro-batch x vocab / TP). Context parallelism divides
+  the tokens a rank holds by CP (and the distributed optimizer shards over DP x CP).
 - LoRA (``actor.lora.rank`` > 0): gradients and optimizer state are the adapters' only (r x (in + out/tp) a
   column adapter, r x (in/tp + out) a row adapter, per layer), and no reference copy (the base is the reference).
 - reference policy (``algorithm.kl_loss_coef`` > 0 or PACS v2's anchor, actor/reference.py): the parameters once more in
@@ -132,6 +133,7 @@ def estimate(
     pp: int,
     dp: int,
     gpu_gib: float,
+    cp: int = 1,
     bf16: bool = True,
     distributed_optimizer: bool = True,
     seq_len: int = 4096,
@@ -153,7 +155,8 @@ def estimate(
     ``replay_rows``: MoE routing replay, ``(rows the rank trains on, rows its engine replica generates)``
     per step; ``reference``: a KL reference policy, kept in host memory with ``offload_reference``.
     ``lora_rank`` > 0: LoRA adapters on ``lora_targets`` (actor/lora.py) are all that trains: gradients and
-    optimizer state are theirs only, and the reference is the base itself (no copy)."""
+    optimizer state are theirs only, and the reference is the base itself (no copy). ``cp``: each rank holds
+    ``seq_len / cp`` tokens of every row (parallel/cp_split.py); weights are replicated over CP."""
     c = param_counts(hf)
     layers = c["layers"] // pp
     stage_layers = layers * (c["layer_split"] / tp + c["layer_norms"] + c["experts"] / ep + c["router"])
@@ -164,7 +167,8 @@ def estimate(
     n = max(first, last)
     # MoE: the distributed optimizer shards expert state over the expert-DP ranks only (tp * dp / ep)
     n_exp = layers * c["experts"] / ep
-    shards = (dp, max(1, tp * dp // ep)) if distributed_optimizer else (1, 1)
+    # megatron shards the optimizer over DP x CP (its intra_dp_cp group)
+    shards = (dp * cp, max(1, tp * dp * cp // ep)) if distributed_optimizer else (1, 1)
     if lora_rank:  # the adapters alone train (dense layers' linears only, never the experts')
         n_lora = layers * lora_params_per_layer(hf, lora_rank, tp, lora_targets)
         params = (n * (2 if bf16 else 4) + n_lora * (2 if bf16 else 4)) / GIB
@@ -175,7 +179,7 @@ def estimate(
         params = n * (2 if bf16 else 4) / GIB
         grads = n * 4 / GIB
         optimizer = ((n - n_exp) / shards[0] + n_exp / shards[1]) * (12 if bf16 else 8) / GIB
-    tokens = seq_len * micro_batch
+    tokens = seq_len * micro_batch / cp
     hidden = c["hidden"]
     if recompute:
         act = layers * tokens * hidden * 2 + tokens * hidden * 34 / tp
@@ -231,13 +235,15 @@ def estimate_run(cfg, hf: dict, gpu_gib: float, offload_during_rollout: bool | N
     replay_rows = None
     if getattr(getattr(cfg, "actor", None), "routing_replay", "none") == "rollout":
         rows = cfg.trainer.train_batch_size * cfg.rollout.n
-        replicas = par.tp * par.pp * par.dp // (vllm.tensor_parallel_size if use_vllm else 1)
+        world = par.tp * par.pp * getattr(par, "cp", 1) * par.dp
+        replicas = world // (vllm.tensor_parallel_size if use_vllm else 1)
         replay_rows = (rows // par.dp, rows // max(1, replicas))
     return estimate(
         hf,
         tp=par.tp,
         pp=par.pp,
         dp=par.dp,
+        cp=getattr(par, "cp", 1),
         gpu_gib=gpu_gib,
         bf16=str(cfg.model.dtype) in ("bfloat16", "bf16", "float16", "fp16"),
         distributed_optimizer=dist_opt == "true" or (dist_opt == "auto" and use_vllm),

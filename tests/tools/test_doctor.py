@@ -45,6 +45,19 @@ def test_memory_plan_of_qwen25_7b():
     assert estimate(QWEN25_7B, **kw | {"pp": 2}).params_gib < 0.55 * plan.params_gib
 
 
+def test_memory_plan_with_context_parallelism():
+    """CP = 2 halves the tokens a rank holds (every activation term and the logits) and, with the distributed
+    optimizer, shards Adam over DP x CP; weights and gradients are replicated over CP."""
+    kw = dict(tp=2, pp=1, dp=4, gpu_gib=80.0, seq_len=16384, micro_batch=1, recompute=True)
+    one, two = estimate(QWEN25_7B, **kw), estimate(QWEN25_7B, **kw, cp=2)
+    assert two.activations_gib == pytest.approx(one.activations_gib / 2)
+    assert two.optimizer_gib == pytest.approx(one.optimizer_gib / 2)
+    assert (two.params_gib, two.grads_gib) == (one.params_gib, one.grads_gib)
+    assert estimate(QWEN25_7B, **kw, cp=2, distributed_optimizer=False).optimizer_gib == pytest.approx(
+        estimate(QWEN25_7B, **kw, distributed_optimizer=False).optimizer_gib
+    )
+
+
 def test_memory_plan_with_lora():
     """LoRA r = 16 on all four linears of Qwen2.5-7B at TP=2 x DP=4: the adapters' gradients and Adam state
     replace the model's (21 GiB of grads + optimizer -> ~0.1), and PACS v2's reference costs no copy."""

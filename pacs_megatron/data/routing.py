@@ -1,20 +1,16 @@
 """MoE routing replay records of a batch, held compactly and only by the ranks that train on them.
 
 The engine records, per response, the experts each token went to: ``[prompt + response tokens, L, k]``
-(rollout ``Response.routed_experts``). At recipe scale these are large: Qwen3-30B-A3B (L=48, k=8) with
-1024 prompts x 8 responses of up to 4608 tokens was an int64 ``[B, T, L, k]`` tensor of 116 GB built on
-every rank, plus 12.6 GB of per-response records gathered to every rank. Here:
+(rollout ``Response.routed_experts``), large at recipe scale. Here:
 
 - the records stay unpadded, one ``[len_b, L, k]`` tensor per row, in uint8 (<= 256 experts) or int16;
-- rollout/collect.py gathers responses without them: each rank keeps the records of the responses its
-  engine replica generated, and :func:`fetch_routed_experts` (collective) hands every rank the records of
-  the rows it trains on after the data-parallel split, so a rank holds its own rows' records (plus,
-  until the step's batch is dropped, its replica's);
-- the padded, position-aligned ``[b, T, L, k]`` indices exist per micro-batch only
-  (:meth:`RoutedExperts.padded`, called by actor/forward.py), and the int64 per-router indices megatron
-  needs per layer only (actor/moe.py).
+- rollout/collect.py gathers responses without them: each rank keeps its engine replica's records, and
+  :func:`fetch_routed_experts` (collective) hands every rank those of the rows it trains on after the
+  data-parallel split;
+- the padded ``[b, T, L, k]`` indices exist per micro-batch only (:meth:`RoutedExperts.padded`, called by
+  actor/forward.py), and megatron's int64 per-router indices per layer only (actor/moe.py).
 
-``launch/memory_plan.py`` counts the records in the doctor's memory plan.
+The sizes at the 30B recipe's scale, before and after: docs/models.md, "Routing replay (R3)".
 """
 
 from __future__ import annotations

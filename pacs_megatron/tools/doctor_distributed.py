@@ -5,21 +5,11 @@
         -m pacs_megatron.tools.doctor_distributed --dir /shared/runs
     pacs-megatron doctor --distributed --config RUN.yaml launcher.kind=ray launcher.ray_address=auto
 
-Under Ray the command is the driver, as ``pacs-megatron train`` is: it starts the ranks the run's
-config would get (``parallel.world_size`` rank actors with its ``launcher.*`` placement, through
-launch/ray_launcher.py) and each rank runs this module; the ``--dir`` default there is the parent of
-the run's ``trainer.output_dir``, the directory every node must share.
-
-Rank 0 prints one line per rank (host, local rank, visible devices and the CUDA device the trainer
-would pick, the network interface that reaches ``MASTER_ADDR``, what the hostname resolves to,
-``/dev/shm`` and the memlock limit), a timed Gloo all-reduce (and NCCL's, with GPUs), the
-shared-filesystem canary of each ``--dir`` (utils/shared_fs.py, default: the working directory),
-then one line per problem. Exit 1 on any error, on every rank, so that srun reports it too.
-
-The checks are the classic multi-node failures: a hostname resolving to 127.0.1.1 (Debian's
-/etc/hosts; Gloo then advertises loopback and peers hang), a node-local output directory, a
-container's 64 MiB ``/dev/shm`` (NCCL's shared-memory transport fails), a memlock limit below
-unlimited (InfiniBand registration fails), more ranks on a node than visible GPUs.
+Rank 0 prints one line per rank (host, devices, the interface that reaches ``MASTER_ADDR``, the hostname's
+address, ``/dev/shm``, memlock), a timed Gloo all-reduce (and NCCL's, with GPUs), the shared-filesystem canary
+of each ``--dir`` (utils/shared_fs.py), then one line per problem; exit 1 on any error, on every rank. Under
+Ray the command is the driver and starts the run's rank actors (launch/ray_launcher.py).
+What each check catches: docs/launch.md, "On every rank: doctor --distributed".
 """
 
 from __future__ import annotations

@@ -2,23 +2,11 @@
 
     pacs-megatron export outputs/cpu_tiny/checkpoints/step_00000200 outputs/cpu_tiny/hf [--tp 1 --pp 1]
 
-A LoRA run (``actor.lora.rank`` > 0) exports a PEFT adapter for its base model (actor/lora_export.py;
-``peft.PeftModel.from_pretrained(base, OUT_DIR)``), or with ``--merge`` a whole model with the adapters merged.
-
-Writes ``OUT_DIR/config.json``, ``model*.safetensors`` and the tokenizer files, loadable by
-transformers (``AutoModelForCausalLM.from_pretrained``) and by ``pacs-megatron eval --model``.
-
-Design: the arguments are validated first, before any rank starts: the checkpoint (complete and
-undamaged, run/checkpoint_check.py), OUT_DIR writable (utils/paths.py), the model directory's
-config and tokenizer (launch/model_dir.py) and the layout (``--tp/--pp`` against the heads and layers);
-each problem is one line and exit 2 (the CLI's error boundary). The model directory and
-shape it was trained with are read from its ``extra_state.json`` (``--model-dir`` overrides, and must
-hold the same shape). Only the model is built and loaded (no DDP buffers, no optimizer: an export
-needs a third of the memory of training) through megatron's dist_checkpointing, which reshards, so
-any ``--tp/--pp`` loads any checkpoint; by default the checkpoint's own TP x PP, so what fit in
-training fits here. Started by hand it spawns ``tp * pp`` local ranks itself (launch/local.py ``on_ranks``);
-under torchrun it uses the ranks it finds. The weights are written by ``actor/weights.save_hf``, the
-same code as ``trainer.export_hf``, so both give the same files.
+Writes ``config.json``, ``model*.safetensors`` and the tokenizer files; a LoRA run writes a PEFT adapter for
+its base (actor/lora_export.py), or with ``--merge`` a whole model. Every argument is checked before any rank
+starts (one line, exit 2). Only the model is built, through dist_checkpointing, which reshards: any
+``--tp/--pp`` loads any checkpoint (by default its own layout). The weights are written by
+``actor/weights.save_hf``, as ``trainer.export_hf`` does. Design: docs/runs.md, "Export".
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """The OS mechanisms of the sandbox: the bwrap command line, the private uid, the interpreter and packages the
 code sees, the rlimits the child sets on itself, and the clean-up that leaves no process behind.
 
-:mod:`.sandbox` runs a call with these; nothing here runs untrusted code itself. Why each piece:
-
-- **A private uid per call, where the trainer is root.** ``RLIMIT_NPROC`` does not bind root (the kernel
-  exempts uid 0), and a pid namespace alone does not bound a fork bomb's size before the wall limit. A random
-  uid of 1.5e9-2e9 that no account uses gives each call its own count (``RLIMIT_NPROC`` counts the tasks of a
-  uid, threads included), its own file permissions (it owns nothing of the host: root's 0600 files and 0700
-  directories are closed to it even without bwrap), and one identity to kill: ``kill(-1, SIGKILL)`` sent *as
-  that uid* reaches every process it runs, however it detached (``setsid``, double fork).
-- **bwrap runs as that uid too** (unprivileged user namespace, ``--disable-userns`` inside), so it can only
-  bind what the uid can read: an interpreter under a 0700 home (pyenv in /root) is not, and the system's
-  ``/usr/bin/python3`` of the same version is used instead (:func:`find_interpreter`).
-- **The rlimits are set by the child on itself** (:data:`BOOTSTRAP`, before the user's code): lowering a
-  hard limit needs no privilege and cannot be undone, and no ``preexec_fn`` runs in the trainer's forked
-  child (unsafe beside torch's threads).
+:mod:`.sandbox` runs a call with these; nothing here runs untrusted code itself. Where the trainer is root,
+each call runs as a random unused uid (``RLIMIT_NPROC`` does not bind root): its own process count, no file
+of the host's, and one identity that ``kill(-1, SIGKILL)`` sent as that uid ends however its processes
+detached. bwrap runs as that uid too, so an interpreter under a 0700 home gives way to the system's
+(:func:`find_interpreter`). The child sets its rlimits on itself (:data:`BOOTSTRAP`): lowering a hard limit
+needs no privilege, and no ``preexec_fn`` runs beside torch's threads. Why each piece: docs/tools.md,
+"The sandbox".
 """
 
 from __future__ import annotations

@@ -7,13 +7,11 @@ A call never raises into the trainer and never outlives its wall limit::
               "memory_limit" | "output_limit" (stopped at the byte cap) | "crash" (a signal) | "sandbox_error"
 
 Two levels (envs/levels.py says what each leaves open), chosen by ``tools.sandbox`` and checked once by
-:func:`check_sandbox` (preflight calls it before any model loads): ``bwrap`` (``auto`` means it and nothing
-else: bubblewrap's namespaces, only /usr, the interpreter and the packages visible) and ``rlimits-trusted``
-(root only, set explicitly: new network, mount, pid, ipc and uts namespaces with a private /tmp, the host's
-files readable by permission; envs/enter.py). Either level: rlimits set by the child on itself, a clean
-environment, a private uid per call where the trainer is root, one memory and process cap per call (a cgroup
-where one can be made, else processes x memory within the budget: envs/cgroup.py), output read with a byte
-cap, and at the end every process of the call killed. docs/tools.md has the measured table and the tests.
+:func:`check_sandbox` (preflight): ``bwrap`` (``auto``: bubblewrap's namespaces, only /usr, the interpreter and
+the packages visible) and ``rlimits-trusted`` (root only, set explicitly: new namespaces and a private /tmp,
+the host's files readable by permission). Either level: rlimits, a clean environment, a private uid where the
+trainer is root, one memory and process cap per call (envs/cgroup.py), output read with a byte cap, and every
+process of the call killed at the end. The measured table and the tests: docs/tools.md, "The sandbox".
 """
 
 from __future__ import annotations

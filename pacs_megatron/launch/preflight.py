@@ -1,47 +1,8 @@
 """Checks that need the file system or an import, run by the launcher before any rank or model starts.
 
-    pacs-megatron train --config c.yaml reward.fn=my_rewards:scroe
-    [.. E pacs_megatron.launch.errors] train: config error: reward.fn='my_rewards:scroe': module
-    'my_rewards' has no attribute 'scroe'                              (one line in the terminal)
-    (exit 2; nothing was spawned, loaded or written)
-
-At 7B scale a bad reward name or data path found inside the ranks costs minutes of model loading and
-one traceback per rank; here it costs a second. What needs no file system (``rollout.n >= 2`` for
-the RLOO / GRPO estimators, divisibility, choices) is already checked by the config dataclasses'
-``__post_init__``; this module adds:
-
-- ``rollout.quantization`` / ``rollout.quant_recipe`` and ``actor.routing_replay``: runnable on this
-  device with this install (modelopt importable, recipe runs on CPU, vLLM's FP8 scale layouts, routing
-  replay only where vLLM can return routed experts): launch/device_checks.py;
-- ``reward.fn``: importable, callable, and its signature takes ``(prompt, response, ground_truth, extra)``;
-- ``trainer.resume`` (``--resume``): a named checkpoint directory exists, and the checkpoint a resume
-  would load (and ``model.tiny.*`` against an existing ``model.path/config.json``) has this model's
-  shape (``run/resume.py``);
-- ``rollout.engine=vllm`` without vllm installed (device_checks.py), and every other package a setting
-  imports (``logging.wandb_project`` -> wandb, ``reward.backend=ray`` / ``launcher.kind=ray`` -> ray,
-  ``logging.tensorboard`` -> tensorboard, ...): launch/optional_deps.py, one line with the pip command;
-- ``trainer.output_dir``: writable (not read-only, not a file: ``utils/paths.py``), not locked by a
-  running run (a ``--dry-run``, which takes no lock, may look beside one), a fresh start does not land
-  on an old run (``run/run_dir.py``), and its disk has room for a checkpoint (the last one's size, or
-  an estimate from the model's size before the first);
-  checked by the launcher and rank 0 only, since rank 0 takes the lock;
-- every model path, with the check every command shares (``launch/model_dir.py``): ``model.path`` holds a
-  ``config.json`` that parses (and, for ``init=pretrained`` and ``gguf``, readable safetensors weights that
-  agree with it), or for ``init=gguf`` without one, ``model.gguf`` is a GGUF file of an architecture
-  transformers reads (an existing ``model.path`` must come from that same file), ``model.tokenizer`` (or
-  ``model.path``) holds a tokenizer, and ``critic.init``, when the learned critic is on and it names a
-  directory, holds a config.json and weights too; ``data.chat_template`` finds a template for that tokenizer;
-- ``data.train_files`` (and ``data.val_files`` when ``trainer.test_freq`` > 0): each resolves to a file
-  under the data root and its rows parse (a byte that is not UTF-8 is named with its line);
-- ``rollout.engine=vllm``: ``data.max_prompt_length + rollout.max_response_length`` fits the model's
-  ``max_position_embeddings`` (vLLM refuses a longer ``max_model_len`` with a pydantic error at start);
-- ``rollout.multi_turn``: the sandbox starts here, the tools load, the template renders a tool turn
-  (launch/tool_checks.py);
-- ``rollout.placement=separate`` on a GPU machine started by the local launcher: a GPU for every trainer
-  rank and every engine (written for GPU, never run there).
-
-Every failure is a :class:`~pacs_megatron.config.ConfigError` naming the key and the fix, which the
-CLI's error boundary (launch/errors.py) prints as one line and turns into exit code 2.
+A bad reward name or data path found inside the ranks costs minutes of model loading and one traceback per
+rank; here it costs a second. Each failure is a :class:`~pacs_megatron.config.ConfigError` naming the key and
+the fix (one line, exit 2). What is checked, key by key: docs/launch.md, "Preflight".
 """
 
 from __future__ import annotations
@@ -58,7 +19,7 @@ from pacs_megatron.run.resume import preflight_resume
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Raise :class:`ConfigError` for the first problem found (see the module docstring)."""
+    """Raise :class:`ConfigError` for the first problem found (the list: docs/launch.md, "Preflight")."""
     check_device(cfg)
     check_optional_deps(cfg)
     check_model_paths(cfg)

@@ -93,7 +93,9 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _layout(groups: ParallelGroups) -> dict:
-    return {"tp": groups.tp_size, "pp": groups.pp_size, "vpp": groups.vpp_size, "dp": groups.dp_size}
+    layout = {"tp": groups.tp_size, "pp": groups.pp_size, "vpp": groups.vpp_size, "dp": groups.dp_size}
+    # only when on: checkpoints written before parallel.cp existed keep comparing equal
+    return layout | ({"cp": groups.cp_size} if groups.cp_size > 1 else {})
 
 
 def _model_keys(n_chunks: int) -> list[str]:

@@ -48,6 +48,7 @@ def layout_summary(cfg: RunConfig) -> dict:
         "tp": par.tp,
         "pp": par.pp,
         "vpp": par.vpp,
+        "cp": par.cp,
         "dp": par.dp,
         "prompts_per_step": cfg.trainer.train_batch_size,
         "sequences_per_step": cfg.trainer.train_batch_size * cfg.rollout.n,

@@ -21,7 +21,7 @@ def logged_keys() -> set[str]:
         keys |= set(KEY.findall(path.read_text()))
     keys = {k for k in keys if not k.endswith("_")}  # prefixes ("pacs/post_") are expanded below
     keys -= {"critic/megatron"}  # a checkpoint folder (run/checkpoint_check.py), not a metric
-    from pacs_megatron.loop.diagnostics import POST_PREFIX, POST_SKIP
+    from pacs_megatron.pacs.registry import POST_PREFIX, POST_SKIP
 
     keys |= {POST_PREFIX + k.split("/", 1)[1] for k in keys if k.startswith("pacs/") and "post" not in k}
     not_recomputed = {*POST_SKIP, "pacs/first_minibatch_max_logratio"}

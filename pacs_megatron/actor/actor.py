@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -58,8 +58,6 @@ from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-_BUILTIN_LOSSES = ("pacs", "grpo", "ppo", "gspo")
 
 
 @dataclass(frozen=True)
@@ -246,15 +244,10 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ training
 
-    def _loss_config(self, name: str):
-        algo = self.cfg.algorithm
-        if name != algo.loss and name in _BUILTIN_LOSSES:
-            return replace(algo, loss=name).loss_config()
-        return algo.loss_config()  # other registered losses (e.g. "sft") read what they need
-
     def train_step(self, batch: TrainBatch, loss_name: str | None = None) -> dict[str, float]:
         """One optimizer step on this DP rank's share of one mini-batch (collective); metrics are
-        reduced over DP and identical on every rank."""
+        reduced over DP and identical on every rank. ``loss_name``: train that registered loss instead of the
+        run's (the warm-up's "sft"), without the recipe's KL / entropy terms."""
         return self._train_step(batch, loss_name, old_from_forward=False)[0]
 
     def train_step_from_forward(self, batch: TrainRows) -> tuple[dict[str, float], LogprobResult]:
@@ -271,14 +264,14 @@ class MegatronActor:
     ) -> tuple[dict[str, float], LogprobResult | None]:
         name = loss_name or self.cfg.algorithm.loss
         loss = get_loss(name)
-        if name == self.cfg.algorithm.loss:  # the RL loss gets the recipe's KL / entropy terms, if any
+        if loss_name is None:  # the run's RL loss gets the recipe's KL / entropy terms, if any
             a = self.cfg.algorithm
             loss = regularize(loss, a.kl_loss_coef, a.kl_loss_type, a.entropy_coeff)
         check_train_batch(batch, old_from_forward)
         mbs = self.cfg.algorithm.micro_batch_size
         packed = self._packed(batch, 0)
         micro, rows = packed or (split_micro_batches(batch, min(mbs, len(batch))), torch.arange(len(batch)))
-        loss_cfg = step_loss_config(self._loss_config(name), self.cfg.rollout.max_response_length)
+        loss_cfg = step_loss_config(self.cfg.algorithm.loss_config(name), self.cfg.rollout.max_response_length)
         make = partial(
             train_loss_func,
             spec=self.spec,

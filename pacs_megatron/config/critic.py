@@ -52,9 +52,10 @@ class CriticConfig:
 
 
 def critic_enabled(cfg: RunConfig) -> bool:
-    """Whether ``cfg`` (a RunConfig) trains a learned critic: a baseline loss with ``adv_estimator=gae``."""
+    """Whether ``cfg`` (a RunConfig) trains a learned critic: a loss that takes one (``LossTraits.gae``) with
+    ``adv_estimator=gae``."""
     algo = cfg.algorithm
-    return algo.loss in ("ppo", "grpo") and algo.loss_config().adv_estimator == "gae"
+    return algo.traits.gae and getattr(algo.loss_config(), "adv_estimator", "") == "gae"
 
 
 def critic_loss_agg(cfg: RunConfig) -> tuple[str, int]:

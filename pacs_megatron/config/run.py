@@ -25,6 +25,7 @@ from pacs_megatron.config.switches import check_run_switches
 from pacs_megatron.config.tools import ToolsConfig
 from pacs_megatron.config.training import AlgorithmConfig, LoggingConfig, OptimizerConfig, TrainerConfig
 from pacs_megatron.config.warmup import check_warmup_stop
+from pacs_megatron.pacs.registry import losses_where
 
 
 @dataclass
@@ -51,9 +52,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         n, algo, dp = self.rollout.n, self.algorithm, self.parallel.dp
-        estimator = algo.loss_config().adv_estimator
+        estimator = getattr(algo.loss_config(), "adv_estimator", "")  # "": a loss that reads no section
         if n < 2 and estimator in ("rloo", "grpo"):  # first: the batch-size fixes below depend on n
-            key = "algorithm.pacs.adv_estimator" if algo.loss == "pacs" else "algorithm.policy.adv_estimator"
+            key = f"algorithm.{algo.traits.section}.adv_estimator"
             raise ConfigError(
                 f"rollout.n={n} with {key}={estimator} (algorithm.loss={algo.loss}): the estimator compares the "
                 "responses of a prompt group, so use rollout.n >= 2 (the paper: 8)"
@@ -108,8 +109,11 @@ class RunConfig:
                     )
             if tiny.num_layers % (self.parallel.pp * self.parallel.vpp):
                 raise ConfigError("model.tiny.num_layers must be divisible by parallel.pp * parallel.vpp")
-        if algo.loss == "pacs" and algo.policy.adv_estimator == "gae":
-            raise ConfigError("algorithm.policy.adv_estimator=gae is for loss ppo/grpo: set algorithm.loss=ppo")
+        if algo.policy.adv_estimator == "gae" and not algo.traits.gae:
+            raise ConfigError(
+                f"algorithm.policy.adv_estimator=gae is for loss {losses_where(lambda t: t.gae)} (algorithm.loss="
+                f"{algo.loss} trains no critic): set algorithm.loss=ppo"
+            )
         check_run_switches(self)  # dynamic sampling, overlong shaping, KL / entropy (config/switches.py)
         if self.data.task == "arith" and self.data.arith.style == "raw" and self.reward.fn in ("math", "math_boxed"):
             raise ConfigError(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pacs_megatron.config.base import ConfigError, _choice, _positive
 from pacs_megatron.pacs.config import FILTER_MODES, KL_TYPES
+from pacs_megatron.pacs.registry import losses_where
 
 if TYPE_CHECKING:
     from pacs_megatron.config.run import RunConfig
@@ -61,11 +62,12 @@ def check_algorithm_switches(algo: AlgorithmConfig) -> None:
 def check_run_switches(cfg: RunConfig) -> None:
     """Cross-area checks of the switches (called by ``RunConfig.__post_init__``)."""
     over, max_len = cfg.algorithm.overlong, cfg.rollout.max_response_length
-    if over.buffer_len and cfg.algorithm.loss == "pacs":
+    if over.buffer_len and not cfg.algorithm.traits.shaped_rewards:
         raise ConfigError(
-            f"algorithm.overlong.buffer_len={over.buffer_len} with algorithm.loss=pacs: PACS trains a classifier of "
-            "the 0/1 outcome, a length-shaped reward is no label; use algorithm.overlong.mask_truncated=true for "
-            "PACS, or algorithm.loss=grpo/ppo"
+            f"algorithm.overlong.buffer_len={over.buffer_len} with algorithm.loss={cfg.algorithm.loss}: the loss "
+            "trains a classifier of the 0/1 outcome (PACS), a length-shaped reward is no label; use "
+            "algorithm.overlong.mask_truncated=true for it, or algorithm.loss="
+            f"{losses_where(lambda t: t.shaped_rewards)}"
         )
     if cfg.algorithm.filter_groups != "none" and cfg.rollout.placement == "separate":
         raise ConfigError(

@@ -15,6 +15,7 @@ from pacs_megatron.pacs.config import (
     check_ratio_bounds,
     split_correction,
 )
+from pacs_megatron.pacs.registry import LossTraits, get_loss
 
 
 @dataclass
@@ -24,7 +25,7 @@ class AlgorithmConfig:
     loss: str = "pacs"
     """"pacs" (default), or the paper's baselines "grpo" and "ppo" (PPO-clip; critic-free unless
     policy.adv_estimator=gae, the learned critic of ``critic:``), or "gspo" (sequence-level ratio,
-    Qwen's GSPO, settings in ``gspo``)."""
+    Qwen's GSPO, settings in ``gspo``), or any other loss registered in pacs/registry.py."""
     pacs: PACSConfig = field(default_factory=PACSConfig)
     """PACS settings (beta, reward_method, adv_estimator, weight_mode)."""
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -116,7 +117,10 @@ class AlgorithmConfig:
     0: never (the reference stays the policy RL started from). Needs a reference (the anchor or kl_loss_coef > 0)."""
 
     def __post_init__(self) -> None:
-        _choice("algorithm.loss", self.loss, ("pacs", "grpo", "ppo", "gspo"))
+        try:
+            get_loss(self.loss)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         _positive("algorithm.ppo_epochs", self.ppo_epochs)
         _positive("algorithm.mini_batch_size", self.mini_batch_size, allow_zero=True)
         _positive("algorithm.micro_batch_size", self.micro_batch_size)
@@ -131,10 +135,10 @@ class AlgorithmConfig:
         _choice("algorithm.is_level", self.is_level, ("auto", "token", "sequence"))
         if not self.is_cap > 1:
             raise ConfigError(f"algorithm.is_cap={self.is_cap} must be > 1, e.g. 2.0")
-        if self.loss == "pacs" and self.is_level == "token":
+        if self.traits.correction_unit == "row" and self.is_level == "token":
             raise ConfigError(
-                "algorithm.is_level=token with algorithm.loss=pacs: PACS weights whole rows (its BCE is per "
-                "sequence); use algorithm.is_level=sequence (or auto)"
+                f"algorithm.is_level=token with algorithm.loss={self.loss}: the loss weights whole rows (its loss is "
+                "per sequence, e.g. PACS's BCE); use algorithm.is_level=sequence (or auto)"
             )
         _positive("algorithm.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True)
         _positive("algorithm.reference_reset_every", self.reference_reset_every, allow_zero=True)
@@ -147,19 +151,28 @@ class AlgorithmConfig:
         check_algorithm_switches(self)
 
     @property
+    def traits(self) -> LossTraits:
+        """What the selected loss declared at its registration (pacs/registry.py)."""
+        return get_loss(self.loss).traits
+
+    @property
     def needs_reference(self) -> bool:
         """Whether a frozen reference policy is built (actor/reference.py): for the KL term or PACS v2's anchor."""
-        return self.kl_loss_coef > 0 or (self.loss == "pacs" and self.pacs.anchor == "reference")
+        return self.kl_loss_coef > 0 or self.traits.anchor(self.loss_config()) == "reference"
 
-    def loss_config(self) -> PACSConfig | PolicyLossConfig:
-        """The sub-config the selected loss reads, with ``policy.adv_estimator=auto`` resolved."""
-        if self.loss == "pacs":
-            return self.pacs
-        policy = self.gspo if self.loss == "gspo" else self.policy
-        estimator = policy.adv_estimator
+    def loss_config(self, name: str = "") -> PACSConfig | PolicyLossConfig | None:
+        """The config section loss ``name`` (default: the selected one) reads (``LossTraits.section``), with
+        ``adv_estimator=auto`` resolved by its traits; None for a loss that reads none."""
+        traits = get_loss(name or self.loss).traits
+        if traits.section is None:
+            return None
+        section = getattr(self, traits.section)
+        if not isinstance(section, PolicyLossConfig):
+            return section
+        estimator = section.adv_estimator
         if estimator == "auto":
-            estimator = "rloo" if self.loss == "ppo" else "grpo"
-        return replace(policy, adv_estimator=estimator)
+            estimator = traits.auto_estimator
+        return replace(section, adv_estimator=estimator)
 
     def correction(self) -> RolloutCorrectionConfig:
         """``rollout_correction`` and its bounds, resolved for the selected loss (pacs/rollout_correction.py):
@@ -170,7 +183,7 @@ class AlgorithmConfig:
             masks=masks,
             cap=self.is_cap,
             level=self.resolved_is_level,
-            unit="row" if self.loss == "pacs" else "token",
+            unit=self.traits.correction_unit,
             icepop=_bounds(self.icepop_bounds),
             geo=_bounds(self.geo_bounds),
             outlier=_bounds(self.outlier_bounds),
@@ -178,10 +191,10 @@ class AlgorithmConfig:
 
     @property
     def resolved_is_level(self) -> str:
-        """``is_level`` with "auto" resolved: sequence for pacs, token for the baselines."""
+        """``is_level`` with "auto" resolved: sequence for a loss that weighs rows (pacs), token for the others."""
         if self.is_level != "auto":
             return self.is_level
-        return "sequence" if self.loss == "pacs" else "token"
+        return "sequence" if self.traits.correction_unit == "row" else "token"
 
 
 def _bounds(pair: list[float]) -> tuple[float, float]:

@@ -222,10 +222,11 @@ def warn_unused(cfg: RunConfig) -> None:
 
 
 def pacs_loss_is_ln2(cfg: RunConfig) -> bool:
-    """PACS v1 with one optimizer update per rollout batch: the loss is taken at pi_theta = pi_old."""
+    """PACS v1 (a loss anchored at pi_old, ``LossTraits.anchored``) with one optimizer update per rollout batch:
+    the loss is taken at pi_theta = pi_old."""
     a = cfg.algorithm
     updates = cfg.trainer.train_batch_size // cfg.mini_batch_prompts * a.ppo_epochs
-    return a.loss == "pacs" and a.pacs.anchor == "old" and updates == 1
+    return a.traits.anchored and a.traits.anchor(a.loss_config()) == "old" and updates == 1
 
 
 def note_pacs_one_update(cfg: RunConfig) -> None:

@@ -10,7 +10,6 @@ import torch
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import Rollouts
-from pacs_megatron.pacs import PolicyLossConfig, get_loss, group_advantage, outcome_advantages
 
 
 class StepAdvantages(NamedTuple):
@@ -27,12 +26,9 @@ AdvantageFn = Callable[[Rollouts], StepAdvantages]
 
 
 def outcome_step_advantages(cfg: RunConfig, rows: Rollouts) -> StepAdvantages:
-    """Advantages from the rows' rewards alone: the loss's estimator for the baselines (GRPO, PPO, GSPO);
-    for PACS, its ``adv_estimator`` of R, the per-row weight of its gradient while psi = 0 (the loss
-    computes its own score from r); 0 for losses that read none (``sft``, a custom loss)."""
-    loss_cfg = cfg.algorithm.loss_config()
-    if get_loss(cfg.algorithm.loss).needs_advantages and isinstance(loss_cfg, PolicyLossConfig):
-        return StepAdvantages(outcome_advantages(rows.scores, rows.group_size, loss_cfg))
-    if cfg.algorithm.loss == "pacs":
-        return StepAdvantages(group_advantage(rows.scores.float(), rows.group_size, loss_cfg.adv_estimator))
-    return StepAdvantages(torch.zeros(len(rows)))
+    """Advantages from the rows' rewards alone, as the loss declared them (``LossTraits.outcome_advantages``:
+    the baselines' estimator; PACS's per-row weight of its gradient while psi = 0); 0 for a loss that reads none."""
+    advantages = cfg.algorithm.traits.outcome_advantages
+    if advantages is None:
+        return StepAdvantages(torch.zeros(len(rows)))
+    return StepAdvantages(advantages(rows.scores, rows.group_size, cfg.algorithm.loss_config()))

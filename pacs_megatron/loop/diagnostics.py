@@ -5,7 +5,8 @@ of a step (the default recipe: one mini-batch, one epoch), ``logp == logp_old``,
 ``pacs/psi_*`` and ``pacs/implicit_reward_*`` are the constants ln 2, 0 and 0 by construction, and
 ``pacs/classifier_acc`` is just 1 - reward. What a user wants to see is whether the update moved the
 classifier the right way: so after the step's updates this stage runs one no-grad log-prob pass of
-the actor over the same local batch and evaluates the same loss against the rollout log-probs:
+the actor over the same local batch and evaluates the same loss against the rollout log-probs (the loss's
+``post_update`` trait, pacs/registry.py):
 
     pacs/post_loss, pacs/post_psi_mean, pacs/post_psi_abs_mean, pacs/post_psi_std,
     pacs/post_implicit_reward_abs_mean, pacs/post_prob_correct_mean, pacs/post_classifier_acc,
@@ -26,47 +27,28 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from pacs_megatron.pacs.advantage import group_advantage
-from pacs_megatron.pacs.implicit import implicit_reward
-from pacs_megatron.pacs.loss import pacs_loss
-from pacs_megatron.pacs.registry import pacs_anchor
-from pacs_megatron.pacs.rollout_correction import kept_rows
-
 if TYPE_CHECKING:
     from pacs_megatron.actor.actor import MegatronActor
     from pacs_megatron.config import RunConfig
     from pacs_megatron.pacs.batch import TrainBatch
 
-POST_PREFIX = "pacs/post_"
-POST_SKIP = ("pacs/mixed_group_frac", "pacs/lone_row_groups")
-"""Not recomputed after the update: properties of the rewards and the row weights, not of the classifier."""
-QUANTILES = (0.1, 0.5, 0.9)
-
 
 def post_update_metrics(cfg: RunConfig, actor: MegatronActor, local: TrainBatch) -> dict[str, float]:
-    """``pacs/post_*`` for this step (empty unless the loss is PACS and the switch is on); collective."""
-    if cfg.algorithm.loss != "pacs" or not cfg.logging.post_update_metrics:
+    """The loss's post-update metrics for this step (``LossTraits.post_update``; empty for a loss without them or
+    with the switch off), means over data-parallel ranks; collective."""
+    hook = cfg.algorithm.traits.post_update
+    if hook is None or not cfg.logging.post_update_metrics:
         return {}
     mbs = cfg.algorithm.logprob_micro_batch_size or cfg.algorithm.micro_batch_size
     with torch.no_grad():
         out = actor.compute_logprobs(
             local, micro_batch_size=mbs, temperature=cfg.rollout.temperature, response_only=True
         )
-        pacs = cfg.algorithm.pacs
-        logp = out.token_logp.float()
-        anchor = pacs_anchor(local, logp, pacs).float()  # the loss's own choice of anchor
-        w = local.is_weights  # the loss's row weights: a dropped row (weight 0) is out of every metric, as of the loss
-        _, m = pacs_loss(logp, anchor, local.response_mask, local.scores, local.group_size, pacs, is_weights=w)
-        keep = kept_rows(len(logp), w, logp.device) if w is not None else None
-        r = implicit_reward(logp, anchor, local.response_mask, pacs.beta, pacs.reward_method)
-        psi = group_advantage(r, local.group_size, pacs.adv_estimator, pacs.norm_adv_by_std, keep)
-        psi = psi if keep is None else psi[keep]
-        for q, v in zip(QUANTILES, torch.quantile(psi.double(), torch.tensor(QUANTILES, dtype=torch.float64))):
-            m[f"pacs/psi_p{round(q * 100)}"] = v
-    keys = [k for k in m if k not in POST_SKIP]
+        m = hook(local, out.token_logp.float(), cfg.algorithm.loss_config())
+    keys = list(m)
     groups = actor.groups
     values = torch.stack([m[k].detach().float() for k in keys]).to(groups.device)  # nccl reduces device tensors
     if groups.dp_size > 1:  # every DP rank holds as many rows: the plain mean is the batch mean
         dist.all_reduce(values, group=groups.dp_group)
         values /= groups.dp_size
-    return {POST_PREFIX + k.removeprefix("pacs/"): float(v) for k, v in zip(keys, values.tolist())}
+    return dict(zip(keys, values.tolist()))

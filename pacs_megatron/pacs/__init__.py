@@ -21,12 +21,13 @@ if TYPE_CHECKING:  # the checkers see the real names
     from pacs_megatron.pacs.loss import class_weights, pacs_loss
     from pacs_megatron.pacs.overlong import overlong_penalty, truncation_weights
     from pacs_megatron.pacs.policy_loss import aggregate, clipped_policy_loss, outcome_advantages
-    from pacs_megatron.pacs.registry import LOSSES, LossSpec, get_loss, register_loss
+    from pacs_megatron.pacs.registry import LOSSES, LossSpec, LossTraits, get_loss, register_loss
     from pacs_megatron.pacs.regularizers import kl_estimate, regularize
 
 _HOME = {
     "LOSSES": "registry",
     "LossSpec": "registry",
+    "LossTraits": "registry",
     "Rollouts": "batch",
     "TrainBatch": "batch",
     "TrainRows": "batch",
@@ -69,6 +70,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "LOSSES",
     "LossSpec",
+    "LossTraits",
     "Rollouts",
     "TrainBatch",
     "TrainRows",

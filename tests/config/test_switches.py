@@ -50,7 +50,7 @@ def test_errors_name_the_field(override, words):
 
 
 def test_pacs_refuses_a_shaped_reward_but_takes_the_rest():
-    with pytest.raises(ConfigError, match="mask_truncated=true for PACS"):
+    with pytest.raises(ConfigError, match="loss=pacs: .* use algorithm.overlong.mask_truncated=true"):
         load_config(None, ["algorithm.overlong.buffer_len=64"])
     on = ["algorithm.filter_groups=mixed", "algorithm.overlong.mask_truncated=true", "algorithm.kl_loss_coef=0.01"]
     cfg = load_config(None, on + ["algorithm.entropy_coeff=0.001", "algorithm.kl_loss_type=k3+"])

@@ -113,7 +113,7 @@ def test_rejected_tokens_leave_the_sequence_ratio():
 
 def test_gspo_is_registered_with_verls_defaults():
     spec = LOSSES["gspo"]
-    assert spec.needs_advantages and spec.unit == "agg"
+    assert spec.traits.outcome_advantages is not None and spec.unit == "agg" and spec.traits.section == "gspo"
     cfg = AlgorithmConfig(loss="gspo").loss_config()
     assert isinstance(cfg, GSPOConfig)
     assert (cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.loss_agg_mode, cfg.adv_estimator, cfg.clip_ratio_c) == (

@@ -65,7 +65,7 @@ def test_registry_and_loss_config_resolution():
         get_loss("dpo")
     x = loss_batch(torch.zeros(2, 3), torch.tensor([[0, 1, 1], [0, 1, 0]]), torch.ones(2), 2)
     spec = get_loss("grpo")
-    assert spec.needs_advantages
+    assert spec.traits.outcome_advantages is not None and spec.traits.gae
     # A TrainBatch cannot exist without advantages (no None sentinel for the loss to reject any more).
     with pytest.raises(TypeError, match="advantages"):
         TrainBatch(**{f.name: getattr(x, f.name) for f in fields(TrainBatch) if f.name != "advantages"})

@@ -143,10 +143,8 @@ def evaluate(
 
 
 def _generate(prompt_ids, engine, sampling: SamplingParams, sharded: bool, step: int) -> list[list[Response]]:
-    if sharded:
-        from pacs_megatron.rollout.collect import generate_sharded
-
-        return generate_sharded(engine, prompt_ids, sampling, step)
+    if sharded:  # a training run's engine (rollout/base.py Generator): every rank gets every group
+        return engine.generate_step(prompt_ids, sampling, step)
     groups = engine.generate(prompt_ids, sampling)
     if len(groups) != len(prompt_ids) or any(len(g) != sampling.n for g in groups):
         raise RuntimeError(

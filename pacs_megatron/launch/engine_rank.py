@@ -108,7 +108,7 @@ def serve() -> int:
 
             context = single_rank_launcher_env()  # vLLM's own world of one, for the engine's lifetime
         with context:
-            # FP8 rollouts on vLLM: built for the FP8 data + scales the trainer sends (RemoteEngines.fp8_weights)
+            # FP8 rollouts on vLLM: built for the FP8 data + scales the trainer sends (RemoteEngines.traits())
             engine = build_engine(cfg, init.model_dir, tokenizer, device, vllm_fp8_config(cfg.rollout))
             send(conn, Ready(engine=index, device=str(device)))
             group = WeightGroup(init.backend, store, 1 + index, 1 + init.engines, device, timeout_s)

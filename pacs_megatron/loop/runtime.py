@@ -15,7 +15,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the run's pieces; build_components imports them when it bui
     from pacs_megatron.actor.critic import MegatronCritic
     from pacs_megatron.data.records import PromptRecord
     from pacs_megatron.data.sampler import PromptDataset
+    from pacs_megatron.parallel.groups import ParallelGroups
     from pacs_megatron.reward.scorer import RewardScorer
     from pacs_megatron.rollout.base import Generator
     from pacs_megatron.rollout.pipeline import InFlightPrompts
@@ -51,8 +52,8 @@ logger = get_logger(__name__)
 class Runtime:
     """This process's place in the job."""
 
-    groups: Any
-    """ParallelGroups (TP/PP/DP groups, ranks, device)."""
+    groups: ParallelGroups
+    """TP/PP/DP groups, ranks, device."""
     output_dir: Path
     """trainer.output_dir."""
     model_dir: Path
@@ -61,8 +62,8 @@ class Runtime:
     """The resolved config as plain data (saved with the run and sent to wandb)."""
     resume: ResumePlan | None = None
     """The checkpoint this launch continues (None: a fresh run)."""
-    run_dir: Any = None
-    """run/run_dir.RunDir: the lock on output_dir, held by rank 0 until teardown."""
+    run_dir: RunDir | None = None
+    """The lock on output_dir, held by rank 0 until teardown (set by :func:`setup`)."""
 
     @property
     def is_rank0(self) -> bool:

@@ -19,7 +19,6 @@ from pacs_megatron.data.routing import RoutedExperts
 from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.reward.rollouts import score_rollouts
 from pacs_megatron.reward.verifiers import has_boxed
-from pacs_megatron.rollout.collect import generate_sharded
 from pacs_megatron.rollout.multi_turn import turn_metrics
 from pacs_megatron.rollout.types import Response, SamplingParams
 
@@ -85,7 +84,7 @@ def generate_scored(
     sampling = train_sampling(cfg)
     if round_:
         sampling = replace(sampling, seed=cfg.rollout.seed + 104_729 * round_)
-    groups: list[list[Response]] = generate_sharded(c.engine, [r.prompt_ids for r in records], sampling, step)
+    groups = c.engine.generate_step([r.prompt_ids for r in records], sampling, step)
     return score_groups(c, records, groups)
 
 

@@ -28,9 +28,12 @@ from pathlib import Path
 
 import torch
 
-from pacs_megatron.rollout.base import NamedTensors
+from pacs_megatron.rollout.base import EngineTraits, NamedTensors
+from pacs_megatron.rollout.collect import ShardedSteps
 from pacs_megatron.rollout.stop_tokens import resolve_stop_token_ids
 from pacs_megatron.rollout.types import Response, SamplingParams
+from pacs_megatron.rollout.weight_checksum import Held, checksum
+from pacs_megatron.utils.dist import rank_and_world
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -155,8 +158,14 @@ class RoutingRecorder:
     def take(self, shape: tuple[int, int]) -> torch.Tensor:
         out = torch.arange(self.topk, dtype=torch.int16).expand(*shape, self.num_layers, self.topk).clone()
         for layer, t in zip(self.layers, self._last):
+            if t is None:
+                raise RuntimeError(f"routing replay: the router of layer {layer} did not run in the last forward")
             out[:, :, layer] = t.reshape(*shape, self.topk).to("cpu", torch.int16)
         return out
+
+    def filler(self, rows: int) -> torch.Tensor:
+        """``[rows, 1, L, k]`` int16 routing record of rows that decode nothing (0..k-1, as padding)."""
+        return torch.arange(self.topk, dtype=torch.int16).expand(rows, 1, self.num_layers, self.topk).clone()
 
     def attach(self, responses: list, steps: torch.Tensor, prompt_lens: list[int], width: int) -> list:
         """``steps`` ``[R, width + decode steps, L, k]``: left-padded prompt columns, then one column per
@@ -178,18 +187,13 @@ class RoutingRecorder:
         return out
 
 
-class HFEngine:
-    """:class:`~pacs_megatron.rollout.base.RolloutEngine` on a transformers causal LM.
+class HFEngine(ShardedSteps):
+    """:class:`~pacs_megatron.rollout.base.RolloutEngine` on a transformers causal LM, one replica per rank.
 
     Example:
         >>> engine = HFEngine("outputs/model", tokenizer, device="cpu")  # doctest: +SKIP
         >>> groups = engine.generate([[6, 13, 8, 14]], SamplingParams(n=4, max_tokens=3, seed=1))  # doctest: +SKIP
     """
-
-    loads_in_place = True
-    """:meth:`update_weights` copies each tensor straight into its parameter, casting on the copy: weight
-    sync sends it tensor by tensor, uncast (buckets and a pre-cast would only allocate fresh tensors;
-    on CPU they made the sync of a 100M model 2-3x slower)."""
 
     def __init__(
         self,
@@ -241,6 +245,12 @@ class HFEngine:
         }
 
         self.routing = RoutingRecorder(self.model) if record_routing else None
+
+    def traits(self) -> EngineTraits:
+        """A replica per rank; :meth:`update_weights` copies each tensor straight into its parameter, casting
+        on the copy (on CPU buckets and a pre-cast made the sync of a 100M model 2-3x slower)."""
+        rank, world = rank_and_world()
+        return EngineTraits(replica=rank, replicas=world, loads_in_place=True, weight_dtype=self.dtype)
 
     def _param_name(self, p: torch.Tensor | None) -> str | None:
         return next((n for n, q in self._params.items() if q is p), None)
@@ -323,7 +333,7 @@ class HFEngine:
                 use_cache=True,
             ).logits[:, -1]
             if self.routing:  # finished rows hold the filler (never read: past their last token)
-                step = self._routing_filler(rows)
+                step = self.routing.filler(rows)
                 step[alive.cpu()] = self.routing.take((len(alive), 1))
                 steps.append(step)
             next_pos = next_pos + 1
@@ -331,11 +341,6 @@ class HFEngine:
         if self.routing:
             responses = self.routing.attach(responses, torch.cat(steps, dim=1), [len(p) for p in prompts], width)
         return responses
-
-    def _routing_filler(self, rows: int) -> torch.Tensor:
-        """``[rows, 1, L, k]`` int16 routing record of rows that decode nothing (0..k-1, as padding)."""
-        r = self.routing
-        return torch.arange(r.topk, dtype=torch.int16).expand(rows, 1, r.num_layers, r.topk).clone()
 
     def _stop_string_hit(self, tokens: torch.Tensor, stops: Sequence[str]) -> torch.Tensor:
         """[R] bool: the rows whose text now ends a stop string. Only the last few tokens are decoded (a stop
@@ -413,7 +418,7 @@ class HFEngine:
                 if fused is not None:
                     target, param = fused
                     slices[target] = slices.get(target, 0) + param.numel()
-                if param is None:
+                if param is None or target is None:
                     raise KeyError(f"HF engine: weight {name!r} matches no parameter of {type(self.model).__name__}")
                 if tuple(param.shape) != tuple(tensor.shape):
                     raise ValueError(
@@ -427,25 +432,21 @@ class HFEngine:
             raise RuntimeError(f"HF engine: weight sync left {len(missing)} parameters unwritten: {missing}")
         return len(written)
 
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        """The dtype the engine holds its floating weights in (the bitwise check fingerprints in it)."""
-        return self.dtype
-
     @torch.no_grad()
-    def weight_checksums(self) -> list:
+    def weight_checksums(self) -> list[Held]:
         """Every parameter as held now, fingerprinted for the bitwise sync check (rollout/weight_checksum.py):
         one entry per HF tensor; a fused expert parameter as the per-expert slices the sync writes."""
         from pacs_megatron.rollout.vllm_reload import checkpoint_names
-        from pacs_megatron.rollout.weight_checksum import Held, checksum
 
         self.wake()
         out = []
         for name, p in self._params.items():
             names = checkpoint_names(name, p.shape[0] if p.dim() else 0)
             for hf in names:
-                view = p if names == [name] else fused_expert_slice(self._params, hf)[1]
-                out.append(Held(hf, (hf,), checksum(view, self.dtype)))
+                part = (name, p) if names == [name] else fused_expert_slice(self._params, hf)
+                if part is None:
+                    raise RuntimeError(f"HF engine: checkpoint tensor {hf} is no slice of the parameter {name}")
+                out.append(Held(hf, (hf,), checksum(part[1], self.dtype)))
         return out
 
     def close(self) -> None:

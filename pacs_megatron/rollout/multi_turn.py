@@ -28,12 +28,17 @@ from typing import TYPE_CHECKING, Any
 
 from pacs_megatron.config.multi_turn import MultiTurnConfig
 from pacs_megatron.data.records import PromptRecord
+from pacs_megatron.rollout.base import ChecksumReader, EngineTraits, NamedTensors, RolloutEngine
+from pacs_megatron.rollout.collect import ShardedSteps
 from pacs_megatron.rollout.stop_tokens import stop_string_cut
 from pacs_megatron.rollout.types import Response, SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from pacs_megatron.config import RunConfig
     from pacs_megatron.envs.pool import ToolPool
+    from pacs_megatron.rollout.weight_checksum import Held
 
 
 @dataclass
@@ -130,13 +135,13 @@ class _Trajectory:
             self.logprobs = None if logprobs is None else self.logprobs + list(logprobs[: len(tokens)])
 
 
-class MultiTurnEngine:
-    """Wraps an engine (module docstring); every other engine attribute (weight sync, sleep, replica
-    coordinates) is the wrapped engine's."""
+class MultiTurnEngine(ShardedSteps):
+    """A :class:`~pacs_megatron.rollout.base.RolloutEngine`: the turn loop over an engine (module docstring);
+    its traits, weights, probe and memory are the wrapped engine's, its steps are sharded over the turn loop."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: RolloutEngine,
         tokenizer: Any,
         cfg: MultiTurnConfig,
         tools: ToolPool,
@@ -150,8 +155,24 @@ class MultiTurnEngine:
         self.format = HermesFormat()
         self.turn = ToolTurn(tokenizer, use_template)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+    def traits(self) -> EngineTraits:
+        return self.engine.traits()
+
+    def update_weights(self, buckets: Iterable[NamedTensors]) -> int:
+        return self.engine.update_weights(buckets)
+
+    def logprobs(self, token_ids: Sequence[Sequence[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+        return self.engine.logprobs(token_ids, temperature)
+
+    def weight_checksums(self) -> list[Held] | None:
+        """The wrapped engine's (None when it cannot be read back)."""
+        return self.engine.weight_checksums() if isinstance(self.engine, ChecksumReader) else None
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
 
     def close(self) -> None:
         """The engine's close, then the tool pool's (its threads or Ray tasks); idempotent as both are."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pacs_megatron.rollout.base import EngineTraits
 from pacs_megatron.rollout.collect import step_seed
 from pacs_megatron.rollout.protocol import (
     Close,
@@ -119,20 +120,16 @@ class Inbox:
 
 class RemoteEngines:
     """A :class:`~pacs_megatron.rollout.base.Generator` whose replicas are engine processes (collective); the
-    weights reach them through weight_sync/remote.py's group, not through this object."""
-
-    remote = True
-    """rollout/collect.py hands whole steps to :meth:`generate_step` (the engines shard among themselves)."""
-    loads_in_place = False
-    dp_rank, dp_size = 0, 1
+    weights reach them through weight_sync/remote.py's group, not through this object; its
+    :meth:`generate_step` shards a step among the engines."""
 
     def __init__(self, cfg, model_dir, tokenizer_dir, config_dict: dict, device: torch.device) -> None:
         """Collective: rank 0 connects to the ``rollout.engines`` engines, sends them the config and waits until
         each has built its engine (``rollout.engine_timeout_s``)."""
         self.rank, _ = rank_and_world()
-        self.fp8_weights = cfg.rollout.engine == "vllm" and cfg.rollout.quantization == "fp8"
-        """FP8 rollouts on vLLM: the engines are built for FP8 data + scales (launch/engine_rank.py,
-        weight_sync/quantize.py ``vllm_fp8_config``), so the sync sends them as they are (GPU only, never run)."""
+        # FP8 rollouts on vLLM: the engines are built for FP8 data + scales (launch/engine_rank.py,
+        # weight_sync/quantize.py ``vllm_fp8_config``), so the sync sends them as they are (GPU only, never run)
+        self._traits = EngineTraits(fp8_weights=cfg.rollout.engine == "vllm" and cfg.rollout.quantization == "fp8")
         self.count = cfg.rollout.engines
         self.timeout_s = cfg.rollout.engine_timeout_s
         self.backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
@@ -174,6 +171,10 @@ class RemoteEngines:
                 self.inbox.fail(f"rollout engine {e}: unreadable reply ({type(err).__name__}: {err})")
                 return
             self.inbox.put(msg)
+
+    def traits(self) -> EngineTraits:
+        """One replica that every trainer rank sees whole; the weights travel through the weight group."""
+        return self._traits
 
     # -- samples -----------------------------------------------------------------------------------
 
@@ -219,8 +220,11 @@ class RemoteEngines:
         groups, versions, waited, times = payload
         return (groups if own is None else own), versions, waited, times
 
-    def generate_step(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, step: int) -> list:
-        """Collective: ``sampling.n`` responses per prompt, sampled now (queued behind earlier commands)."""
+    def generate_step(
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, step: int
+    ) -> list[list[Response]]:
+        """Collective: ``sampling.n`` responses per prompt, sampled now (queued behind earlier commands); engine
+        e samples its share as colocated replica e would (:meth:`submit`)."""
         tag = ("call", next(self._tags))
         self.submit(tag, prompt_ids, sampling, step)
         return self.collect(tag)[0]

@@ -24,7 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 
-from pacs_megatron.rollout.base import PROBE_LEN, NamedTensors, RolloutEngine
+from pacs_megatron.rollout.base import PROBE_LEN, ChecksumReader, NamedTensors, RolloutEngine
 from pacs_megatron.rollout.protocol import (
     DELAY_ENV,
     Close,
@@ -60,7 +60,8 @@ class EngineServer:
     def __init__(self, index: int, engine: RolloutEngine, conn, receive: Receive, verify: bool = False) -> None:
         """``verify``: ``sync.verify_bitwise``, check every load bit for bit (:meth:`_load`)."""
         self.index, self.engine, self.conn, self.receive = index, engine, conn, receive
-        self.verify = verify and hasattr(engine, "weight_checksums")
+        self.reader = engine if verify and isinstance(engine, ChecksumReader) else None
+        """The engine as the bitwise check reads it back (None: the check is off, or the engine cannot be read)."""
         self.version = -1
         """Policy version of the weights the engine holds (-1: its start-up weights, never sampled with)."""
         delays = [float(x) for x in (os.environ.get(DELAY_ENV) or "0").split(",")]
@@ -117,7 +118,7 @@ class EngineServer:
         send(self.conn, WeightsWanted(**self._times(), version=msg.version))
         t0 = time.perf_counter()
         buckets = self._waited(self.receive(msg))
-        recorder = Recorder(self.engine.weight_dtype, wire=True) if self.verify else None
+        recorder = Recorder(self.engine.traits().weight_dtype, wire=True) if self.reader is not None else None
         buckets = recorder.buckets(buckets) if recorder else buckets
         planted = msg.version == self.stale[0]
         loaded = self.engine.update_weights(self._planted(buckets) if planted else buckets)
@@ -148,7 +149,7 @@ class EngineServer:
         """The load checked here (held vs received, in the engine's dtype); the trainer checks the transport
         (received vs sent, as sent) with :attr:`Report.received`. None when the engine cannot be read back."""
         start = time.perf_counter()
-        held = self.engine.weight_checksums()
+        held = self.reader.weight_checksums() if self.reader is not None else None
         if held is None:
             return None
         differs, unverified = compare(recorder.sums, held)

@@ -9,8 +9,8 @@ Written against **vLLM 0.32.0** (torch 2.13.0 pin; 0.27-0.32 share the APIs used
 
 Layout. ``distributed_executor_backend="external_launcher"``: every trainer rank hosts one vLLM worker in
 its own process (no extra processes, no Ray). vLLM builds its groups over the trainer's default process
-group as ExternalDP x TP, ranks ``[k*tp, (k+1)*tp)`` forming replica ``k``; ``dp_rank``/``dp_size`` say which
-replica this rank is in (rollout/collect.py shards prompts by them). Every rank of a replica must submit
+group as ExternalDP x TP, ranks ``[k*tp, (k+1)*tp)`` forming replica ``k``; ``traits()`` says which
+replica this rank is in (rollout/collect.py shards prompts by it). Every rank of a replica must submit
 the same requests with the same seeds (vLLM's external launcher relies on identical scheduling).
 
 Device branches (one engine, one sync path):
@@ -70,7 +70,8 @@ from typing import Any
 import torch
 
 from pacs_megatron.rollout import vllm_quiet
-from pacs_megatron.rollout.base import NamedTensors
+from pacs_megatron.rollout.base import EngineTraits, NamedTensors
+from pacs_megatron.rollout.collect import ShardedSteps
 from pacs_megatron.rollout.stop_tokens import resolve_stop_token_ids
 from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.rollout.vllm_lora import AdapterSlot, lora_llm_kwargs
@@ -85,6 +86,7 @@ from pacs_megatron.rollout.vllm_params import (  # re-exported: the engine's pub
     to_responses,
     vllm_replica,
 )
+from pacs_megatron.rollout.weight_checksum import Held
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -156,7 +158,7 @@ def _job_unique_cpu_shm_names() -> None:
         # shm_open takes one leading "/" only: the "//" of "env://" must go (EINVAL otherwise)
         return f"pacs{os.environ['MASTER_PORT']}-{original(communicator).replace('/', '')}"
 
-    make_group_name._per_job = True
+    make_group_name._per_job = True  # type: ignore[attr-defined]  # a mark on the function: patched once
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 
 
@@ -186,12 +188,13 @@ def _import_vllm():
 # ------------------------------------------------------------------------------------------------ engine
 
 
-class VLLMEngine:
+class VLLMEngine(ShardedSteps):
     """:class:`~pacs_megatron.rollout.base.RolloutEngine` on ``vllm.LLM``, on CPU or a CUDA GPU.
 
     Example:
         >>> engine = VLLMEngine(cfg=cfg, model_dir=rt.model_dir, tokenizer=tok, device="cpu")  # doctest: +SKIP
-        >>> engine.dp_rank, engine.dp_size  # rank 5 of 8 with rollout.vllm.tensor_parallel_size=2  # doctest: +SKIP
+        >>> t = engine.traits()  # rank 5 of 8 with rollout.vllm.tensor_parallel_size=2  # doctest: +SKIP
+        >>> t.replica, t.replicas  # doctest: +SKIP
         (2, 4)
     """
 
@@ -239,7 +242,7 @@ class VLLMEngine:
         if missing:
             raise RuntimeError(f"vLLM's external launcher needs {missing} in the environment: start with torchrun")
         rank, world = rank_and_world()
-        self.dp_rank, self.dp_size = vllm_replica(rank, world, cfg.rollout.vllm.tensor_parallel_size)
+        replica, replicas = vllm_replica(rank, world, cfg.rollout.vllm.tensor_parallel_size)
         self.tokenizer = tokenizer
         self.stop_token_ids = resolve_stop_token_ids(tokenizer, model_dir, cfg.rollout.stop_token_ids)
         self._seed = cfg.rollout.seed
@@ -258,9 +261,8 @@ class VLLMEngine:
                 free_total[0] / 2**30,
                 kwargs["gpu_memory_utilization"],
             )
-        self.serves_adapters = cfg.sync.lora == "adapter"
-        """``sync.lora=adapter``: the engine serves the actor's LoRA adapter over its base (rollout/vllm_lora.py)."""
-        if self.serves_adapters:
+        serves_adapters = cfg.sync.lora == "adapter"  # over its base (rollout/vllm_lora.py)
+        if serves_adapters:
             kwargs.update(lora_llm_kwargs(cfg.actor.lora.rank, cfg.actor.lora.targets))
         if device.type == "cpu":
             _job_unique_cpu_shm_names()
@@ -274,26 +276,34 @@ class VLLMEngine:
         torch.set_num_threads = set_num_threads
         self._state = "awake"  # "awake" | "asleep" | "weights" (weights resident, KV cache asleep)
         # an adapter-only sync leaves the base in place: a level-2 sleep would drop it (GPU, never run)
-        self._sleep_level = 1 if self.serves_adapters else SLEEP_LEVEL
-        self._adapter = AdapterSlot(self.llm) if self.serves_adapters else None
-        self.fp8_weights = fp8_config is not None
-        """Weight sync sends FP8 data + scales (weight_sync/quantize.py), loaded by vLLM's FP8 linear method."""
-        self._scales = ("_scale", "_scale_inv") if self.fp8_weights else ()
+        self._sleep_level = 1 if serves_adapters else SLEEP_LEVEL
+        self._adapter = AdapterSlot(self.llm) if serves_adapters else None
+        # FP8 weights: the sync sends FP8 data + scales (weight_sync/quantize.py) for vLLM's FP8 linear method
+        self._traits = EngineTraits(
+            replica=replica,
+            replicas=replicas,
+            fp8_weights=fp8_config is not None,
+            weight_dtype=getattr(torch, kwargs["dtype"]),
+            serves_adapters=serves_adapters,
+        )
+        self._scales = ("_scale", "_scale_inv") if self._traits.fp8_weights else ()
         self._weights_valid = True  # False after a level-2 sleep until update_weights rewrites them
         self._expected = expected_hf_names(model_dir)
         self._tp = cfg.rollout.vllm.tensor_parallel_size
-        self.weight_dtype = getattr(torch, kwargs["dtype"])
-        """The dtype vLLM holds the floating weights in (the bitwise sync check fingerprints in it)."""
         logger.info(
             "vLLM engine on %s (%s): replica %d of %d (tp=%d); vllm %s, its own logging at %s (rollout.vllm.log_level)",
             device.type,
             kwargs["dtype"],
-            self.dp_rank,
-            self.dp_size,
+            replica,
+            replicas,
             cfg.rollout.vllm.tensor_parallel_size,
             vllm.__version__,
             os.environ["VLLM_LOGGING_LEVEL"],
         )
+
+    def traits(self) -> EngineTraits:
+        """Its replica (a vLLM-TP group), FP8 weights, the dtype vLLM holds the weights in, LoRA serving."""
+        return self._traits
 
     def _decode(self, token_lists: list[list[int]]) -> list[str]:
         return self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
@@ -317,7 +327,7 @@ class VLLMEngine:
         self.wake()
         outputs = self.llm.generate(self._prompts(prompt_token_ids), params, use_tqdm=False, lora_request=self._lora())
         routing = None
-        if self._record_routing:  # GPU path, never run
+        if self._routing_layers is not None:  # actor.routing_replay=rollout: GPU path, never run
             routing = ([len(p) for p in prompt_token_ids], *self._routing_layers)
         return to_responses(outputs, sampling.n, self._decode, routing)
 
@@ -360,7 +370,7 @@ class VLLMEngine:
         self.wake()
         self._adapter.load(path, adapter_id, name)
 
-    def weight_checksums(self) -> list | None:
+    def weight_checksums(self) -> list[Held] | None:
         """The weights as this rank's worker holds them, fingerprinted for the bitwise sync check
         (rollout/vllm_reload.py ``held_checksums``); None where they are not read back: tensor parallelism > 1
         (each rank holds a shard) and FP8 weights (GPU, never run)."""
@@ -368,10 +378,10 @@ class VLLMEngine:
 
         from pacs_megatron.rollout.vllm_reload import held_checksums
 
-        if self._tp > 1 or self.fp8_weights:
+        if self._tp > 1 or self._traits.fp8_weights:
             return None
         self.wake()
-        return self.llm.apply_model(partial(held_checksums, dtype=self.weight_dtype))[0]
+        return self.llm.apply_model(partial(held_checksums, dtype=self._traits.weight_dtype))[0]
 
     def sleep(self) -> None:
         """Free the GPU for the trainer (no-op without ``rollout.vllm.enable_sleep_mode``)."""

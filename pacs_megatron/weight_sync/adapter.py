@@ -7,7 +7,8 @@
                       reshard, bucketed and bitwise checked like any full sync; vLLM then drops its adapters
                       and the ids restart at 1
 
-The actor is reached through its methods only (weight_sync/ sits above actor/ and does not import it).
+The actor is reached through its methods only (weight_sync/policy.py; weight_sync/ sits above actor/ and does
+not import it), the engine as an :class:`~pacs_megatron.rollout.base.AdapterReceiver`.
 
 The base of a LoRA actor is frozen, so after the engine got it once only ``r * (in + out)`` numbers a linear
 move per step. It changes in two cases, and only then is it sent again:
@@ -34,11 +35,16 @@ import time
 import weakref
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from pacs_megatron.rollout.base import AdapterReceiver, Generator
 from pacs_megatron.utils.logging import get_logger
+from pacs_megatron.weight_sync.policy import PolicyWeights
+
+if TYPE_CHECKING:
+    from pacs_megatron.weight_sync.sync import SyncResult, WeightSync
 
 logger = get_logger(__name__)
 
@@ -46,10 +52,9 @@ SHM = Path("/dev/shm")
 """Where the adapter directories go when the machine has it (a RAM disk: the round trip never hits a disk)."""
 
 
-def base_generation(actor: Any) -> int:
+def base_generation(actor: PolicyWeights) -> int:
     """Which base the actor holds: the step of the last PACS v2 reset (0: the base RL started from)."""
-    reference = getattr(actor, "reference", None)
-    return int(getattr(reference, "reset_step", 0)) if reference is not None else 0
+    return int(actor.reference.reset_step) if actor.reference is not None else 0
 
 
 def write_adapter_dir(tensors: dict[str, torch.Tensor], config: dict, path: Path) -> int:
@@ -74,15 +79,16 @@ class AdapterSync:
     """The adapter-only half of :class:`~pacs_megatron.weight_sync.sync.WeightSync`: which base the engine
     holds, the adapter ids, and the directory the adapters pass through (see the module docstring)."""
 
-    def __init__(self, actor: Any, engine: Any, dtype: torch.dtype | None) -> None:
+    def __init__(self, actor: PolicyWeights, engine: Generator, dtype: torch.dtype | None) -> None:
         """``dtype``: the adapters' dtype on the way (the engine's: vLLM computes the adapter in its own
         dtype, ``lora_dtype=auto``, so a wider copy would only carry bytes it drops); None keeps float32."""
-        if not hasattr(engine, "load_adapter") or not getattr(engine, "serves_adapters", False):
+        if not isinstance(engine, AdapterReceiver) or not engine.traits().serves_adapters:
             raise ValueError(
                 f"sync.lora=adapter: {type(engine).__name__} serves no LoRA adapter (rollout.engine=vllm builds one "
                 "that does); or set sync.lora=merged"
             )
-        self.actor, self.engine, self.dtype = actor, engine, dtype
+        self.actor, self.dtype = actor, dtype
+        self.engine: AdapterReceiver = engine
         self.root = adapter_dir_root(actor.groups.rank)
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.root), True)
         self.base_mark: int | None = None
@@ -103,7 +109,7 @@ class AdapterSync:
         self.base_mark = base_generation(self.actor)
         self.next_id = 1
 
-    def push_all(self, sync: Any) -> tuple[Any, tuple[float, int]]:
+    def push_all(self, sync: WeightSync) -> tuple[SyncResult, tuple[float, int]]:
         """One sync of ``sync`` (the :class:`~pacs_megatron.weight_sync.sync.WeightSync` this serves) without
         its probe: the base first when :attr:`base_due` (``sync.push`` streams the adapters-off export, then
         its bitwise check), then the adapter. ``(SyncResult of both parts, the bitwise check's (seconds,

@@ -42,19 +42,25 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from pacs_megatron.config import RolloutConfig, SyncConfig
 from pacs_megatron.data.batching import Rollouts, build_rollouts
-from pacs_megatron.rollout.base import PROBE_LEN, Generator, WeightReceiver
+from pacs_megatron.rollout.base import PROBE_LEN, ChecksumReader, Generator, WeightReceiver
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.rollout.weight_checksum import Recorder, compare
 from pacs_megatron.utils.dist import all_gather_objects
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.weight_sync.buckets import iter_buckets
+from pacs_megatron.weight_sync.policy import PolicyWeights
+
+if TYPE_CHECKING:
+    from pacs_megatron.weight_sync.adapter import AdapterSync
+    from pacs_megatron.weight_sync.quantize import WeightQuantizer
 
 logger = get_logger(__name__)
 
@@ -177,7 +183,7 @@ class WeightSync:
 
     def __init__(
         self,
-        actor,
+        actor: PolicyWeights,
         engine: Generator,
         cfg: SyncConfig,
         vocab_size: int,
@@ -185,9 +191,11 @@ class WeightSync:
         rollout: RolloutConfig | None = None,
     ):
         self.actor, self.engine, self.cfg = actor, engine, cfg
+        self.traits = engine.traits()
+        """What the engine can do: how it loads, in which dtype it holds the weights, FP8 kernels, adapters."""
         self.verified: tuple[float, float] = (float("nan"), float("nan"))
         """The last :meth:`sync`'s (diff, gap), which :meth:`verify` returns."""
-        self.quantizer = None
+        self.quantizer: WeightQuantizer | None = None
         if rollout is not None and rollout.quantization != "none":
             from pacs_megatron.weight_sync.quantize import WeightQuantizer  # imports modelopt (lazy)
 
@@ -202,26 +210,28 @@ class WeightSync:
             cfg.probe_greedy_tolerance if cfg.probe_greedy_tolerance > 0 else (1e-4 if fp32 else 0.25)
         )
         """Bound of the mean difference over the greedy continuation."""
-        self.prompts = probe_prompts(vocab_size, cfg.probe_sequences) if cfg.probe_sequences else None
+        self.prompts: list[list[int]] | None = (
+            probe_prompts(vocab_size, cfg.probe_sequences) if cfg.probe_sequences else None
+        )
         self.probe: Rollouts | None = None
         """A fixed probe, for engines on other ranks (remote.py: :func:`random_probe_batch`); the colocated
         sync builds its probe each time (:meth:`probe_batch`, with the engine's greedy continuation)."""
         # Buckets and the cast serve a transport; an engine that copies each tensor into place as it
         # arrives (casting on the copy) gets the stream tensor by tensor, uncast.
-        in_place = getattr(engine, "loads_in_place", False)
+        in_place = self.traits.loads_in_place
         self.bucket_bytes = 1 if in_place else cfg.bucket_mb << 20
         self.send_dtype = None if in_place else self.dtype
-        if self.quantizer is not None and getattr(engine, "fp8_weights", False):
+        if self.quantizer is not None and self.traits.fp8_weights:
             self.send_dtype = None  # FP8 data and float32 scales must arrive as they are (vLLM casts the rest)
         self.recorder: Recorder | None = None
         """The fingerprints of the sync in flight (set by :meth:`push`, used by :meth:`check_bitwise`)."""
         self._told = False  # what the bitwise check cannot read back is logged once
-        self.adapter = None
+        self.adapter: AdapterSync | None = None
         """``sync.lora=adapter``: the adapter-only sync (weight_sync/adapter.py); None sends merged weights."""
         if cfg.lora == "adapter":
             from pacs_megatron.weight_sync.adapter import AdapterSync
 
-            self.adapter = AdapterSync(actor, engine, getattr(engine, "weight_dtype", None))
+            self.adapter = AdapterSync(actor, engine, self.traits.weight_dtype)
 
     def push(self) -> SyncResult:
         """Stream the weights into the engine (no probe)."""
@@ -236,7 +246,7 @@ class WeightSync:
                 count += 1
                 yield bucket
 
-        self.recorder = Recorder(getattr(self.engine, "weight_dtype", None)) if self.cfg.verify_bitwise else None
+        self.recorder = Recorder(self.traits.weight_dtype) if self.cfg.verify_bitwise else None
         self.receiver.update_weights(self.recorder.buckets(counted()) if self.recorder else counted())
         return SyncResult(time.perf_counter() - start, nbytes / 1e9, float("nan"), count)
 
@@ -246,22 +256,24 @@ class WeightSync:
         the first that differs, on every rank. ``(seconds, tensors verified)``; ``(nan, 0)`` when off or when
         the engine cannot be read back."""
         start = time.perf_counter()
-        held = self.engine.weight_checksums() if self.recorder and hasattr(self.engine, "weight_checksums") else None
+        recorder, self.recorder = self.recorder, None
+        reader = self.engine if isinstance(self.engine, ChecksumReader) else None
+        held = reader.weight_checksums() if recorder is not None and reader is not None else None
         bad: list[str] = []
         verified = 0
-        if held is not None:
-            bad, unverified = compare(self.recorder.sums, held)
-            verified = len(self.recorder.sums) - len(unverified)
+        seconds = float("nan")
+        if recorder is not None and held is not None:
+            bad, unverified = compare(recorder.sums, held)
+            verified = len(recorder.sums) - len(unverified)
+            seconds = recorder.seconds + time.perf_counter() - start
             if unverified and not self._told:
                 logger.info(
                     "bitwise sync check: %d of %d tensors read back; not read back (probe only): %s%s",
-                    verified, len(self.recorder.sums), unverified[:6], " ..." if len(unverified) > 6 else "",
+                    verified, len(recorder.sums), unverified[:6], " ..." if len(unverified) > 6 else "",
                 )  # fmt: skip
-        elif self.recorder is not None and not self._told:
+        elif recorder is not None and not self._told:
             logger.warning("bitwise sync check: %s cannot be read back; probe only", type(self.engine).__name__)
         self._told = True
-        seconds = self.recorder.seconds + time.perf_counter() - start if held is not None else float("nan")
-        self.recorder = None
         # every rank checked its own engine: all raise, or none (the next collective would hang)
         verdicts = all_gather_objects((bad[:1], len(bad)))
         for rank, (first, count) in enumerate(verdicts):
@@ -269,9 +281,9 @@ class WeightSync:
                 raise_bitwise(first[0], count, f"rank {rank}")
         return seconds, verified
 
-    def _stream(self):
+    def _stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The actor's export, through the quantizer when rollouts are quantized. An engine with FP8
-        kernels (``fp8_weights = True``: vLLM) gets FP8 data + scales; others the quantize-dequantize.
+        kernels (``traits.fp8_weights``: vLLM) gets FP8 data + scales; others the quantize-dequantize.
         With a probe, the dequantized selected tensors are kept (host memory) for the transfer check."""
         if self.adapter is not None:  # the base alone: the adapters travel on their own (adapter.py)
             return self.actor.export_base_weights()
@@ -280,33 +292,44 @@ class WeightSync:
             return stream
         keep = self.prompts is not None
         self._quantized = {}
-        if getattr(self.engine, "fp8_weights", False):  # written for GPU (vLLM), never run
-            return self.quantizer.fp8_stream(self._kept(stream, dequantize=True) if keep else stream)
+        if self.traits.fp8_weights:  # written for GPU (vLLM), never run
+            return self.quantizer.fp8_stream(self._kept(self.quantizer, stream, dequantize=True) if keep else stream)
         dequantized = self.quantizer.dequantized_stream(stream)
-        return self._kept(dequantized, dequantize=False) if keep else dequantized
+        return self._kept(self.quantizer, dequantized, dequantize=False) if keep else dequantized
 
-    def _kept(self, stream, dequantize: bool):
+    def _kept(
+        self, quantizer: WeightQuantizer, stream: Iterable[tuple[str, torch.Tensor]], dequantize: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Pass the stream through, keeping (on the host) the quantize-dequantize of each selected tensor."""
         for name, tensor in stream:
-            if self.quantizer.selects(name, tensor):
-                dq = self.quantizer.fake_quantize(tensor) if dequantize else tensor
+            if quantizer.selects(name, tensor):
+                dq = quantizer.fake_quantize(tensor) if dequantize else tensor
                 self._quantized[name] = dq.detach().to("cpu", copy=True)
             yield name, tensor
 
     def probe_batch(self) -> Rollouts:
         """The probe's prompts, each continued greedily by the engine (the same tokens on every rank: the
         first rank's, so that every actor rank scores the same rows)."""
+        if self.prompts is None:
+            raise ValueError("the probe is off (sync.probe_sequences=0): nothing to continue")
         half = len(self.prompts[0])
         greedy = SamplingParams(n=1, temperature=1.0, top_k=1, max_tokens=PROBE_LEN - half, seed=0)
         cont = [list(g[0].token_ids) for g in self.engine.generate(self.prompts, greedy)]
         cont = all_gather_objects(cont)[0]
         return build_rollouts(self.prompts, cont, [0.0] * len(cont), 1, pad_id=0)
 
+    def _probe_or(self, p: Rollouts | None) -> Rollouts:
+        """``p``, or the fixed :attr:`probe` when None (engines on other ranks)."""
+        p = self.probe if p is None else p
+        if p is None:
+            raise ValueError("no probe given and no fixed one (the colocated sync builds its probe each time)")
+        return p
+
     def reference_logprobs(self, p: Rollouts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Collective on the actor: ``(actor, reference)`` log-probs of the probe ``p`` (default
         :attr:`probe`), where the reference is the actor holding what the engine should hold (its trained
         weights, or their quantize-dequantize)."""
-        p = self.probe if p is None else p
+        p = self._probe_or(p)
         actor_lp = self.actor.compute_logprobs(p, micro_batch_size=len(p), temperature=1.0).token_logp
         if self.quantizer is None:
             return actor_lp, actor_lp
@@ -317,7 +340,7 @@ class WeightSync:
 
     def probe_sequences(self, p: Rollouts | None = None) -> list[list[int]]:
         """The token sequences of the probe ``p`` (default :attr:`probe`): what the engine scores."""
-        p = self.probe if p is None else p
+        p = self._probe_or(p)
         return [row[: int(n)].tolist() for row, n in zip(p.input_ids, p.seq_lens)]
 
     def compare(
@@ -326,7 +349,7 @@ class WeightSync:
         """``(max |engine - reference|, the same / max(1, |reference|) over the random prompt tokens, mean
         |engine - reference| over the greedy continuation (0: none), max |engine - actor|)`` per token of
         the probe ``p`` (default :attr:`probe`)."""
-        p = self.probe if p is None else p
+        p = self._probe_or(p)
         gap = probe_diffs(engine_lp, actor_lp, p)[0]
         return (*probe_diffs(engine_lp, ref_lp, p), gap)
 

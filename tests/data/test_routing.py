@@ -22,10 +22,12 @@ from _dist import run_distributed
 
 from pacs_megatron.data.batching import build_rollouts
 from pacs_megatron.data.records import PromptRecord
+from pacs_megatron.rollout.base import EngineTraits
+from pacs_megatron.rollout.collect import ShardedSteps
 from pacs_megatron.rollout.protocol import Result
 from pacs_megatron.rollout.remote import Inbox, RemoteEngines
 from pacs_megatron.rollout.types import Response
-from pacs_megatron.utils.dist import shard_bounds
+from pacs_megatron.utils.dist import rank_and_world, shard_bounds
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 N, PROMPTS = 2, 16
@@ -39,8 +41,12 @@ def expected_record(prompt: tuple[int, ...], j: int, length: int) -> torch.Tenso
     return ((base + 16 * torch.arange(TOPK)) % EXPERTS).to(torch.int16)
 
 
-class RecordingEngine:
-    """Responses of prompt-dependent lengths, each with its routing record (int16, as the engines give)."""
+class RecordingEngine(ShardedSteps):
+    """Responses of prompt-dependent lengths, each with its routing record (int16, as the engines give); a
+    replica per rank, as the HF engine."""
+
+    def traits(self) -> EngineTraits:
+        return EngineTraits(*rank_and_world())
 
     def generate(self, prompts, sampling):
         out = []
@@ -110,8 +116,6 @@ def _body(rank, world):
 def _stages(rank, world, engine):
     from pacs_megatron.config import load_config
     from pacs_megatron.loop import stages, update_stages
-    from pacs_megatron.rollout.collect import generate_sharded
-
     cfg = load_config(
         None,
         [
@@ -127,7 +131,7 @@ def _stages(rank, world, engine):
     )
     prompts = [tuple(range(1 + i % 5, 6 + i % 3 + i % 5)) for i in range(PROMPTS)]
     records = [PromptRecord(f"p{i}", "q", "q", p, "1", "t") for i, p in enumerate(prompts)]
-    gathered = generate_sharded(engine, [r.prompt_ids for r in records], stages.train_sampling(cfg), 1)
+    gathered = engine.generate_step([r.prompt_ids for r in records], stages.train_sampling(cfg), 1)
     c = SimpleNamespace(engine=engine, scorer=FakeScorer(), pad_id=0)
     batch, _, _ = stages.collect_batch(cfg, c, records, 1)
     local, _, _ = update_stages.prepare_local_batch(cfg, FakeActor(), batch, rank, world)

@@ -6,11 +6,17 @@ from pacs_megatron.config import ArithTaskConfig, RewardConfig
 from pacs_megatron.data.synthetic import arith_problems, arith_records, build_arith_tokenizer
 from pacs_megatron.eval.runner import evaluate
 from pacs_megatron.reward import RewardScorer
+from pacs_megatron.rollout.base import EngineTraits
+from pacs_megatron.rollout.collect import ShardedSteps
 from pacs_megatron.rollout.types import Response, SamplingParams
+from pacs_megatron.utils.dist import rank_and_world
 
 
-class ScriptedEngine:
-    """Answers each prompt with scripted texts (one per sample), whatever the sampling."""
+class ScriptedEngine(ShardedSteps):
+    """Answers each prompt with scripted texts (one per sample), whatever the sampling; a replica per rank."""
+
+    def traits(self) -> EngineTraits:
+        return EngineTraits(*rank_and_world())
 
     def __init__(self, tok, script: dict[str, list[str]], turns=None):
         self.tok, self.script, self.calls, self.turns = tok, script, [], turns or {}

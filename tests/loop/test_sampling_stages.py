@@ -23,6 +23,8 @@ from pacs_megatron.data.sampler import PromptDataset
 from pacs_megatron.loop import sampling_stages, stages, update_stages
 from pacs_megatron.pacs.overlong import overlong_penalty
 from pacs_megatron.reward.accounting import FailureGuard
+from pacs_megatron.rollout.base import EngineTraits
+from pacs_megatron.rollout.collect import ShardedSteps
 from pacs_megatron.rollout.types import Response
 
 N, MAX_LEN = 4, 4
@@ -36,12 +38,15 @@ BASE = [
 ]
 
 
-class FakeEngine:
+class FakeEngine(ShardedSteps):
     """Answers digit strings: response j to a prompt is drawn from (prompt, seed, j), so a prompt gives other
     answers in another step or round; ``p_right`` sets how often it is right. Some responses hit max_tokens."""
 
     def __init__(self, p_right: float = 0.5) -> None:
         self.p_right = p_right
+
+    def traits(self) -> EngineTraits:
+        return EngineTraits()  # one replica: no ranks here
 
     def generate(self, prompts, sampling):
         out = []

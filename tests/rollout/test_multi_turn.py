@@ -10,6 +10,8 @@ from pacs_megatron.config.base import ConfigError
 from pacs_megatron.config.multi_turn import MultiTurnConfig
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.envs.result import ToolResult
+from pacs_megatron.rollout.base import ChecksumReader, EngineTraits, RolloutEngine
+from pacs_megatron.rollout.collect import step_seed
 from pacs_megatron.rollout.multi_turn import HermesFormat, MultiTurnEngine, ToolTurn, tool_access, turn_metrics
 from pacs_megatron.rollout.types import Response, SamplingParams
 
@@ -23,8 +25,25 @@ class ScriptedEngine:
 
     def __init__(self, first: str = CALL, tail: str = "junk", always_call: bool = False) -> None:
         self.first, self.tail, self.always_call, self.calls = first, tail, always_call, []
-        self.dp_rank = 3  # an engine attribute the wrapper must pass through
+        self.replica = EngineTraits()  # what the wrapper must pass through
+        self.loaded: list = []
         self.cache = False  # report prefix-cache hits, as vLLM does
+
+    def traits(self) -> EngineTraits:
+        return self.replica
+
+    def update_weights(self, buckets) -> int:
+        self.loaded += [n for b in buckets for n, _ in b]
+        return len(self.loaded)
+
+    def logprobs(self, token_ids, temperature=1.0):
+        return [[-1.0] * (len(s) - 1) for s in token_ids]
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def close(self) -> None: ...
 
     def generate(self, prompts, sampling: SamplingParams) -> list[list[Response]]:
         self.calls.append((len(prompts), sampling))
@@ -94,7 +113,24 @@ def test_a_call_runs_the_tool_and_its_turn_is_context_not_policy():
     # round 0: one request for the prompt's n samples; round 1: each sample its own context, n=1, new seed
     assert [(k, s.n, s.seed) for k, s in inner.calls] == [(1, 2, 5), (2, 1, 5 + 7_919)]
     assert all("</tool_call>" in s.stop for _, s in inner.calls)
-    assert mt.dp_rank == 3
+
+
+def test_the_wrapper_is_the_engine_for_traits_weights_and_steps():
+    """Its traits, weights and probe are the wrapped engine's (no attribute is forwarded by name); a step's
+    rollouts are sharded over the turn loop, seeded as the wrapped engine's replica would be."""
+    mt, inner = engine()
+    inner.replica = EngineTraits(replica=3, replicas=4, loads_in_place=True)
+    assert mt.traits() == inner.traits() and isinstance(mt, RolloutEngine)
+    assert mt.update_weights([[("w", None)]]) == 1 and inner.loaded == ["w"]
+    assert mt.logprobs([[1, 2, 3]]) == [[-1.0, -1.0]]
+    assert isinstance(mt, ChecksumReader) and mt.weight_checksums() is None  # the wrapped one cannot be read
+    inner.weight_checksums = lambda: ["held"]
+    assert mt.weight_checksums() == ["held"]
+    inner.replica = EngineTraits()  # one replica: this process samples every prompt
+    sampling = SamplingParams(n=2, max_tokens=400, seed=5)
+    [[r, _]] = mt.generate_step([prompt()], sampling, step=4)
+    assert r.turns.tool_calls == 1 and "\\boxed{42}" in r.text  # the turn loop ran
+    assert inner.calls[-2][1].seed == step_seed(5, 4, 0)  # round 0 with the replica's step seed
 
 
 def test_the_budget_counts_tool_tokens_and_ends_as_length():

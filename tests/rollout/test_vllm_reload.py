@@ -57,7 +57,7 @@ class KeepsStale:
 
     def __init__(self, engine, actor):
         self.engine, self.actor = engine, actor
-        self.weight_dtype, self.weight_checksums = engine.weight_dtype, engine.weight_checksums
+        self.traits, self.weight_checksums = engine.traits, engine.weight_checksums
         self.logprobs = engine.logprobs  # a WeightReceiver (rollout/base.py): loads and probe log-probs
 
     def update_weights(self, buckets):

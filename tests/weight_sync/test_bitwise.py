@@ -69,8 +69,7 @@ class KeepsOneStale:
 
     def __init__(self, engine, name: str):
         self.engine, self.name = engine, name
-        self.loads_in_place, self.weight_dtype = engine.loads_in_place, engine.weight_dtype
-        self.weight_checksums, self.logprobs = engine.weight_checksums, engine.logprobs
+        self.traits, self.weight_checksums, self.logprobs = engine.traits, engine.weight_checksums, engine.logprobs
 
     def update_weights(self, buckets):
         old = self.engine._params[self.name].detach().clone()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pacs_megatron.config import SyncConfig
-from pacs_megatron.rollout.base import PROBE_LEN
+from pacs_megatron.rollout.base import PROBE_LEN, EngineTraits
 from pacs_megatron.rollout.types import Response
 from pacs_megatron.weight_sync import SyncResult, WeightSync, WeightSyncError, probe_prompts
 
@@ -42,9 +42,12 @@ class FakeActor:
 class FakeEngine:
     """Receives buckets; returns the actor's log-probs plus ``error(position)`` at every token."""
 
-    def __init__(self, actor: FakeActor, error=lambda t: 0.0):
-        self.actor, self.error = actor, error
+    def __init__(self, actor: FakeActor, error=lambda t: 0.0, in_place: bool = False):
+        self.actor, self.error, self.in_place = actor, error, in_place
         self.received: list[list[tuple[str, torch.Tensor]]] = []
+
+    def traits(self) -> EngineTraits:
+        return EngineTraits(loads_in_place=self.in_place)
 
     def update_weights(self, buckets):
         self.received = [list(b) for b in buckets]
@@ -99,8 +102,7 @@ def test_push_counts_buckets_and_bytes_and_casts():
 
 def test_engine_that_loads_in_place_gets_the_stream_tensor_by_tensor_uncast():
     actor = FakeActor()
-    streaming = FakeEngine(actor)
-    streaming.loads_in_place = True
+    streaming = FakeEngine(actor, in_place=True)
     sync = _sync(actor, streaming, bucket_mb=1, dtype="bfloat16")
     res = sync.push()
     assert res.buckets == 3 and [len(b) for b in streaming.received] == [1, 1, 1]

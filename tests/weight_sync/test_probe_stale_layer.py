@@ -61,8 +61,7 @@ class StaleLayerEngine:
 
     def __init__(self, engine, stale: dict[str, torch.Tensor]):
         self.engine, self.stale = engine, stale
-        self.loads_in_place = getattr(engine, "loads_in_place", False)
-        self.weight_dtype, self.weight_checksums = engine.weight_dtype, engine.weight_checksums
+        self.traits, self.weight_checksums = engine.traits, engine.weight_checksums
 
     def update_weights(self, buckets):
         return self.engine.update_weights([[(n, self.stale.get(n, t)) for n, t in b] for b in buckets])

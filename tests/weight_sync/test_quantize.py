@@ -16,6 +16,7 @@ import torch
 from pacs_megatron.config import ConfigError, SyncConfig, load_config
 from pacs_megatron.config.rollout import RolloutConfig
 from pacs_megatron.launch.device_checks import check_device
+from pacs_megatron.rollout.base import EngineTraits
 from pacs_megatron.rollout.vllm_reload import SyncStream
 from pacs_megatron.weight_sync import WeightSync
 
@@ -88,7 +89,10 @@ class _Actor:
 
 class _Engine:
     def __init__(self, fp8: bool, in_place: bool):
-        self.fp8_weights, self.loads_in_place, self.got = fp8, in_place, {}
+        self.fp8, self.in_place, self.got = fp8, in_place, {}
+
+    def traits(self) -> EngineTraits:
+        return EngineTraits(loads_in_place=self.in_place, fp8_weights=self.fp8)
 
     def update_weights(self, buckets):
         self.got = {n: t for b in buckets for n, t in b}

@@ -19,6 +19,7 @@ from pacs_megatron.loop import warmup
 from pacs_megatron.loop.warmup import StopRule, run_until_valid, stop_record, tool_warmup, valid_call_metrics
 from pacs_megatron.rollout.multi_turn import MultiTurnEngine, TurnStats
 from pacs_megatron.rollout.types import Response
+from pacs_megatron.utils.dist import rank_and_world
 
 TOK = ascii_tokenizer()
 VALID = '<tool_call>{"name": "python", "arguments": {"code": "print(2 + 3)"}}</tool_call>'
@@ -79,6 +80,11 @@ class _Engine:
 
     def sleep(self):
         self.slept += 1
+
+    def traits(self):
+        """One replica per rank, as an HF engine is."""
+        rank, world = rank_and_world()
+        return SimpleNamespace(replica=rank, replicas=world)
 
 
 def _records(n: int) -> list[PromptRecord]:
@@ -199,3 +205,21 @@ def test_a_held_out_set_larger_than_the_train_set_is_refused():
     c, rt, _ = _components(skilled_after=0, records=12)
     with pytest.raises(ValueError, match=r"held_out=8: the train set has 4 problems besides the 8 demonstrations"):
         tool_warmup(cfg, rt, c)
+
+
+def _warm_up_on_rank(rank: int, world_size: int) -> dict:
+    cfg = load_config(None, [*TOOLS, "trainer.sft_warmup_stop.until=valid_calls", "parallel.dp=2"])
+    c, rt, _ = _components(skilled_after=4 if rank == 0 else 2)  # each rank's engine learns at its own pace
+    rt.groups.dp_rank, rt.groups.dp_size = rank, world_size
+    return tool_warmup(cfg, rt, c)
+
+
+@pytest.mark.distributed
+def test_every_dp_rank_stops_at_the_same_step():
+    from _dist import run_distributed
+
+    # each engine samples its half of the held-out prompts: rank 1's calls run from step 2, rank 0's from step 4;
+    # alone, rank 1 would stop at step 2 (its half) and rank 0 at step 4, and the ranks' collectives would part
+    results = run_distributed(_warm_up_on_rank, 2)
+    assert results[0] == results[1]
+    assert results[0]["sft/warmup_steps"] == 4 and results[0]["sft/valid_call_rate"] == 1.0

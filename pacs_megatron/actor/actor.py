@@ -150,7 +150,7 @@ class MegatronActor:
         coeff = cfg.model.moe_aux_loss_coeff
         self.moe_aux = MoeAuxLoss(chunks, coeff, groups) if self.spec.is_moe and coeff > 0 else None
         """The load-balancing loss (actor/moe_aux.py), when model.moe_aux_loss_coeff > 0."""
-        self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device, groups.ep_size, groups.cp_size)
+        self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device, groups.ep_size)
         """THD-packed micro-batches (actor/thd.py; CPU, and GPU with Transformer Engine: unverified there;
         MoE routing replay follows the packing, actor/moe.py)."""
         self.optimizer = build_optimizer(self.model, cfg, groups, self.param_dtype)

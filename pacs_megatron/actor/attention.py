@@ -12,9 +12,9 @@ Shape legend: s sequence, b rows, t packed tokens, h query heads, g KV heads (th
     sbhd: q [s, b, h, d], k/v [s, b, g, d]       -> [s, b, h * d]
     thd : q [t, h, d], k/v [t, g, d], cu_seqlens -> [t, h, d]    (megatron reshapes it to [t, 1, h * d])
 
-Context parallelism (``parallel.cp`` > 1, sbhd only): each rank holds its zig-zag chunks of every row
-(parallel/cp_split.py); K and V are all-gathered over the CP group and the causal mask is built from the
-tokens' global positions: exact, and the CPU reference for Transformer Engine's ring (actor/model.py).
+Context parallelism (``parallel.cp`` > 1): each rank holds its zig-zag chunks of every row (sbhd) or of
+every packed segment (THD; parallel/cp_split.py); K and V are all-gathered over the CP group and the causal
+mask is built from the tokens' global positions: exact, and the CPU reference for TE's ring (actor/model.py).
 
 THD attention scatters the packed tokens into a zero-padded ``[rows, max_len]`` layout, runs the causal
 SDPA there and gathers the real tokens back: a padded query only attends to itself and earlier tokens of
@@ -31,7 +31,13 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from pacs_megatron.parallel.cp_comm import gather_for_attention
-from pacs_megatron.parallel.cp_split import causal_allowed, chunk_positions, gathered_positions
+from pacs_megatron.parallel.cp_split import (
+    causal_allowed,
+    chunk_positions,
+    gathered_positions,
+    thd_chunk_index,
+    thd_gathered_index,
+)
 
 MATMUL_ATTENTION_MAX_LEN = 256
 """Longest (padded) row for which half-precision attention on CPU runs as two batched matmuls with an fp32
@@ -128,7 +134,7 @@ class SDPACoreAttention(MegatronModule):
             out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         if self.cp_group is not None:
-            raise ValueError("THD-packed micro-batches with parallel.cp > 1 are not supported on CPU (actor/thd.py)")
+            return self._cp_thd(query, key, value, packed_seq_params.cu_seqlens_q)
         rows, cols, num_rows, width = _thd_index(packed_seq_params.cu_seqlens_q, query.device)
 
         def padded(x: torch.Tensor) -> torch.Tensor:  # [t, h, d] -> [rows, h, width, d]
@@ -137,6 +143,31 @@ class SDPACoreAttention(MegatronModule):
 
         out = self._sdpa(padded(query), padded(key), padded(value))
         return out.transpose(1, 2)[rows, cols]
+
+    def _cp_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor):
+        """THD attention of this CP rank's chunks of every segment: the gathered K/V laid out ``[segments,
+        width]`` by global column, this rank's queries ``[segments, width / cp]``, masked by global column."""
+        cp, rank, dev = self.cp_group.size(), self.cp_group.rank(), query.device
+        bounds = cu_seqlens.to(torch.long).cpu()
+        num_rows, width = bounds.numel() - 1, int((bounds[1:] - bounds[:-1]).max())
+        kv = gather_for_attention(torch.stack([key, value]), self.cp_group, dim=1)  # [2, N, g, d]
+
+        def row_col(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # packed position -> segment, column
+            row = torch.searchsorted(bounds[1:], index, right=True)
+            return row.to(dev), (index - bounds[row]).to(dev)
+
+        k_rows, k_cols = row_col(thd_gathered_index(bounds, cp))
+        q_rows, q_cols = row_col(thd_chunk_index(bounds, cp, rank))
+        # a rank's tokens of one segment are contiguous: slot = place among them
+        q_slot = torch.arange(q_rows.numel(), device=dev) - (bounds[:-1].to(dev) // cp)[q_rows]
+        k = kv[0].new_zeros((num_rows, width, *key.shape[1:])).index_put((k_rows, k_cols), kv[0])
+        v = kv[1].new_zeros((num_rows, width, *key.shape[1:])).index_put((k_rows, k_cols), kv[1])
+        q = query.new_zeros((num_rows, width // cp, *query.shape[1:])).index_put((q_rows, q_slot), query)
+        # a slot without a query (a shorter segment) looks at column 0 only; its output is dropped
+        q_pos = torch.zeros((num_rows, width // cp), dtype=torch.long, device=dev).index_put((q_rows, q_slot), q_cols)
+        allowed = torch.arange(width, device=dev)[None, None, :] <= q_pos[:, :, None]  # [segments, wq, width]
+        out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed[:, None])
+        return out.transpose(1, 2)[q_rows, q_slot]
 
 
 def use_sdpa_attention(layer_spec):

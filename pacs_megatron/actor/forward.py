@@ -17,9 +17,9 @@ training pass run the same micro-batches with the same shapes.
 Input convention (data/batching.py): right-padded rows, positions 0..T-1, causal mask only;
 ``token_logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` and ``token_logp[:, 0] = 0``.
 
-Context parallelism (``groups.cp_size`` > 1): rows are padded to a multiple of 2 * cp and each CP rank runs
-the model on its zig-zag chunks (parallel/cp_split.py); its per-token log-probs are all-gathered over the CP
-group (parallel/cp_comm.py), so every loss, sum and metric downstream reads whole ``[b, T]`` rows.
+Context parallelism (``groups.cp_size`` > 1): rows (THD: each row's segment) are padded to a multiple of
+2 * cp and each CP rank runs the model on its zig-zag chunks (parallel/cp_split.py); its per-token log-probs
+are all-gathered over the CP group (parallel/cp_comm.py), so every loss and sum downstream reads whole rows.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def token_logprobs(
     backward reaches this rank's chunks only (every CP rank computes the same loss from them).
     """
     cp = groups.cp_size
-    if cp > 1 and (thd is not None or rows is not None):
-        raise ValueError("parallel.cp > 1 takes padded micro-batches of full logit rows (no THD, no logit rows)")
+    if cp > 1 and rows is not None:
+        raise ValueError("parallel.cp > 1 computes the logits of every token of a rank's chunks (no logit rows)")
     if not isinstance(logits, HeadInput):
         logits = mask_padded_vocab(logits, spec, groups, inplace=inplace_backward)
     if rows is not None:
@@ -99,6 +99,8 @@ def token_logprobs(
             targets = split_sequence(pad_to_split(targets, cp, IGNORE_ID), cp, groups.cp_rank)
     else:
         targets = thd.next_token_targets(IGNORE_ID)
+        if cp > 1:
+            targets = targets[:, thd.cp_local_index(groups.cp_rank).to(targets.device)]
     if isinstance(logits, HeadInput):
         rec = fused_head_logprobs(
             logits.hidden,
@@ -121,10 +123,15 @@ def token_logprobs(
             inplace_backward=inplace_backward,
         )
     if rows is not None or thd is not None:
-        unpack = rows.scatter if rows is not None else thd.unpack_predictions
-        token_logp = unpack(rec.token_logp.float())
-        entropy = unpack(rec.entropy.float()) if with_entropy else None
-        return token_logp, entropy
+
+        def unpack(x: torch.Tensor) -> torch.Tensor:
+            if rows is not None:
+                return rows.scatter(x.float())
+            if cp > 1:
+                x = thd.cp_unsplit(gather_replicated(x.float(), groups.cp_group, dim=1))
+            return thd.unpack_predictions(x.float())
+
+        return unpack(rec.token_logp), (unpack(rec.entropy) if with_entropy else None)
     T = input_ids.shape[1]
 
     def whole(x: torch.Tensor) -> torch.Tensor:  # [b, T(/cp)] predictions -> [b, T] in sequence order
@@ -187,15 +194,13 @@ def run_schedule(
     micro = list(micro) + [micro[-1]] * interleave_padding(n_real, groups)
     mbs, T = micro[0].input_ids.shape
     if groups.cp_size > 1:
-        if thd:
-            raise ValueError("THD-packed micro-batches with parallel.cp > 1 are not supported (actor/thd.py use_thd)")
         T = padded_length(T, groups.cp_size)  # the schedule's p2p shapes divide it by cp
     device = groups.device
 
     def forward_step(data_iterator, model):
         k, mb = next(data_iterator)
         ids = mb.input_ids.to(device, non_blocking=True)
-        p = pack_thd(ids, mb.seq_lens, 8 * groups.tp_size) if thd else None
+        p = pack_thd(ids, mb.seq_lens, 8 * groups.tp_size * groups.cp_size, groups.cp_size) if thd else None
         # MoE (actor/moe.py): the recorded experts in the routers' token order; None: route anew
         routed = None if mb.routed_experts is None else mb.routed_experts.padded(ids.shape[1])
         set_routing_replay(model, routed, ids.shape[1], p, groups.tp_rank, groups.tp_size)
@@ -209,9 +214,10 @@ def run_schedule(
         fused = fuses_head(model)
         with logit_rows_hook(model, rows), fused_head_hook(model, fused):
             if p is not None:  # CPU: actor/attention.py; GPU (TE): written, never run (actor/thd.py)
+                local = p.cp_local_index(groups.cp_rank)
                 out = model(
-                    input_ids=p.input_ids,
-                    position_ids=p.position_ids,
+                    input_ids=p.input_ids[:, local],
+                    position_ids=p.position_ids[:, local],
                     attention_mask=None,
                     packed_seq_params=p.packed_seq_params(),
                     padding_mask=mask,

@@ -77,3 +77,17 @@ def pad_to_split(x: torch.Tensor, cp: int, value: float | int = 0, dim: int = 1)
     shape = list(x.shape)
     shape[dim] = extra
     return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+def thd_chunk_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """``[N // cp]`` int64: the packed positions CP rank ``rank`` holds of a THD sequence whose segments
+    (``cu_seqlens [segments + 1]``, each a multiple of ``2 * cp`` long) are split one by one: the rank's two
+    chunks of segment 0, then of segment 1, ... (Transformer Engine's THD layout under CP)."""
+    bounds = cu_seqlens.to(torch.long).cpu().tolist()
+    parts = [start + chunk_positions(end - start, cp, rank) for start, end in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def thd_gathered_index(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
+    """``[N]`` int64: the packed positions of the CP ranks' THD tokens concatenated in rank order."""
+    return torch.cat([thd_chunk_index(cu_seqlens, cp, r) for r in range(cp)])

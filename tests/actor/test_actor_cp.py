@@ -29,7 +29,7 @@ def _export(actor) -> dict:
     return {n: t.detach().cpu().clone() for n, t in actor.export_hf_weights()}
 
 
-def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32"):
+def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32", thd=False):
     from pacs_megatron.actor import MegatronActor
     from pacs_megatron.parallel import initialize_parallel
 
@@ -38,11 +38,13 @@ def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32"):
         cfg,
         parallel=replace(cfg.parallel, cp=cp),
         model=replace(cfg.model, fused_lm_head="true" if fused else "false", dtype=dtype),
-        algorithm=replace(cfg.algorithm, entropy_coeff=0.01),
+        # dynamic batching packs the micro-batches (THD) on CPU
+        algorithm=replace(cfg.algorithm, entropy_coeff=0.01, dynamic_batching=thd),
     )
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
     actor = MegatronActor(cfg, groups, model_dir)
     batch = sample_batch(VOCAB)
+    assert actor.thd == thd
     out = {"cp": (groups.cp_rank, groups.cp_size), "dp": groups.dp_size, "weights": [_export(actor)]}
     first = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0, with_entropy=True)
     out["token_logp"], out["entropy"] = first.token_logp, first.entropy
@@ -58,6 +60,31 @@ def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32"):
     return out
 
 
+def test_thd_packing_for_cp_pads_each_row_and_splits_segment_by_segment():
+    """cp = 2: every row's segment is a multiple of 4 tokens, targets never cross a row or enter padding,
+    the ranks' local positions cover the packing once, and the unsplit of their concatenation is the identity."""
+    from pacs_megatron.actor.thd import pack_thd
+
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12], [13, 14, 0, 0, 0]])
+    p = pack_thd(ids, torch.tensor([3, 5, 2]), multiple=8, cp=2)
+    assert p.cu_seqlens.tolist() == [0, 4, 12, 16] and p.max_seqlen == 8
+    assert p.input_ids.tolist() == [[5, 6, 7, 0, 8, 9, 10, 11, 12, 0, 0, 0, 13, 14, 0, 0]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]
+    t = p.next_token_targets(-100)[0].tolist()
+    assert t == [6, 7, -100, -100, 9, 10, 11, 12, -100, -100, -100, -100, 14, -100, -100, -100]
+    # segment [0, 4): rank 0 holds 0 and 3, rank 1 holds 1 and 2; segment [4, 12): 4 5 10 11 / 6 7 8 9
+    assert p.cp_local_index(0).tolist() == [0, 3, 4, 5, 10, 11, 12, 15]
+    assert p.cp_local_index(1).tolist() == [1, 2, 6, 7, 8, 9, 13, 14]
+    values = torch.arange(16.0)[None]
+    gathered = torch.cat([values[:, p.cp_local_index(r)] for r in range(2)], dim=1)
+    assert torch.equal(p.cp_unsplit(gathered), values)
+    out = p.unpack_predictions(values)
+    assert out.tolist() == [[0, 0, 1, 0, 0], [0, 4, 5, 6, 7], [0, 12, 0, 0, 0]]
+    # cp = 1 packs as before: rows back to back
+    q = pack_thd(ids, torch.tensor([3, 5, 2]), multiple=8)
+    assert q.cu_seqlens.tolist() == [0, 3, 8, 10, 16] and q.input_ids[0, :10].tolist() == [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_qwen2(tmp_path_factory.mktemp("qwen2_cp") / "m", vocab=VOCAB, tie=True)
@@ -69,10 +96,13 @@ def reference(model_dir):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("layout", "fused"), [("cp2", True), ("cp2", False), ("tp2cp2", True)])
-def test_cp_matches_one_process(layout, fused, reference, model_dir):
+@pytest.mark.parametrize(
+    ("layout", "fused", "thd"), [("cp2", True, False), ("cp2", False, False), ("cp2", True, True), ("tp2cp2", True, True)]
+)
+def test_cp_matches_one_process(layout, fused, thd, reference, model_dir):
+    """Against one process with padded micro-batches; ``thd``: packed micro-batches at CP = 2."""
     world, tp, cp = LAYOUTS[layout]
-    results = run_distributed(_cp_body, world, model_dir, tp, cp, fused)
+    results = run_distributed(_cp_body, world, model_dir, tp, cp, fused, "float32", thd)
     assert {r["cp"][1] for r in results} == {cp} and {r["cp"][0] for r in results} == set(range(cp))
     assert all(r["dp"] == 1 for r in results), "CP ranks must not count as data-parallel replicas"
     valid = valid_positions(sample_batch(VOCAB))

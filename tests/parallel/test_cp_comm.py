@@ -5,6 +5,8 @@ One 2-rank launch: each check compares values and gradients with the same comput
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from _dist import run_distributed
@@ -25,7 +27,7 @@ def _comm_body(rank, world):
     import torch.distributed as dist
 
     from pacs_megatron.parallel.cp_comm import gather_for_attention, gather_replicated
-    from pacs_megatron.parallel.cp_split import chunk_positions
+    from pacs_megatron.parallel.cp_split import chunk_positions, thd_chunk_index
 
     group = dist.new_group(list(range(world)))
     out = {}
@@ -62,6 +64,24 @@ def _comm_body(rank, world):
             max((a.grad.float() - b.grad[pos].float()).abs().max().item() for a, b in zip(local, full_in)),
             tol,
         )
+
+    # THD: three packed segments (each a multiple of 2 * cp), this rank's chunks of each vs the whole packing
+    cu = torch.tensor([0, 4, 12, 16], dtype=torch.int32)
+    packed = SimpleNamespace(cu_seqlens_q=cu)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(16, n, D, generator=g) for n in (H, G, G))
+    w = torch.randn(16, H, D, generator=g)
+    full_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _attention(None)(*full_in, None, packed_seq_params=packed)
+    (ref * w).sum().backward()
+    pos = thd_chunk_index(cu, world, rank)
+    local = [t[pos].clone().requires_grad_() for t in (q, k, v)]
+    got = _attention(group)(*local, None, packed_seq_params=packed)
+    (got * w[pos]).sum().backward()
+    out["thd"] = (
+        (got - ref[pos]).abs().max().item(),
+        max((a.grad - b.grad[pos]).abs().max().item() for a, b in zip(local, full_in)),
+    )
     return out
 
 
@@ -73,3 +93,4 @@ def test_cp_gathers_and_attention_match_one_process():
         for dtype in (torch.float32, torch.bfloat16):
             value, grad, tol = r[f"attn_{dtype}"]
             assert value <= tol and grad <= tol, (dtype, value, grad)
+        assert max(r["thd"]) <= 2e-6, r["thd"]

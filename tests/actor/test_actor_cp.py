@@ -21,19 +21,19 @@ from pacs_megatron.data.batching import as_train_batch
 VOCAB = 255
 LOSSES = (("pacs", "pacs/loss"), ("grpo", "policy/loss"), ("gspo", "policy/loss"))
 
-# name -> (world size, tp, cp)
-LAYOUTS = {"cp2": (2, 1, 2), "tp2cp2": (4, 2, 2)}
+# name -> (world size, tp, cp, pp)
+LAYOUTS = {"cp2": (2, 1, 2, 1), "tp2cp2": (4, 2, 2, 1), "pp2cp2": (4, 1, 2, 2)}
 
 
 def _export(actor) -> dict:
     return {n: t.detach().cpu().clone() for n, t in actor.export_hf_weights()}
 
 
-def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32", thd=False):
+def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32", thd=False, pp=1):
     from pacs_megatron.actor import MegatronActor
     from pacs_megatron.parallel import initialize_parallel
 
-    cfg = run_config(model_dir, tp=tp)
+    cfg = run_config(model_dir, tp=tp, pp=pp)
     cfg = replace(
         cfg,
         parallel=replace(cfg.parallel, cp=cp),
@@ -97,12 +97,13 @@ def reference(model_dir):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("layout", "fused", "thd"), [("cp2", True, False), ("cp2", False, False), ("cp2", True, True), ("tp2cp2", True, True)]
+    ("layout", "fused", "thd"),
+    [("cp2", True, False), ("cp2", False, False), ("cp2", True, True), ("tp2cp2", True, True), ("pp2cp2", True, True)],
 )
 def test_cp_matches_one_process(layout, fused, thd, reference, model_dir):
     """Against one process with padded micro-batches; ``thd``: packed micro-batches at CP = 2."""
-    world, tp, cp = LAYOUTS[layout]
-    results = run_distributed(_cp_body, world, model_dir, tp, cp, fused, "float32", thd)
+    world, tp, cp, pp = LAYOUTS[layout]
+    results = run_distributed(_cp_body, world, model_dir, tp, cp, fused, "float32", thd, pp)
     assert {r["cp"][1] for r in results} == {cp} and {r["cp"][0] for r in results} == set(range(cp))
     assert all(r["dp"] == 1 for r in results), "CP ranks must not count as data-parallel replicas"
     valid = valid_positions(sample_batch(VOCAB))

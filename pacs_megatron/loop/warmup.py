@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from pacs_megatron.config import RunConfig
 from pacs_megatron.data.batching import Rollouts, TrainBatch, TrainRows, build_rollouts, dp_shard
+from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.run.metrics import format_metrics
 from pacs_megatron.utils.logging import get_logger
 
@@ -27,7 +28,6 @@ _HELD_OUT_SEED = 7_368_787
 if TYPE_CHECKING:
     from pacs_megatron.data.records import PromptRecord
     from pacs_megatron.loop.runtime import Components, Runtime
-    from pacs_megatron.rollout.types import Response
 
 logger = get_logger(__name__)
 
@@ -194,8 +194,6 @@ class ValidCallCheck:
     its sandbox): ``trainer.sft_warmup_stop.held_out`` prompts, ``samples`` each, at the RL rollout's settings."""
 
     def __init__(self, cfg: RunConfig, c: Components, demos: Sequence[PromptRecord]) -> None:
-        from pacs_megatron.loop.stages import train_sampling
-
         stop = cfg.trainer.sft_warmup_stop
         taken = {(r.source, r.id) for r in demos}
         pool = [r for r in c.dataset.records if (r.source, r.id) not in taken]
@@ -206,7 +204,15 @@ class ValidCallCheck:
             )
         self.c = c
         self.records = random.Random(cfg.trainer.seed + _HELD_OUT_SEED).sample(pool, stop.held_out)
-        self.sampling = replace(train_sampling(cfg), n=stop.samples, seed=cfg.rollout.seed + _HELD_OUT_SEED)
+        r = cfg.rollout  # what RL will sample with (stages.train_sampling, a sibling stage), n and seed its own
+        self.sampling = SamplingParams(
+            n=stop.samples,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_response_length,
+            seed=r.seed + _HELD_OUT_SEED,
+        )
 
     def __call__(self, step: int) -> dict:
         """Collective: sync the actor's weights into the engine (verified), sample, and put the engine back to

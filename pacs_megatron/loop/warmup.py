@@ -217,11 +217,10 @@ class ValidCallCheck:
     def __call__(self, step: int) -> dict:
         """Collective: sync the actor's weights into the engine (verified), sample, and put the engine back to
         sleep while the actor trains; rank 0's numbers, on every rank."""
-        from pacs_megatron.rollout.collect import generate_sharded
         from pacs_megatron.utils.dist import all_gather_objects
 
         self.c.sync.sync(version=0)
-        groups = generate_sharded(self.c.engine, [r.prompt_ids for r in self.records], self.sampling, step)
+        groups = self.c.engine.generate_step([r.prompt_ids for r in self.records], self.sampling, step)
         self.c.engine.sleep()
         # every rank gathered the same trajectories; rank 0's numbers decide, so no rounding can split the ranks
         return all_gather_objects(valid_call_metrics([r for g in groups for r in g]))[0]

@@ -7,8 +7,7 @@
                       reshard, bucketed and bitwise checked like any full sync; vLLM then drops its adapters
                       and the ids restart at 1
 
-The actor is reached through its methods only (weight_sync/policy.py; weight_sync/ sits above actor/ and does
-not import it), the engine as an :class:`~pacs_megatron.rollout.base.AdapterReceiver`.
+The actor is reached through weight_sync/policy.py's protocol (weight_sync/ does not import actor/).
 
 The base of a LoRA actor is frozen, so after the engine got it once only ``r * (in + out)`` numbers a linear
 move per step. It changes in two cases, and only then is it sent again:

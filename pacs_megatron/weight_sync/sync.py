@@ -130,7 +130,9 @@ class SyncResult:
         }
 
 
-def probe_prompts(vocab_size: int, num_sequences: int, seed: int = 1234, length: int = PROBE_LEN // 2) -> list:
+def probe_prompts(
+    vocab_size: int, num_sequences: int, seed: int = 1234, length: int = PROBE_LEN // 2
+) -> list[list[int]]:
     """Fixed pseudo-random token sequences (same on every rank and every sync), the probe's prompts."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (num_sequences, length), generator=g).tolist()
@@ -210,9 +212,7 @@ class WeightSync:
             cfg.probe_greedy_tolerance if cfg.probe_greedy_tolerance > 0 else (1e-4 if fp32 else 0.25)
         )
         """Bound of the mean difference over the greedy continuation."""
-        self.prompts: list[list[int]] | None = (
-            probe_prompts(vocab_size, cfg.probe_sequences) if cfg.probe_sequences else None
-        )
+        self.prompts = probe_prompts(vocab_size, cfg.probe_sequences) if cfg.probe_sequences else None
         self.probe: Rollouts | None = None
         """A fixed probe, for engines on other ranks (remote.py: :func:`random_probe_batch`); the colocated
         sync builds its probe each time (:meth:`probe_batch`, with the engine's greedy continuation)."""

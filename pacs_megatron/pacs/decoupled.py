@@ -9,29 +9,9 @@ Three policies meet in one update at step s::
                          (``old_logp``)
     current    pi_theta  the actor being trained
 
-The decoupled objective (Hilton et al. 2021, "Batch size-invariance for policy optimization"; AReaL) keeps
-the two roles of "old" apart:
-
-- the ratio of PPO / GRPO and PACS's implicit reward ``r = beta * sum_t (log pi_theta - log pi_prox)`` are
-  measured against pi_prox, so the update's trust region and PACS's classifier logit start from 0 at
-  theta = prox, whatever the staleness;
-- the sampling distribution is corrected by ``w = pi_prox(y) / pi_b(y)``, truncated (tis) or masked (mis) at
-  ``algorithm.is_cap``: ``E_{y ~ pi_prox}[f(y)] = E_{y ~ pi_b}[w(y) f(y)]`` (exact below the cap).
-
-This is the same code path as the FP8 rollout correction (pacs/rollout_correction.py): behaviour log-probs
-never enter a ratio, only the weights. With ``algorithm.rollout_correction=none`` stale samples are used
-as if drawn from pi_prox (biased by the policy's drift over k steps; logged as ``rollout/kl_seq``).
-
-The masks of the mismatch menu (icepop, geo, outlier; pacs/rollout_correction.py) ride on the same path:
-a stale sample whose ratio pi_prox / pi_b leaves their bounds is rejected like an engine outlier.
-
-Example:
-    >>> from pacs_megatron.pacs.config import RolloutCorrectionConfig
-    >>> prox = torch.tensor([[0.0, -1.0]]); behaviour = torch.tensor([[0.0, -1.5]]); mask = torch.tensor([[0, 1]])
-    >>> tis = RolloutCorrectionConfig(weight="tis", cap=2.0, level="sequence", unit="row")
-    >>> old, w, _ = decoupled_old_logp(prox, behaviour, mask, tis)
-    >>> torch.equal(old, prox), round(w.item(), 4)
-    (True, 1.6487)
+The ratio of PPO / GRPO and PACS's implicit reward are measured against pi_prox (Hilton et al. 2021; AReaL);
+pi_b enters only the weights pi_prox / pi_b of the rollout correction's menu (pacs/rollout_correction.py, the
+FP8 path). Why, for PACS: docs/baselines.md, "PACS with stale rollouts".
 """
 
 from __future__ import annotations
@@ -55,6 +35,14 @@ def decoupled_old_logp(
     ``[B, 1]`` for PACS), or None when nothing is on or without behaviour log-probs; ``metrics`` are the
     mismatch metrics (``rollout/logprob_diff_*``, ``rollout/kl_seq``, ratio quantiles, ...) and, with
     weights, the menu's (``rollout/is_*``, ``rollout/*_masked_frac``).
+
+    Example:
+        >>> from pacs_megatron.pacs.config import RolloutCorrectionConfig
+        >>> prox = torch.tensor([[0.0, -1.0]]); behaviour = torch.tensor([[0.0, -1.5]]); mask = torch.tensor([[0, 1]])
+        >>> tis = RolloutCorrectionConfig(weight="tis", cap=2.0, level="sequence", unit="row")
+        >>> old, w, _ = decoupled_old_logp(prox, behaviour, mask, tis)
+        >>> torch.equal(old, prox), round(w.item(), 4)
+        (True, 1.6487)
     """
     if behaviour_logp is None:
         return proximal_logp, None, {}

@@ -1,31 +1,16 @@
 """PPO with a learned critic: GAE advantages and the clipped value loss (pure torch).
 
-Shapes are ``[B, T]`` in the project's layout (prompt, response, padding in one row; the mask is 1
-on response tokens). ``values[:, t]`` is the critic's estimate of the state *before* token t is
-generated, i.e. it sits where ``token_logp[:, t]`` sits. The reward is the 0/1 outcome placed on
-the last response token (:func:`outcome_token_rewards`), as the PACS reference's PPO baseline
-(verl ``compute_gae_advantage_return``) does. Backwards over t, on response tokens only::
+Shapes are ``[B, T]`` in the project's layout (prompt, response, padding in one row; the mask is 1 on response
+tokens); ``values[:, t]`` estimates the state *before* token t is generated, where ``token_logp[:, t]`` sits. The
+reward is the 0/1 outcome on the last response token (:func:`outcome_token_rewards`), as the PACS reference's PPO
+baseline. Backwards over t, on response tokens only ("next" skips prompt and padding positions)::
 
     delta_t = r_t + gamma * V_next - V_t          A_t = delta_t + gamma * lam * A_next
     returns = A + V                               A <- (A - mean) / sqrt(var_unbiased + 1e-8)
 
-where "next" skips prompt and padding positions, and the mean / variance of the whitening run over
-all response tokens of the batch (Bessel-corrected, as verl's ``masked_whiten``). With
-gamma = lam = 1 (the reference) every A_t is R - V_t before whitening.
-
-**Terminal bootstrap: 0.** After a row's last response token, V_next = 0 and A_next = 0. The reference
-(verl's ``compute_gae_advantage_return``) runs the recursion over the whole padded response and
-bootstraps from the value at the first padding position, which its critic does not zero (its value
-mask is shifted by one token: volcengine/verl#1758). At gamma = lam = 1 the padding terms telescope
-away and both give A_t = R - V_t; at lam < 1 or gamma < 1 the reference's advantages depend on the
-value of a padding position, ours do not. So the two agree only at lam = gamma = 1 (the reference's
-setting).
-
-The value loss is the reference's ``compute_value_loss`` (verl, from TRL), no factor 0.5:
-``agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))`` with ``agg`` one of the actor's
-loss aggregations (policy_loss.aggregate; default token-mean, as the reference's function;
-the reference's config passes the actor's ``loss_agg_mode``); ``clipfrac`` is the fraction of
-response tokens where the clipped term is the larger.
+with the whitening over all response tokens of the batch (verl's ``masked_whiten``). After a row's last response
+token V_next = A_next = 0; the reference bootstraps from a padding position instead, so the two agree only at
+gamma = lam = 1, its setting (docs/baselines.md, "PPO with a learned critic").
 """
 
 from __future__ import annotations
@@ -131,8 +116,14 @@ def value_loss(
     loss_agg_mode: str = "token-mean",
     horizon: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss ``(loss, clipfrac)`` (see the module docstring); differentiable in ``vpreds``.
-    ``loss_agg_mode`` / ``horizon``: as :func:`pacs_megatron.pacs.policy_loss.aggregate`."""
+    """Clipped value loss ``(loss, clipfrac)``, the reference's ``compute_value_loss`` (verl, from TRL), no factor
+    0.5; differentiable in ``vpreds``::
+
+        agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))
+
+    ``agg``: ``loss_agg_mode`` / ``horizon`` as :func:`pacs_megatron.pacs.policy_loss.aggregate` (token-mean by
+    default, as the reference's function; its config passes the actor's ``loss_agg_mode``). ``clipfrac``: the
+    fraction of response tokens where the clipped term is the larger."""
     m = response_mask.to(vpreds.dtype)
     n = m.sum().clamp(min=1.0)
     clipped = torch.maximum(torch.minimum(vpreds, old_values + clip_range), old_values - clip_range)

@@ -6,24 +6,10 @@ Per group of n responses to one prompt (rows contiguous), with R_i in {0, 1} the
     psi_i = group_advantage(r)_i                           [B]  (rloo by default, see advantage.py)
     loss  = 1/B * sum_i w_i * BCEWithLogits(psi_i, R_i)          (torch's BCEWithLogitsLoss(weight=w))
 
-so d loss / d theta = 1/B * sum_i w_i (sigmoid(psi_i) - R_i) d psi_i / d theta: the actor (the
-policy's log-probs) and the critic (psi, a function of the same log-probs) are trained by one
-supervised signal. Because psi_i depends on every response of its group, a group must sit whole
-in one loss computation.
-
-Weights ``weight_mode``: "question" gives, within each group that has both outcomes, sklearn's
-"balanced" class weights n / (2 * count(class)); groups with one outcome keep weight 1.
-
-The anchor of r (``PACSConfig.anchor``): "old" is the paper's v1 (pi_old, the policy that sampled the step,
-so r = psi = 0 in a step's first mini-batch); "reference" is v2's (arXiv 2509.02522v2): a frozen reference
-policy, reset to the live policy every ``algorithm.reference_reset_every`` steps (actor/reference.py), so psi
-is non-zero from the second step on whatever the number of updates per batch.
-
-A row with loss weight 0 (``is_weights`` 0: a truncated row under ``algorithm.overlong.mask_truncated``,
-or one masked IS rejected) leaves its group: psi's baseline and the class weights are over the group's kept
-rows only (advantage.py), so d loss / d logp of the dropped row is exactly 0. A row left alone in its group
-has no baseline and leaves too (``pacs/lone_row_groups`` counts such groups). Batches where every row is
-kept take the same code as before, bit for bit.
+so the actor (the policy's log-probs) and the critic (psi, a function of the same log-probs) are trained by one
+supervised signal. Because psi_i depends on every response of its group, a group must sit whole in one loss
+computation; a row of loss weight 0 leaves its group's baseline and class weights (advantage.py). The anchor
+(pi_old in v1, a reference policy reset every K steps in v2) and the rows that leave: docs/pacs_v2.md.
 """
 
 from __future__ import annotations
@@ -48,9 +34,13 @@ def class_weights(
     """Per-row BCE weights ``[B]`` (float32) for ``scores [B]``; with ``keep`` (``[B]`` bool) "question"
     counts a group's kept rows only (a dropped row's own weight is left to its caller's 0).
 
+    ``mode="question"``: within each group that has both outcomes, sklearn's "balanced" class weights
+    n / (2 * count(class)); a group with one outcome keeps weight 1. ``"only_positive"`` / ``"only_negative"``:
+    1 on that class, 0 on the other; None: all 1.
+
     Example:
         >>> class_weights(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "question").tolist()
-        [2.0, 0.6666666865348206, 0.6666666865348206, 0.6666666865348206]
+        [2.0, 0.6666666865348816, 0.6666666865348816, 0.6666666865348816]
         >>> class_weights(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "question", torch.tensor([1, 1, 0, 0]).bool()).tolist()
         [1.0, 1.0, 1.0, 1.0]
     """

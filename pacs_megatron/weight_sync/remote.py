@@ -12,18 +12,9 @@
     verify              rank 0 compares each engine's log-probs with the actor's of that version; every rank
                         raises WeightSyncError above sync.probe_tolerance
 
-The push returns once the weights are staged: with ``rollout.max_staleness`` > 0 the engines may still be
-generating older batches and load the version when they reach its LoadWeights. A version is verified when
-the first samples drawn with it are taken (every engine answered its load before them); with ``wait=True``
-(k = 0, the last step) the push waits for the verification, as the colocated sync does.
-
-The group: rank 0 is trainer rank 0, rank 1 + e is engine e, made from the trainer job's TCPStore under its
-own prefix (no default group is touched on either side: vLLM's in-process workers have their own). gloo on
-CPU; NCCL on GPU, where each buffer goes to the GPU before its broadcast (the NCCL path is written for GPU,
-never run). A bucket travels as bytes, so any dtype mix crosses gloo and NCCL alike; the sender starts a
-broadcast only once every engine waits for it, so an NCCL kernel never spins on the trainer's GPU while the
-engines are still generating. Staging costs one host copy of the weights per version not yet received (at
-most ``max_staleness`` + 1): 14 GB per copy for a 7B model in bf16.
+The push returns once the weights are staged; a version is verified when the first samples drawn with it are
+taken, and with ``wait=True`` (k = 0, the last step) the push waits for it. The group, the byte buffers and
+what staging costs: docs/async.md, "Processes and weights".
 """
 
 from __future__ import annotations

@@ -8,34 +8,10 @@
     probe                      -> engine log-probs == actor log-probs (within tol) on fixed random
                                   prompts and the engine's greedy continuation of them
 
-The bitwise check (``sync.verify_bitwise``, on by default; rollout/weight_checksum.py) is the exact one: a sync
-copies and casts, so the engine must hold bit for bit what was sent, and a tensor that differs is named
-(:class:`WeightSyncError`). In bf16 the probe cannot tell a stale layer from rounding (docs/weight_sync.md);
-it stays for what bits cannot show: the engine computing with them wrongly (a layout, transpose, rope or
-tied-head error, an engine-side transform the check does not read back).
-
-With ``rollout.quantization`` (fp8/nvfp4) the stream passes through modelopt's quantizers first
-(``quantize.py``): the bitwise check compares the engine with the quantize-dequantized tensors sent (HF engine),
-and the probe measures two things: transfer exactness against the actor holding the
-same quantize-dequantized weights for one forward (``sync/max_logprob_diff``, bounded by the tolerance),
-and the quantization gap against the trained weights (``sync/quant_logprob_diff``, logged only).
-
-A probe above the tolerance raises :class:`WeightSyncError`: a corrupted sync looks like "unstable
-training" and must never be trained on silently. Two bounds, one tolerance (docs/weight_sync.md):
-
-- random prompt tokens, per token ``|engine - actor| / max(1, |logp|)``: a trained model gives them
-  log-probs of -10 to -30, where rounding (bf16 above all) grows with the magnitude;
-- the greedy continuation, the mean ``|engine - actor|``: tokens the model predicts have |logp| of a few
-  nats at most, where bf16 noise is small, while a wrong tensor moves log-probs by a similar absolute
-  amount whatever their size. On random tokens alone a stale layer worth 1.5 nats at |logp| = 30 is
-  within 5e-2 relative.
-
-``sync.probe_tolerance`` bounds the first (1e-4 float32, 5e-2 bfloat16), ``sync.probe_greedy_tolerance`` the
-second (1e-4 float32, 0.25 bfloat16); the measurements behind the bf16 defaults are in docs/weight_sync.md.
-
-A LoRA actor with ``sync.lora=adapter`` (vLLM) sends its adapters alone (weight_sync/adapter.py): the base,
-adapters off, goes through the stream above only at the first sync and after a PACS v2 reset; the probe
-then checks base + adapter as the engine serves them.
+A tensor that differs, or a probe beyond ``sync.probe_tolerance`` / ``sync.probe_greedy_tolerance``, raises
+:class:`WeightSyncError`: a corrupted sync looks like "unstable training" and must never be trained on
+silently. The bitwise check is the exact one; the probe stays for what bits cannot show (the engine computing
+wrongly with them). The two bounds, quantized streams and the adapter-only sync: docs/weight_sync.md.
 """
 
 from __future__ import annotations

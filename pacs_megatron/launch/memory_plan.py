@@ -1,41 +1,12 @@
 """Per-GPU memory plan of a run, by arithmetic only (no torch, no GPU): what ``doctor --config`` prints.
 
-From the Hugging Face ``config.json`` and the run config, for the worst pipeline stage of one rank:
-
-- parameters: bf16 (2 bytes) or fp32 (4) per parameter of the rank's shard. Everything is split by
-  TP except the norms; the embedding sits on the first stage, the LM head on the last.
-- gradients: Megatron's DDP keeps an fp32 main-grad buffer (4 bytes/param).
-- optimizer: Adam in mixed precision keeps an fp32 master copy and two moments (12 bytes/param),
-  divided by DP with the distributed optimizer.
-- activations at the micro-batch (training only): with ``model.recompute_activations`` (full
-  recompute) only each layer's input (2 bytes x seq x micro-batch x hidden) plus one layer's
-  working set; without it ~34 bytes per token per hidden unit and layer (Korthikanti et al. 2022,
-  flash attention so no seq^2 term; /TP with sequence parallelism, (10 + 24/TP) without), plus the
-  fp32 logits and their gradient (8 bytes x seq x micro-batch x vocab / TP). Context parallelism divides
-  the tokens a rank holds by CP (and the distributed optimizer shards over DP x CP).
-- LoRA (``actor.lora.rank`` > 0): gradients and optimizer state are the adapters' only (r x (in + out/tp) a
-  column adapter, r x (in/tp + out) a row adapter, per layer), and no reference copy (the base is the reference).
-- reference policy (``algorithm.kl_loss_coef`` > 0 or PACS v2's anchor, actor/reference.py): the parameters once more in
-  the actor's dtype (2 or 4 bytes per parameter of the rank's shard), no gradients or optimizer state;
-  resident in both phases, or in neither with ``actor.offload_reference`` (host memory, brought in
-  only for its log-prob pass, between rollout and training). 0 when the coefficient is 0. The entropy
-  bonus (``algorithm.entropy_coeff``) costs nothing here: the fused kernel returns the entropy from
-  its one pass over the logits and its backward writes into the logits buffer (no N x V tensor).
-- vLLM: ``gpu_memory_utilization`` x the GPU's memory while awake (weights + KV cache + graphs);
-  asleep (``enable_sleep_mode``) it frees that, colocated it holds it during training otherwise.
-
-- routing replay (``actor.routing_replay=rollout``, MoE): on the GPU one micro-batch's int64 per-router
-  expert indices (tokens x stage layers x k x 8 bytes), counted in training; on the host
-  (``replay_host_gib``, not part of the GPU plan) the routing records of the rank's engine replica (the
-  engine's int16 copy and the compact one) and of the rows it trains on (data/routing.py: one byte per
-  expert id up to 256 experts, else two), worst case at full length.
-
-"Resident during rollout" is actor (params + grads + optimizer, or nothing when the actor is
-offloaded to CPU for the rollout) + vLLM's share; "during training" is actor + activations (+ vLLM's
-share if it cannot sleep). CUDA contexts, NCCL buffers and allocator fragmentation come on top:
-the plan "fits" only with :data:`HEADROOM_GIB` left over for them. Example (the issue's numbers):
-Qwen2.5-7B, TP=2 x DP=4, bf16, distributed optimizer, gpu_memory_utilization 0.5 on 80 GiB: actor
-31.9 GiB + vLLM 40 GiB = ~72 GiB in rollout.
+From the Hugging Face ``config.json`` and the run config, for the worst pipeline stage of one rank: parameters,
+the fp32 main-grad buffer, Adam's states (sharded over DP x CP with the distributed optimizer), activations and
+fp32 logits at the micro-batch, LoRA's adapters, the reference policy, vLLM's ``gpu_memory_utilization`` share
+and routing replay's indices. "Resident during rollout" is actor + vLLM's share; "during training" is actor +
+activations (+ vLLM's share if it cannot sleep). The plan "fits" only with :data:`HEADROOM_GIB` left over for
+CUDA contexts, NCCL buffers and allocator fragmentation. Each term's bytes, and the Qwen2.5-7B example:
+docs/launch.md, "The memory plan".
 """
 
 from __future__ import annotations

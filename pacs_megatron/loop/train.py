@@ -118,16 +118,19 @@ def _steps(run: _Run, start: int, source: RolloutSource) -> tuple[int, int | Non
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         timer, t0 = PhaseTimer(), time.perf_counter()
         run.memory.start()
-        with timer("rollout"):  # separate engines: async/trainer_wait_s of it is waiting for them; their
-            # verify of the weights pushed after step - 1 may fail: keep that step's update, as a sync does
+        # Separate engines: async/trainer_wait_s of the rollout phase is waiting for them, and their verify of
+        # the weights pushed after step - 1 may fail there: keep that step's update, as a sync does.
+        with timer("rollout"):
             trained = step - 1 if step - 1 > start else None
             batch, metrics, samples = _synced(run, trained, source.take, step)
         metrics |= _update(run, batch, timer, step)
         with timer("sync"):
             metrics |= _synced(run, step, source.push, step)
         if cfg.trainer.validates_at(step):  # every test_freq steps and at the last
-            with timer("eval"):  # colocated: the engine stays awake for the next rollout; separate: the
-                metrics |= stages.validate(cfg, c, step)  # requests queue behind the batches in flight
+            # Colocated: the engine stays awake for the next rollout; separate: the requests queue behind the
+            # batches in flight.
+            with timer("eval"):
+                metrics |= stages.validate(cfg, c, step)
         source.step_done(step)
         stopped = _end_step(run, step, metrics, samples, timer, t0)
         if stopped is not None:

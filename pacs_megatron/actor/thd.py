@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pacs_megatron.parallel.cp_split import padded_length, thd_chunk_index, thd_gathered_index
+from pacs_megatron.parallel.cp_split import thd_chunk_index, thd_gathered_index
 
 
 @dataclass(frozen=True)

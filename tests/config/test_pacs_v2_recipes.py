@@ -69,6 +69,33 @@ def test_qwen3_v2_recipes_dry_run_and_doctor(size, data_root, tmp_path, monkeypa
     assert code == (1 if vllm_missing else 0)
 
 
+def test_qwen3_8b_v2_16k_recipe_plans_context_parallelism(data_root, tmp_path, monkeypatch, capsys):
+    """16k-token responses on 8 x 80 GB: TP = 4 x CP = 2 passes --dry-run and doctor (issue 61, item 7)."""
+    model = tmp_path / "Qwen3-8b"
+    model.mkdir()
+    hf = dict(QWEN3["8b"], model_type="qwen3", vocab_size=151936, head_dim=128, max_position_embeddings=40960)
+    (model / "config.json").write_text(json.dumps(hf))
+    save_file({"stand_in": torch.zeros(1)}, str(model / "model.safetensors"))
+    monkeypatch.setenv("BEYOND_AIME_JSONL", str(tmp_path / "beyond_aime.jsonl"))
+    (tmp_path / "beyond_aime.jsonl").write_text(json.dumps({"id": "b", "problem": "1 + 1?", "answer": "2"}) + "\n")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=2**41))
+    recipe = str(CONFIGS / "qwen3_8b_pacs_v2_16k.yaml")
+    tokenizer = data_root / "tokenizers" / "qwen2.5"
+    over = [f"model.path={model}", f"model.tokenizer={tokenizer}", f"trainer.output_dir={tmp_path / 'out'}"]
+    cfg = load_config(recipe, over)
+    assert (cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.dp, cfg.parallel.world_size) == (4, 2, 1, 8)
+    assert cfg.rollout.max_response_length == 16384 and cfg.algorithm.pacs.anchor == "reference"
+    assert main(["train", "--config", recipe, "--dry-run", *over]) == 0
+    capsys.readouterr()
+    main(["doctor", "--json", "--config", recipe, *over, "--gpu-gib", "80"])
+    report = json.loads(capsys.readouterr().out)
+    assert "config_error" not in report and report["layout"]["cp"] == 2 and report["memory"]["fits"]
+    # without CP the same run does not fit: TP = 8 needs more than 80 GiB less the headroom
+    main(["doctor", "--json", "--config", recipe, *over, "parallel.tp=8", "parallel.cp=1", "--gpu-gib", "80"])
+    assert not json.loads(capsys.readouterr().out)["memory"]["fits"]
+
+
 def test_smollm2_v1_and_v2_recipes():
     v1 = load_config(str(CONFIGS / "cpu_smollm2_pacs_v1.yaml"), [])
     v2 = load_config(str(CONFIGS / "cpu_smollm2_pacs_v2.yaml"), [])

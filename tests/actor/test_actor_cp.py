@@ -1,7 +1,7 @@
 """The actor under context parallelism (parallel.cp = 2) equals one process on the same rows.
 
 One launch per layout runs every check (process start dominates the cost): log-probs and entropy of
-compute_logprobs, then a PACS v1, a GRPO and a GSPO step as the run's loss (with the recipe's entropy bonus,
+compute_logprobs, then a PACS v1, a GRPO, a GSPO and a PACS v2 step as the run's loss (with the entropy bonus,
 so the gathered entropy's backward is exercised too), the weights exported after each. The rows have ragged
 lengths, so the split pads. The GPU variant (NCCL, Transformer Engine's CP attention where it imports) needs
 two GPUs: written, never run.
@@ -19,7 +19,8 @@ from _dist import run_distributed
 from pacs_megatron.data.batching import as_train_batch
 
 VOCAB = 255
-LOSSES = (("pacs", "pacs/loss"), ("grpo", "policy/loss"), ("gspo", "policy/loss"))
+LOSSES = (("pacs", "pacs/loss"), ("grpo", "policy/loss"), ("gspo", "policy/loss"), ("pacs_v2", "pacs/loss"))
+"""Trained in this order; "pacs_v2" is PACS anchored on the reference policy (the weights the actor started from)."""
 
 # name -> (world size, tp, cp, pp)
 LAYOUTS = {"cp2": (2, 1, 2, 1), "tp2cp2": (4, 2, 2, 1), "pp2cp2": (4, 1, 2, 2)}
@@ -39,7 +40,12 @@ def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32", thd=False, 
         parallel=replace(cfg.parallel, cp=cp),
         model=replace(cfg.model, fused_lm_head="true" if fused else "false", dtype=dtype),
         # dynamic batching packs the micro-batches (THD) on CPU
-        algorithm=replace(cfg.algorithm, entropy_coeff=0.01, dynamic_batching=thd),
+        algorithm=replace(
+            cfg.algorithm,
+            entropy_coeff=0.01,
+            dynamic_batching=thd,
+            pacs=replace(cfg.algorithm.pacs, anchor="reference"),  # builds the reference policy (v2's anchor)
+        ),
     )
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
     actor = MegatronActor(cfg, groups, model_dir)
@@ -49,11 +55,17 @@ def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32", thd=False, 
     first = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0, with_entropy=True)
     out["token_logp"], out["entropy"] = first.token_logp, first.entropy
     out["metrics"] = []
+    actor.compute_ref_logprobs(batch, 2, 1.0)  # the reference is copied at its first use: the starting weights
     for name, _ in LOSSES:
         # the run's own loss (not train_step's loss_name): it carries the recipe's entropy term
-        actor.cfg = replace(actor.cfg, algorithm=replace(actor.cfg.algorithm, loss=name))
+        a = actor.cfg.algorithm
+        anchor = "reference" if name == "pacs_v2" else "old"
+        a = replace(a, loss=name.removesuffix("_v2"), pacs=replace(a.pacs, anchor=anchor))
+        actor.cfg = replace(actor.cfg, algorithm=a)
         old = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0, with_entropy=True)
-        out["metrics"].append(actor.train_step(as_train_batch(batch, old.token_logp, old_entropy=old.entropy)))
+        ref = actor.compute_ref_logprobs(batch, 2, 1.0) if anchor == "reference" else None
+        train = as_train_batch(batch, old.token_logp, old_entropy=old.entropy, ref_logp=ref)
+        out["metrics"].append(actor.train_step(train))
         out["weights"].append(_export(actor))
     if rank:
         out.pop("weights")
@@ -114,6 +126,9 @@ def test_cp_matches_one_process(layout, fused, thd, reference, model_dir):
         assert lp <= 1e-5 and ent <= 1e-5, f"{layout}: log-probs off by {lp:.2e}, entropy by {ent:.2e}"
         assert r["metrics"] == results[0]["metrics"], f"{layout}: metrics differ between ranks"
     head = results[0]
+    # v1's r is 0 at pi_theta = pi_old; v2's anchor (the starting weights) is three updates behind
+    r_abs = [m.get("pacs/implicit_reward_abs_mean") for m in reference["metrics"]]
+    assert r_abs[0] == 0.0 and r_abs[3] > 1e-4, r_abs
     for i, (name, key) in enumerate(LOSSES):
         assert "actor/entropy_loss" in reference["metrics"][i], f"{name}: the entropy term is not in the loss"
         for k in (key, "actor/grad_norm", "actor/entropy_loss"):
@@ -124,7 +139,7 @@ def test_cp_matches_one_process(layout, fused, thd, reference, model_dir):
         diff = rel_update_diff(a0, a1, b0, b1)
         assert diff <= 1e-4, f"{layout}: the {name} update differs from CP = 1 by {diff:.2e} (relative)"
     w = reference["weights"]
-    moved = max(float((w[3][k] - w[0][k]).abs().max()) for k in w[0])
+    moved = max(float((w[len(LOSSES)][k] - w[0][k]).abs().max()) for k in w[0])
     assert moved > 1e-4, "the steps did not change the weights"
 
 

@@ -110,8 +110,10 @@ class SDPACoreAttention(MegatronModule):
     def _cp_sbhd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """sbhd attention of this CP rank's chunks: K/V of every rank, the causal mask in global positions."""
         s, b = query.shape[:2]
-        cp, rank = self.cp_group.size(), self.cp_group.rank()
-        kv = gather_for_attention(torch.stack([key, value]), self.cp_group, dim=1)  # [2, s * cp, b, g, d]
+        group = self.cp_group
+        assert group is not None  # forward calls it only with a CP group
+        cp, rank = group.size(), group.rank()
+        kv = gather_for_attention(torch.stack([key, value]), group, dim=1)  # [2, s * cp, b, g, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, kv[0], kv[1]))
         bias = _sbhd_bias(s * cp, cp, rank, query.device, query.dtype)
         return self._sdpa(q, k, v, bias).permute(2, 0, 1, 3).reshape(s, b, -1)
@@ -148,11 +150,13 @@ class SDPACoreAttention(MegatronModule):
     def _cp_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor):
         """THD attention of this CP rank's chunks of every segment: the gathered K/V laid out ``[segments,
         width]`` by global column, this rank's queries ``[segments, width / cp]``, masked by global column."""
-        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        group = self.cp_group
+        assert group is not None  # forward calls it only with a CP group
+        cp, rank = group.size(), group.rank()
         bounds = tuple(cu_seqlens.to(torch.long).cpu().tolist())
         k_at, q_at, bias = _thd_layout(bounds, cp, rank, query.device, query.dtype)
         num_rows, width = bias.shape[0], bias.shape[-1]
-        kv = gather_for_attention(torch.stack([key, value]), self.cp_group, dim=1)  # [2, N, g, d]
+        kv = gather_for_attention(torch.stack([key, value]), group, dim=1)  # [2, N, g, d]
         k = kv[0].new_zeros((num_rows, width, *key.shape[1:])).index_put(k_at, kv[0])
         v = kv[1].new_zeros((num_rows, width, *key.shape[1:])).index_put(k_at, kv[1])
         q = query.new_zeros((num_rows, width // cp, *query.shape[1:])).index_put(q_at, query)

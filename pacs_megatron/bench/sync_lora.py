@@ -186,7 +186,7 @@ def main(args: argparse.Namespace, environment: dict) -> int:
             from pacs_megatron.data.synthetic import write_tiny_model_dir
 
             model_dir = str(write_tiny_model_dir(workdir / "model", cfg.model.tiny))
-        world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+        world = cfg.parallel.world_size
         argv = ["pacs_megatron.bench.sync", *sys.argv[1:], "--workdir", str(workdir)]
         code = on_ranks(argv, world, lambda: _rank_main(args, workdir, model_dir))
         if code:

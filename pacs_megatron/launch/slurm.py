@@ -125,12 +125,12 @@ def plan(nodes: int, nproc_per_node: int, config: str, overrides: list[str]) -> 
     check_device(cfg)  # quantized rollouts, routing replay: before the job's ranks start
     par = cfg.parallel
     world = nodes * nproc_per_node
-    model = par.tp * par.pp
+    model = par.tp * par.pp * par.cp  # a replica's ranks: dp is what the allocation leaves
     if world % model:
         raise ConfigError(
             f"{nodes} node(s) x NPROC_PER_NODE={nproc_per_node} = {world} ranks is not a multiple of "
-            f"parallel.tp * parallel.pp = {par.tp}*{par.pp} = {model}: change the node count, NPROC_PER_NODE "
-            "or the layout"
+            f"parallel.tp * parallel.pp * parallel.cp = {par.tp}*{par.pp}*{par.cp} = {model}: change the node "
+            "count, NPROC_PER_NODE or the layout"
         )
     dp = world // model
     if any(o.startswith("parallel.dp=") for o in overrides) and dp != par.dp:

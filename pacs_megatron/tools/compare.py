@@ -380,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
     from pacs_megatron.config import load_config
 
     cfg = load_config(args.config, [*METHODS[args.methods[0]], *args.overrides])
-    ranks = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    ranks = cfg.parallel.world_size
     args.jobs = args.jobs or max(1, (os.cpu_count() or 1) // ranks)
     args.threads_per_rank = max(1, (os.cpu_count() or 1) // (args.jobs * ranks))
     args.ranks_per_run = ranks

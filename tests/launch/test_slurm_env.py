@@ -94,3 +94,23 @@ def test_stop_decision_and_requeue_marker(tmp_path):
     assert out["term"] == [True, False, "SIGTERM", 143] and out["term_marker"] is False
     assert out["usr1_then_term"] == [True, False, "SIGTERM"]  # a cancel wins over the warning
     assert "while starting up" in res.stderr
+
+
+def test_the_allocation_plan_counts_context_parallel_ranks_in_a_replica(monkeypatch):
+    """4 ranks at tp=1, pp=1, cp=2 are 2 data-parallel replicas, not 4: dp leaves out the CP ranks, and an
+    allocation that no replica divides is one line naming cp."""
+    from pacs_megatron.launch import slurm
+
+    monkeypatch.setattr(slurm, "job_end_unix", lambda: 0.0)
+    config = "examples/configs/cpu_tiny.yaml"
+    base = [
+        "parallel.tp=1",
+        "parallel.cp=2",
+        "trainer.train_batch_size=8",
+        "rollout.n=4",
+        "algorithm.micro_batch_size=16",
+        "algorithm.mini_batch_size=8",
+    ]
+    assert slurm.plan(2, 2, config, base) == ["parallel.dp=2"]
+    with pytest.raises(ConfigError, match=r"parallel.tp \* parallel.pp \* parallel.cp = 1\*1\*2"):
+        slurm.plan(1, 3, config, base)

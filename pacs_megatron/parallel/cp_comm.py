@@ -31,36 +31,29 @@ def _own_slice(grad: torch.Tensor, group, dim: int) -> torch.Tensor:
     return grad.narrow(dim, dist.get_rank(group) * n, n).contiguous()
 
 
-class _GatherForAttention(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
+    """All-gather along ``dim``; backward keeps this rank's slice of the gradient, summed over the ranks first
+    when ``reduce`` (each rank's gradient is a different part) and as it is otherwise (every rank's is the same)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, x: torch.Tensor, group, dim: int, reduce: bool) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.reduce = group, dim, reduce
         return _all_gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        # gloo has no reduce-scatter: all-reduce the whole gradient and keep this rank's slice
-        dist.all_reduce(grad, group=ctx.group)
-        return _own_slice(grad, ctx.group, ctx.dim), None, None
-
-
-class _GatherReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _own_slice(grad, ctx.group, ctx.dim), None, None
+        if ctx.reduce:
+            grad = grad.contiguous()
+            # gloo has no reduce-scatter: all-reduce the whole gradient and keep this rank's slice
+            dist.all_reduce(grad, group=ctx.group)
+        return _own_slice(grad, ctx.group, ctx.dim), None, None, None
 
 
 def gather_for_attention(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """All CP ranks' chunks of ``x`` along ``dim`` in rank order; backward sums the ranks' gradients."""
     if group is None or dist.get_world_size(group) == 1:
         return x
-    return _GatherForAttention.apply(x, group, dim)
+    return _Gather.apply(x, group, dim, True)
 
 
 def gather_replicated(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
@@ -68,4 +61,4 @@ def gather_replicated(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     identically; backward keeps this rank's slice of the (identical) gradient."""
     if group is None or dist.get_world_size(group) == 1:
         return x
-    return _GatherReplicated.apply(x, group, dim)
+    return _Gather.apply(x, group, dim, False)

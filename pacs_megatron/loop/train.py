@@ -73,7 +73,8 @@ def _loop(cfg: RunConfig, rt: Runtime, c: Components) -> int:
     warmed: dict = {}
     if rt.resume is None and cfg.trainer.sft_warmup_steps:
         warmed = warmup.format_warmup(cfg, rt, c)
-        logger.info("format warm-up: %s", format_metrics(warmed))
+        kind = "tool" if cfg.rollout.multi_turn.enabled else "format"  # warmup.format_warmup runs either
+        logger.info("%s warm-up: %s", kind, format_metrics(warmed))
         critic_stages.init_after_warmup(cfg, c)  # the critic starts from the warmed-up policy
     c.sync.sync(version=start)  # the engines start from the actor's weights (policy version = step), verified
     # the tools' sandbox level and limits: final.json (this launch) and a fresh run's first row (step 0)

@@ -17,11 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from types import SimpleNamespace
-
-import torch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,55 +33,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _rank(args) -> dict:
-    from pacs_megatron.actor import MegatronActor
-    from pacs_megatron.bench.logprob import _PeakMemory
-    from pacs_megatron.bench.sync import _write_model_dir
-    from pacs_megatron.config import load_config
-    from pacs_megatron.data.batching import as_train_batch, build_rollouts
-    from pacs_megatron.parallel import destroy_parallel, initialize_parallel
+    from pacs_megatron.bench.memory import measure_train_step
 
-    workdir = Path(args.workdir)
-    shape = dict(hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2, ffn=2 * args.hidden, vocab=args.vocab)
-    if int(os.environ.get("RANK", "0")) == 0:
-        _write_model_dir(workdir, SimpleNamespace(**shape, untied=False, dtype="float32"))
-    overrides = [
-        f"model.path={workdir}",
-        "model.init=random",
-        "model.dtype=float32",
-        "parallel.backend=gloo",
-        f"parallel.cp={args.child_cp}",
-        f"rollout.n={args.rows}",
-        f"algorithm.micro_batch_size={args.rows}",
-        f"algorithm.logprob_micro_batch_size={args.rows}",
-        "algorithm.dynamic_batching=false",
-        "trainer.train_batch_size=1",
-    ]
-    cfg = load_config(None, overrides)
-    while not (workdir / "config.json").exists():  # rank 0 writes it
-        time.sleep(0.1)
-    groups = initialize_parallel(cfg.parallel, json.loads((workdir / "config.json").read_text()))
-    try:
-        actor = MegatronActor(cfg, groups, str(workdir))
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(1, args.vocab, (32,), generator=gen).tolist() for _ in range(args.rows)]
-        responses = [torch.randint(1, args.vocab, (args.seq - 32,), generator=gen).tolist() for _ in range(args.rows)]
-        batch = build_rollouts(prompts, responses, [float(i % 2) for i in range(args.rows)], args.rows, pad_id=0)
-        old = actor.compute_logprobs(batch, micro_batch_size=args.rows, temperature=1.0).token_logp
-        batch = as_train_batch(batch, old)
-        actor.train_step(batch)  # warm-up: Adam state allocated
-        start = time.perf_counter()
-        with _PeakMemory(groups.device) as mem:
-            metrics = actor.train_step(batch)
-        return {
-            "cp": args.child_cp,
-            "rank": groups.rank,
-            "peak_extra_mb": mem.peak / 2**20,
-            "step_s": time.perf_counter() - start,
-            "method": mem.method,
-            "grad_norm": metrics["actor/grad_norm"],
-        }
-    finally:
-        destroy_parallel()
+    overrides = [f"parallel.cp={args.child_cp}", f"rollout.n={args.rows}", "algorithm.dynamic_batching=false"]
+    overrides.append("trainer.train_batch_size=1")
+    step = measure_train_step(args, overrides, args.rows, write_model=int(os.environ.get("RANK", "0")) == 0)
+    return {
+        "cp": args.child_cp,
+        "rank": step["rank"],
+        "peak_extra_mb": step["peak"] / 2**20,
+        "step_s": step["step_s"],
+        "method": step["method"],
+        "grad_norm": step["metrics"]["actor/grad_norm"],
+    }
 
 
 def main(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,34 +49,28 @@ def _sliced_token_logprobs(logits, input_ids, spec, groups, temperature, with_en
     return F.pad(rec.token_logp.float(), (1, 0)), None
 
 
-def _child(args) -> dict:
+def measure_train_step(args, overrides: list[str], group: int, write_model: bool = True) -> dict:
+    """One timed, memory-measured actor train step of ``args.rows`` random rows of ``args.seq`` tokens (groups of
+    ``group``) on a tiny random Qwen2 (``args.hidden/layers/vocab``) in ``args.workdir``, after a warm-up step that
+    allocates Adam's state. ``overrides`` join the shared ones (the model, fp32, gloo, one micro-batch);
+    ``write_model=False``: another rank writes the model directory and this one waits for it. Returns the peak
+    extra bytes and their method (``_PeakMemory``), the step's seconds, its metrics, the rank and the batch shape."""
     from pacs_megatron.actor import MegatronActor
-    from pacs_megatron.actor import train_step as train_step_mod
     from pacs_megatron.bench.logprob import _PeakMemory
     from pacs_megatron.bench.sync import _write_model_dir
     from pacs_megatron.config import load_config
     from pacs_megatron.data.batching import as_train_batch, build_rollouts
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
 
-    if args.variant == "sliced":
-        train_step_mod.token_logprobs = _sliced_token_logprobs
     workdir = Path(args.workdir)
     shape = dict(hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2, ffn=2 * args.hidden, vocab=args.vocab)
-    _write_model_dir(workdir, SimpleNamespace(**shape, untied=False, dtype="float32"))
-    group = 4
-    cfg = load_config(
-        None,
-        [
-            f"model.path={workdir}",
-            "model.init=random",
-            "model.dtype=float32",
-            "parallel.backend=gloo",
-            f"rollout.n={group}",
-            f"algorithm.micro_batch_size={args.rows}",
-            f"algorithm.logprob_micro_batch_size={args.rows}",
-            f"trainer.train_batch_size={args.rows // group}",
-        ],
-    )
+    if write_model:
+        _write_model_dir(workdir, SimpleNamespace(**shape, untied=False, dtype="float32"))
+    shared = [f"model.path={workdir}", "model.init=random", "model.dtype=float32", "parallel.backend=gloo"]
+    shared += [f"algorithm.micro_batch_size={args.rows}", f"algorithm.logprob_micro_batch_size={args.rows}"]
+    cfg = load_config(None, [*shared, *overrides])
+    while not (workdir / "config.json").exists():  # written above, or by another rank
+        time.sleep(0.1)
     groups = initialize_parallel(cfg.parallel, json.loads((workdir / "config.json").read_text()))
     try:
         actor = MegatronActor(cfg, groups, str(workdir))
@@ -87,18 +82,32 @@ def _child(args) -> dict:
         old = actor.compute_logprobs(batch, micro_batch_size=args.rows, temperature=1.0).token_logp
         batch = as_train_batch(batch, old)
         actor.train_step(batch)  # warm-up: Adam state allocated
+        start = time.perf_counter()
         with _PeakMemory(groups.device) as mem:
             metrics = actor.train_step(batch)
-        n, t = batch.input_ids.shape
-        return {
-            "variant": args.variant,
-            "peak_extra_mb": mem.peak / 2**20,
-            "method": mem.method,
-            "nv_fp32_mb": n * t * args.vocab * 4 / 2**20,
-            "grad_norm": metrics["actor/grad_norm"],
-        }
+        step_s = time.perf_counter() - start
+        return {"peak": mem.peak, "method": mem.method, "step_s": step_s, "metrics": metrics, "rank": groups.rank,
+                "shape": tuple(batch.input_ids.shape)}  # fmt: skip
     finally:
         destroy_parallel()
+
+
+def _child(args) -> dict:
+    from pacs_megatron.actor import train_step as train_step_mod
+
+    if args.variant == "sliced":
+        train_step_mod.token_logprobs = _sliced_token_logprobs
+    group = 4
+    overrides = [f"rollout.n={group}", f"trainer.train_batch_size={args.rows // group}"]
+    step = measure_train_step(args, overrides, group)
+    n, t = step["shape"]
+    return {
+        "variant": args.variant,
+        "peak_extra_mb": step["peak"] / 2**20,
+        "method": step["method"],
+        "nv_fp32_mb": n * t * args.vocab * 4 / 2**20,
+        "grad_norm": step["metrics"]["actor/grad_norm"],
+    }
 
 
 def main(args: argparse.Namespace) -> int:

@@ -69,7 +69,7 @@ def test_qwen3_v2_recipes_dry_run_and_doctor(size, data_root, tmp_path, monkeypa
     assert code == (1 if vllm_missing else 0)
 
 
-def test_qwen3_8b_v2_16k_recipe_plans_context_parallelism(data_root, tmp_path, monkeypatch, capsys):
+def test_qwen3_8b_v2_16k_recipe_plans_context_parallelism(data_root, tmp_path, monkeypatch, capsys, vllm_installed):
     """16k-token responses on 8 x 80 GB: TP = 4 x CP = 2 passes --dry-run and doctor (issue 61, item 7)."""
     model = tmp_path / "Qwen3-8b"
     model.mkdir()

@@ -48,6 +48,7 @@ def test_an_unmarked_test_that_starts_a_process_fails_with_the_fix(door):
     assert _tiers.launches.pop("t.py::unmarked") == 1  # counted once (a Process.start's own Popen is the same)
     for mark in ("slow", "distributed", "subprocess"):
         assert _run_as(_Item(f"t.py::{mark}", (mark,)), start).outcome == "passed"
+        _tiers.launches.pop(f"t.py::{mark}")  # the stand-ins' launches are not the suite's (its cost report)
     assert _run_as(_Item("t.py::quiet", ()), lambda: None).outcome == "passed"  # no process, no marker needed
 
 
@@ -63,3 +64,14 @@ def test_a_library_probe_of_the_machine_needs_no_marker():
 
     assert _run_as(_Item("t.py::plots", ()), start).outcome == "passed"
     assert "t.py::plots" not in _tiers.launches  # a probe is no launch of the suite's
+
+
+def test_the_cost_report_sums_each_files_phases_and_launches():
+    """The by-file table of the suite's report (tests/conftest.py): a file's setup, call and teardown seconds
+    and its tests' launches add up, costliest file first."""
+    from conftest import per_file_table
+
+    durations = [(2.0, "call", "tests/a.py::t"), (1.0, "setup", "tests/a.py::t"), (0.5, "call", "tests/a.py::u")]
+    durations.append((9.0, "call", "tests/b.py::t[x]"))
+    table = per_file_table(durations, {"tests/a.py::t": 3, "tests/b.py::t[x]": 1, "elsewhere": 4})
+    assert table[2:] == ["| 9.0 | 1 | 1 | `tests/b.py` |", "| 3.5 | 2 | 3 | `tests/a.py` |"]

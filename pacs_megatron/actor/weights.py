@@ -7,8 +7,8 @@
                        of the TP all-gather)
     save_hf:           export_hf_weights --rank 0--> config.json + safetensors (+ tokenizer files)
 
-Every data-parallel replica holds the same weights, so each pipeline gathers on its own (no DP
-traffic). The layout maths lives in convert.py.
+Every data-parallel replica and every CP rank holds the same weights, so each pipeline gathers on
+its own (no DP or CP traffic). The layout maths lives in convert.py.
 """
 
 from __future__ import annotations
@@ -150,11 +150,14 @@ def save_hf(
     model_dir: str | os.PathLike | None,
     dtype: torch.dtype | None = None,
 ) -> None:
-    """Write a HF checkpoint (config.json, safetensors, tokenizer files) from rank 0 (collective)."""
+    """Write a HF checkpoint (config.json, safetensors, tokenizer files) from rank 0 (collective). Only CP rank 0
+    of each replica exports: rank 0's TP and PP groups hold no rank of another CP rank (MoE, whose EP groups
+    could, is refused at cp > 1), so the CP ranks > 0 skip the gathers together and wait at the barrier."""
     items = export_hf_weights(chunks, spec, groups, dtype)
     if groups.rank != 0:
-        for _ in items:  # take part in the gathers and broadcasts
-            pass
+        if groups.cp_rank == 0:
+            for _ in items:  # take part in the gathers and broadcasts
+                pass
         dist.barrier()
         return
     out = Path(path)

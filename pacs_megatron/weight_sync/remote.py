@@ -1,7 +1,8 @@
 """Weight sync to engines on their own ranks (``rollout.placement=separate``): the data plane, and the
 :class:`RemoteWeightSync` that drives it and verifies every version on the engine side.
 
-    every trainer rank  actor.export_hf_weights() -> (quantizer) -> iter_buckets   (collective, as colocated)
+    trainer ranks       actor.export_hf_weights() -> (quantizer) -> iter_buckets   (collective, as colocated;
+      of CP rank 0      a CP rank > 0 shares none of rank 0's TP and PP groups: it skips the export)
     trainer rank 0      pack each bucket into ONE host byte buffer (the staged copy: the trainer goes on
                         training) -> LoadWeights(version, layout, probe) queued behind each engine's earlier
                         commands -> the sender thread broadcasts the buffers once every engine reached that
@@ -35,6 +36,7 @@ from pacs_megatron.rollout.remote import RemoteEngines, broadcast_from_rank0
 from pacs_megatron.rollout.weight_checksum import Recorder
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.weight_sync.buckets import iter_buckets
+from pacs_megatron.weight_sync.policy import cp_rank_of
 from pacs_megatron.weight_sync.sync import SyncResult, WeightSync, raise_bitwise, random_probe_batch
 
 logger = get_logger(__name__)
@@ -207,15 +209,20 @@ class RemoteWeightSync(WeightSync):
         if engines.rank == 0:
             group = WeightGroup(engines.backend, engines.store, 0, 1 + engines.count, device, engines.timeout_s)
             self.sender = WeightSender(group, engines.wait_wanted)
+        # rank 0's TP and PP groups hold no rank of another CP rank (MoE, whose EP groups could, is refused at
+        # cp > 1): the CP ranks > 0 skip the export together, unless their quantized probe needs its tensors
+        self.exports = cp_rank_of(actor) == 0 or (self.quantizer is not None and self.prompts is not None)
+        """This rank runs the export (collective over its TP and PP groups)."""
 
     def push_version(self, version: int) -> SyncResult:
-        """Stage the actor's weights as ``version`` and queue them for the engines (collective; no waiting)."""
+        """Stage the actor's weights as ``version`` and queue them for the engines (collective; no waiting).
+        The bytes and buckets are those this rank exported: none where :attr:`exports` is off."""
         start = time.perf_counter()
         layout, buffers, total, count = [], [], 0, 0
         pin = self.device.type == "cuda"
         # the engines fingerprint what they receive and hold; rank 0 what it sends, in the same dtype
         recorder = Recorder() if self.cfg.verify_bitwise and self.sender is not None else None
-        buckets = iter_buckets(self._stream(), self.bucket_bytes, self.send_dtype)
+        buckets = iter_buckets(self._stream() if self.exports else iter(()), self.bucket_bytes, self.send_dtype)
         for bucket in recorder.buckets(buckets) if recorder else buckets:
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             count += 1

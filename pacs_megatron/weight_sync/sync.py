@@ -1,6 +1,7 @@
 """Actor -> rollout engine weight sync, measured and verified every time.
 
-    actor.export_hf_weights()  -> (hf_name, full tensor), one at a time, on every rank
+    actor.export_hf_weights()  -> (hf_name, full tensor), one at a time, on every rank: each feeds its own
+                                  engine, a CP rank > 0 too (docs/parallelism.md, "Weight sync")
     iter_buckets(...)          -> buckets of sync.bucket_mb (engines that load in place: one tensor each)
       Recorder                 -> an exact integer fingerprint of each tensor as sent, in the engine's dtype
     engine.update_weights(...) -> the engine loads them (HF: copy by name; vLLM: its layerwise reload)

@@ -3,8 +3,9 @@
 One launch per layout runs every check (process start dominates the cost): log-probs and entropy of
 compute_logprobs, then a PACS v1, a GRPO, a GSPO and a PACS v2 step as the run's loss (with the entropy bonus,
 so the gathered entropy's backward is exercised too), the weights exported after each. The rows have ragged
-lengths, so the split pads. The GPU variant (NCCL, Transformer Engine's CP attention where it imports) needs
-two GPUs: written, never run.
+lengths, so the split pads. A second test runs PACS v2's hard reset on the full actor and on a LoRA one at
+CP = 2 against one process (two launches). The GPU variant (NCCL, Transformer Engine's CP attention where it
+imports) needs two GPUs: written, never run.
 """
 
 from __future__ import annotations
@@ -69,6 +70,50 @@ def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32", thd=False, 
         out["weights"].append(_export(actor))
     if rank:
         out.pop("weights")
+    return out
+
+
+def _v2_step(actor, batch) -> dict:
+    """One PACS v2 step (anchored on the reference) with the log-probs the trainer's stages would give it."""
+    old = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0).token_logp
+    ref = actor.compute_ref_logprobs(batch, 2, 1.0)
+    return actor.train_step(as_train_batch(batch, old, ref_logp=ref))
+
+
+def _reset_body(rank, world, model_dir, tp, cp):
+    """PACS v2 with a hard reset, for the full actor and then a LoRA one (same process, same groups): a step, the
+    reset, the log-probs of policy and reference after it, two more steps (the second anchored one update back);
+    the exported weights after each (LoRA: merged) and LoRA's adapters."""
+    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.config import LoRAConfig
+    from pacs_megatron.parallel import initialize_parallel
+
+    cfg = run_config(model_dir, tp=tp)
+    pacs = replace(cfg.algorithm.pacs, anchor="reference")
+    cfg = replace(cfg, parallel=replace(cfg.parallel, cp=cp), algorithm=replace(cfg.algorithm, loss="pacs", pacs=pacs))
+    groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
+    b1, b2 = sample_batch(VOCAB, seed=1), sample_batch(VOCAB, seed=2)
+    lora = replace(cfg, optimizer=replace(cfg.optimizer, lr=0.05), actor=replace(cfg.actor, lora=LoRAConfig(4, 8.0)))
+    out = {}
+    for name, c in (("full", cfg), ("lora", lora)):
+        actor = MegatronActor(c, groups, model_dir)
+        r: dict = {"weights": [], "adapters": [], "metrics": []}
+
+        def snap(r=r, actor=actor, lora=name == "lora") -> None:
+            r["weights"].append(_export(actor))
+            r["adapters"].append(actor.peft_adapter()[0] if lora else {})
+
+        snap()
+        r["metrics"].append(_v2_step(actor, b1))
+        snap()
+        actor.reset_reference()
+        r["policy"] = actor.compute_logprobs(b2, micro_batch_size=2, temperature=1.0).token_logp
+        r["ref"] = actor.compute_ref_logprobs(b2, 2, 1.0)
+        snap()
+        for _ in range(2):
+            r["metrics"].append(_v2_step(actor, b2))
+            snap()
+        out[name] = r
     return out
 
 
@@ -141,6 +186,39 @@ def test_cp_matches_one_process(layout, fused, thd, reference, model_dir):
     w = reference["weights"]
     moved = max(float((w[len(LOSSES)][k] - w[0][k]).abs().max()) for k in w[0])
     assert moved > 1e-4, "the steps did not change the weights"
+
+
+@pytest.mark.distributed
+def test_cp_resets_and_lora_match_one_process(model_dir):
+    """PACS v2's hard reset and LoRA at CP = 2 against one process: the losses, the log-probs of policy and
+    reference after the reset, each step's update of the weights and of LoRA's adapters."""
+    one = run_distributed(_reset_body, 1, model_dir, 1, 1)[0]
+    results = run_distributed(_reset_body, 2, model_dir, 1, 2)
+    valid = valid_positions(sample_batch(VOCAB, seed=2))
+    steps = ((0, 1), (2, 3), (3, 4))  # snapshots before and after each step; the reset is between 1 and 2
+    for rank, r in enumerate(results):
+        for name in ("full", "lora"):
+            got, want, where = r[name], one[name], f"rank {rank} {name}"
+            assert torch.equal(got["ref"], got["policy"]), f"{where}: after the reset the reference is not the policy"
+            lp = float((got["policy"] - want["policy"])[valid].abs().max())
+            assert lp <= 1e-5, f"{where}: log-probs after the reset off by {lp:.2e}"
+            for i, m in enumerate(got["metrics"]):
+                for k in ("pacs/loss", "actor/grad_norm", "pacs/implicit_reward_abs_mean"):
+                    assert m[k] == pytest.approx(want["metrics"][i][k], rel=1e-4, abs=1e-6), f"{where} step {i}: {k}"
+            for key in ("weights", "adapters") if name == "lora" else ("weights",):
+                for i, j in steps:
+                    diff = rel_update_diff(want[key][i], want[key][j], got[key][i], got[key][j])
+                    assert diff <= 1e-4, f"{where}: the {key}' update {i}->{j} differs from CP = 1 by {diff:.2e}"
+        full, adapters, want = r["full"]["weights"], r["lora"]["adapters"], one["lora"]["adapters"]
+        assert all(torch.equal(full[1][k], full[2][k]) for k in full[1]), f"rank {rank}: the reset moved the policy"
+        # the adapters start, and restart at the reset (B = 0, A redrawn from its seed), on the same bits
+        for i in (0, 2):
+            assert all(torch.equal(adapters[i][k], want[i][k]) for k in want[i]), f"rank {rank}: adapters {i} differ"
+        assert not any(adapters[2][k].any() for k in adapters[2] if "lora_B" in k)
+    # psi is 0 where the reference is the policy (the first step, the first after the reset), not one update on
+    for name in ("full", "lora"):
+        psi = [m["pacs/implicit_reward_abs_mean"] for m in one[name]["metrics"]]
+        assert psi[0] == psi[1] == 0.0 and psi[2] > 1e-6, f"{name}: {psi}"
 
 
 @pytest.mark.gpu

@@ -42,7 +42,8 @@ from pacs_megatron.actor.optimizer import (
 )
 from pacs_megatron.actor.train_step import _DENOM, _MAXLR
 from pacs_megatron.actor.weights import unwrap
-from pacs_megatron.config import ConfigError, RunConfig, critic_enabled, critic_loss_agg
+from pacs_megatron.config import RunConfig, critic_enabled, critic_loss_agg
+from pacs_megatron.config.model import check_context_parallel
 from pacs_megatron.data.batching import Rollouts, TrainRows, split_micro_batches
 from pacs_megatron.pacs import value_loss
 from pacs_megatron.parallel import ParallelGroups
@@ -91,8 +92,8 @@ class MegatronCritic(MegatronActor):
     """Value model on the actor's layout (see module docstring). Every method is collective."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups, actor: MegatronActor) -> None:
-        if groups.cp_size > 1:  # its values come from the rank's chunks: not gathered over CP yet
-            raise ConfigError(f"the critic does not support parallel.cp={groups.cp_size} yet: set parallel.cp=1")
+        # the config's line (config/model.py), for a caller that builds a critic without the config's checks
+        check_context_parallel(cfg.parallel, critic=True, routing_replay="none")
         self.cfg, self.groups, self.model_dir = cfg, groups, actor.model_dir
         self.hf_config, self.param_dtype = actor.hf_config, actor.param_dtype
         # Untied: the critic has no LM head to share the embedding with.

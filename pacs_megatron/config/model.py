@@ -193,3 +193,22 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+
+def check_context_parallel(parallel: ParallelConfig, critic: bool, routing_replay: str) -> None:
+    """Refuse, naming the fields, what ``parallel.cp`` > 1 does not run yet: a learned critic (``critic``:
+    config/critic.py ``critic_enabled``) and routing replay. MoE models are the layout check's to refuse
+    (parallel/layout.py: it reads the model's config), so routing replay, which only MoE has, gets its line here."""
+    if parallel.cp == 1:
+        return
+    if critic:
+        # its values would come from each rank's chunks, which nothing gathers over CP yet (actor/critic.py)
+        raise ConfigError(
+            f"parallel.cp={parallel.cp} with a learned critic (algorithm.policy.adv_estimator=gae): the critic does "
+            "not support context parallelism yet: set parallel.cp=1, or another adv_estimator"
+        )
+    if routing_replay != "none":
+        raise ConfigError(
+            f"actor.routing_replay={routing_replay} with parallel.cp={parallel.cp}: routing replay is for MoE models, "
+            "which context parallelism does not support yet: set actor.routing_replay=none or parallel.cp=1"
+        )

@@ -15,10 +15,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pacs_megatron.config.actor import ActorConfig
 from pacs_megatron.config.base import ConfigError
-from pacs_megatron.config.critic import CriticConfig
+from pacs_megatron.config.critic import CriticConfig, critic_enabled
 from pacs_megatron.config.data import DataConfig, RewardConfig
 from pacs_megatron.config.launcher import LauncherConfig
-from pacs_megatron.config.model import ModelConfig, ParallelConfig
+from pacs_megatron.config.model import ModelConfig, ParallelConfig, check_context_parallel
 from pacs_megatron.config.multi_turn import check_multi_turn
 from pacs_megatron.config.rollout import RolloutConfig, SyncConfig, check_lora_sync
 from pacs_megatron.config.switches import check_run_switches
@@ -65,6 +65,7 @@ class RunConfig:
                 "parallelism yet (docs/lora.md); turn one of them off"
             )
         check_lora_sync(self.sync, self.rollout, self.actor.lora.rank)  # sync.lora=adapter: vLLM, LoRA
+        check_context_parallel(self.parallel, critic_enabled(self), self.actor.routing_replay)  # CP: no critic yet
         check_multi_turn(
             self.rollout.multi_turn,
             self.tools.enabled,

@@ -29,12 +29,6 @@ def test_a_moe_model_gets_the_layout_line_at_cp_2():
         check_layout(ParallelConfig(cp=2), {**MOE, "num_experts": 4}, world_size=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="config/run.py's RunConfig.__post_init__ does not call config.model.check_context_parallel yet: one line, "
-    "check_context_parallel(self.parallel, critic_enabled(self), self.actor.routing_replay); then drop this mark",
-)
 def test_construction_refuses_the_critic_and_routing_replay_at_cp_2():
     for overrides, line in ((GAE, "learned critic"), (["actor.routing_replay=rollout"], "routing replay is for MoE")):
         try:

@@ -50,9 +50,10 @@ from pacs_megatron.actor.train_step import (
     train_loss_func,
 )
 from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights, unwrap
+from pacs_megatron.batch.build import split_micro_batches
+from pacs_megatron.batch.packing import pack_micro_batches, token_budget
+from pacs_megatron.batch.rows import Rollouts, TrainBatch, TrainRows
 from pacs_megatron.config import ConfigError, RunConfig
-from pacs_megatron.data.batching import Rollouts, TrainBatch, TrainRows, split_micro_batches
-from pacs_megatron.data.packing import pack_micro_batches, token_budget
 from pacs_megatron.pacs import get_loss, regularize
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
@@ -321,7 +322,7 @@ class MegatronActor:
         return metrics
 
     def _packed(self, batch: Rollouts, chunk_groups: int):
-        """Token-budget micro-batches (data/packing.py) when dynamic batching is on, else None. With
+        """Token-budget micro-batches (batch/packing.py) when dynamic batching is on, else None. With
         PP every micro-batch of a pass keeps the rows' padded length only up to its own longest row;
         megatron's p2p then sends shapes ahead (run_schedule), see docs/batching.md."""
         if not self.cfg.algorithm.dynamic_batching:

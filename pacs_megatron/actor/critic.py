@@ -42,9 +42,10 @@ from pacs_megatron.actor.optimizer import (
 )
 from pacs_megatron.actor.train_step import _DENOM, _MAXLR
 from pacs_megatron.actor.weights import unwrap
+from pacs_megatron.batch.build import split_micro_batches
+from pacs_megatron.batch.rows import Rollouts, TrainRows
 from pacs_megatron.config import RunConfig, critic_enabled, critic_loss_agg
 from pacs_megatron.config.model import check_context_parallel
-from pacs_megatron.data.batching import Rollouts, TrainRows, split_micro_batches
 from pacs_megatron.pacs import value_loss
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger

@@ -1,4 +1,4 @@
-"""One pass of megatron's pipeline schedule over micro-batches of rows (pacs/batch.py).
+"""One pass of megatron's pipeline schedule over micro-batches of rows (batch/rows.py).
 
     micro-batches (whole groups, one T) --forward_step--> GPTModel chunk(s) --last stage-->
     vocab-parallel logits [b, T, V/tp] --token_logprobs--> token_logp [b, T] --loss_func--> ...
@@ -10,11 +10,11 @@ no ``[b, T, V/tp]`` logits in forward or backward.
 ``get_forward_backward_func`` picks no-pipelining, 1F1B or interleaved 1F1B (vpp > 1) from the
 layout. With fixed batching every micro-batch of a pass has the same T (``seq_length``) and row
 count (``micro_batch_size``), which shape the p2p buffers between stages. Token-budget micro-batches
-(data/packing.py) differ in both: megatron's ``variable_seq_lengths`` then sends each activation's
+(batch/packing.py) differ in both: megatron's ``variable_seq_lengths`` then sends each activation's
 shape ahead of it. Log-probs are batch-invariant on CPU because the old-log-prob pass and the
 training pass run the same micro-batches with the same shapes.
 
-Input convention (data/batching.py): right-padded rows, positions 0..T-1, causal mask only;
+Input convention (batch/build.py): right-padded rows, positions 0..T-1, causal mask only;
 ``token_logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` and ``token_logp[:, 0] = 0``.
 
 Context parallelism (``groups.cp_size`` > 1): rows (THD: each row's segment) are padded to a multiple of
@@ -43,7 +43,8 @@ from pacs_megatron.actor.logit_rows import (
 from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
 from pacs_megatron.actor.moe import padding_mask, set_routing_replay
 from pacs_megatron.actor.thd import ThdBatch, pack_thd
-from pacs_megatron.data.batching import Rollouts, split_micro_batches
+from pacs_megatron.batch.build import split_micro_batches
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.ops import fused_head_logprobs, fused_logprobs
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.parallel.cp_comm import gather_replicated
@@ -222,7 +223,7 @@ def run_schedule(
                     packed_seq_params=p.packed_seq_params(),
                     padding_mask=mask,
                 )
-            else:  # token-budget micro-batches (data/packing.py) differ in rows and length: positions per micro-batch
+            else:  # token-budget micro-batches (batch/packing.py) differ in rows and length: positions per micro-batch
                 model_ids, positions = cp_inputs(ids, groups)
                 out = model(input_ids=model_ids, position_ids=positions, attention_mask=None, padding_mask=mask)
         loss_func = make_loss_func(mb, ids, k >= n_real, **extra)
@@ -290,7 +291,7 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """No-grad log-probs of ``batch`` ``[B, T]`` (+ entropy) on every rank of this pipeline (CPU tensors).
 
-    ``packed``: token-budget micro-batches and their source rows (data/packing.py pack_micro_batches)
+    ``packed``: token-budget micro-batches and their source rows (batch/packing.py pack_micro_batches)
     instead of consecutive ``micro_batch_size`` rows; columns past a micro-batch's length hold 0.
     ``response_only``: only response tokens' values are computed, 0 elsewhere (actor/logit_rows.py).
     """

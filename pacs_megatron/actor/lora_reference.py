@@ -22,7 +22,7 @@ from pathlib import Path
 from pacs_megatron.actor.forward import forward_logprobs
 from pacs_megatron.actor.lora import adapters_off, merge_and_restart
 from pacs_megatron.actor.weights import unwrap
-from pacs_megatron.data.batching import Rollouts
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pacs_megatron.actor.moe import router_valid_tokens, routers
-from pacs_megatron.data.batching import Rollouts
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.parallel import ParallelGroups
 
 

@@ -22,7 +22,7 @@ from pacs_megatron.actor.forward import forward_logprobs
 from pacs_megatron.actor.logit_rows import set_fused_head
 from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
 from pacs_megatron.actor.weights import unwrap
-from pacs_megatron.data.batching import Rollouts
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.run.layout import StepLayout
 from pacs_megatron.utils.logging import get_logger
 

@@ -1,6 +1,6 @@
 """THD sequence packing for token-budget micro-batches: the layers run on the rows' real tokens only.
 
-A token-budget micro-batch (data/packing.py) still pads each row to the micro-batch's longest row (with
+A token-budget micro-batch (batch/packing.py) still pads each row to the micro-batch's longest row (with
 short and truncated responses in one group, about half the tokens of a SmolLM2 step were padding).
 In the THD format the rows are concatenated without padding into one sequence ``[1, N]``, and attention
 and RoPE restart at every row boundary given by ``cu_seqlens`` (``PackedSeqParams``). On CPU the core

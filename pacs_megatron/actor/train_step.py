@@ -33,8 +33,8 @@ from pacs_megatron.actor.forward import token_logprobs
 from pacs_megatron.actor.logit_rows import LogitRows
 from pacs_megatron.actor.model import ModelSpec
 from pacs_megatron.actor.thd import ThdBatch
+from pacs_megatron.batch.rows import TrainBatch, TrainRows
 from pacs_megatron.pacs import LossSpec
-from pacs_megatron.pacs.batch import TrainBatch, TrainRows
 from pacs_megatron.parallel import ParallelGroups
 
 _DENOM = "_denominator"
@@ -57,7 +57,7 @@ def check_train_batch(batch: TrainRows, old_from_forward: bool) -> None:
 def step_loss_config(loss_cfg: Any, max_response_length: int) -> Any:
     """``loss_cfg`` with ``seq-mean-token-sum-norm``'s horizon fixed to ``rollout.max_response_length``
     when the config leaves it at 0, as verl's fixed response length. ``aggregate`` would otherwise
-    divide each micro-batch by its own width (token-budget micro-batches, data/packing.py, are cut to
+    divide each micro-batch by its own width (token-budget micro-batches, batch/packing.py, are cut to
     their longest row), and even the step's padded prompt + response width changes from step to step:
     the loss scale would follow the batch's longest row."""
     if getattr(loss_cfg, "loss_agg_mode", None) == "seq-mean-token-sum-norm" and not loss_cfg.loss_agg_horizon:

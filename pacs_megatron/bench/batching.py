@@ -60,7 +60,7 @@ def synthetic_lengths(args) -> tuple[list[int], list[int]]:
 
 
 def _batch(args):
-    from pacs_megatron.data.batching import build_rollouts
+    from pacs_megatron.batch.build import build_rollouts
 
     prompt_lens, response_lens = synthetic_lengths(args)
     g = torch.Generator().manual_seed(args.seed)
@@ -106,8 +106,9 @@ def run_rank(args, workdir: Path, tp: int) -> dict:
     import torch.distributed as dist
 
     from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.batch.build import split_micro_batches
+    from pacs_megatron.batch.rows import as_train_batch
     from pacs_megatron.bench.logprob import _PeakMemory
-    from pacs_megatron.data.batching import as_train_batch, split_micro_batches
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
 
     cfgs = {m: _config(args, workdir, tp, m == "dynamic") for m in MODES}

@@ -56,10 +56,11 @@ def measure_train_step(args, overrides: list[str], group: int, write_model: bool
     ``write_model=False``: another rank writes the model directory and this one waits for it. Returns the peak
     extra bytes and their method (``_PeakMemory``), the step's seconds, its metrics, the rank and the batch shape."""
     from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.batch.build import build_rollouts
+    from pacs_megatron.batch.rows import as_train_batch
     from pacs_megatron.bench.logprob import _PeakMemory
     from pacs_megatron.bench.sync import _write_model_dir
     from pacs_megatron.config import load_config
-    from pacs_megatron.data.batching import as_train_batch, build_rollouts
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
 
     workdir = Path(args.workdir)

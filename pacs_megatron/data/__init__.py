@@ -1,11 +1,11 @@
-"""Prompts in, padded training batches out.
+"""Prompts: the problems a run trains and validates on, as prompt records (the rows they become: batch/).
 
 - ``sources``: read problem files (JSONL / JSON / parquet, plain or PACS format), name resolution;
 - ``prompts``: PACS instruction, shipped chat templates, tokenizer loading, length filter;
 - ``sampler``: :class:`PromptDataset`, a deterministic resumable prompt stream;
 - ``synthetic``: the "a+b=" task, its character tokenizer and tiny-model directory;
 - ``factory``: :func:`build_prompt_dataset`, what the trainer calls;
-- ``batching``: rollouts -> padded :class:`Rollouts` (pacs/batch.py) cut by whole prompt groups.
+- ``routing``: MoE routing replay's per-row records of the experts the engine chose.
 """
 
 from pacs_megatron.data.factory import build_prompt_dataset, build_train_dataset, build_val_datasets, load_dataset

@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import torch
 
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import Rollouts
 
 
 class StepAdvantages(NamedTuple):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import Rollouts
 from pacs_megatron.loop import sampling_stages, stages
 from pacs_megatron.rollout.pipeline import InFlightPrompts, RolloutPipeline
 

@@ -12,7 +12,7 @@ no-op for runs without a critic, so ``train.py`` calls them unconditionally.
                    loss, one critic optimizer step each (before the actor's, as verl)
 
 Every row stays on its rank: with dynamic batching a rank holds a non-contiguous set of groups
-(data/packing.py ``dp_balanced_shard``), and GAE needs nothing from other rows but the whitening
+(batch/packing.py ``dp_balanced_shard``), and GAE needs nothing from other rows but the whitening
 statistics.
 """
 
@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from pacs_megatron.batch.build import split_mini_batches
+from pacs_megatron.batch.rows import Rollouts, TrainRows
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import Rollouts, TrainRows, split_mini_batches
 from pacs_megatron.loop.advantages import AdvantageFn, StepAdvantages
 from pacs_megatron.pacs import PolicyLossConfig, explained_variance, gae_advantages, outcome_token_rewards
 from pacs_megatron.pacs.gae import masked_mean_var

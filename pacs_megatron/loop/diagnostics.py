@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from pacs_megatron.actor.actor import MegatronActor
+    from pacs_megatron.batch.rows import TrainBatch
     from pacs_megatron.config import RunConfig
-    from pacs_megatron.pacs.batch import TrainBatch
 
 
 def post_update_metrics(cfg: RunConfig, actor: MegatronActor, local: TrainBatch) -> dict[str, float]:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import Rollouts
 from pacs_megatron.loop import stages
 from pacs_megatron.loop.stages import ScoredGroups
 from pacs_megatron.pacs.group_filter import filter_metrics, keep_groups, take_groups

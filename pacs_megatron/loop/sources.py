@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import Rollouts
 from pacs_megatron.loop import async_stages, sampling_stages
 
 if TYPE_CHECKING:

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pacs_megatron.batch.build import build_rollouts, response_values
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import Rollouts, build_rollouts, response_values
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.data.routing import RoutedExperts
 from pacs_megatron.eval.runner import evaluate

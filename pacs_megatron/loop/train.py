@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 
 import psutil
 
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.config import RunConfig
 from pacs_megatron.config.training import stop_deadline
-from pacs_megatron.data.batching import Rollouts
 from pacs_megatron.loop import critic_stages, stages, update_stages, warmup
 from pacs_megatron.loop.runtime import Components, Runtime, build_components, setup, teardown
 from pacs_megatron.loop.sources import RolloutSource, rollout_source

@@ -2,7 +2,7 @@
 ``ppo_epochs`` x mini-batches of the loss, and PACS v2's reference reset.
 
 Each data-parallel rank trains on its own contiguous share of whole prompt groups, as :class:`TrainRows`
-(advantages added) and then :class:`TrainBatch` (pi_old's log-probs added; pacs/batch.py). Every function
+(advantages added) and then :class:`TrainBatch` (pi_old's log-probs added; batch/rows.py). Every function
 runs on every rank.
 """
 
@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pacs_megatron.batch.build import dp_shard, split_mini_batches
+from pacs_megatron.batch.packing import dp_balanced_shard
+from pacs_megatron.batch.rows import Rollouts, TrainBatch, TrainRows
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import Rollouts, TrainBatch, TrainRows, dp_shard, split_mini_batches
-from pacs_megatron.data.packing import dp_balanced_shard
 from pacs_megatron.data.routing import RoutedExperts, fetch_routed_experts
 from pacs_megatron.loop.advantages import AdvantageFn, outcome_step_advantages
 from pacs_megatron.loop.diagnostics import post_update_metrics
@@ -58,7 +59,7 @@ def prepare_local_batch(
     """This DP rank's groups with their advantages (``advantages_of``, default
     :func:`outcome_step_advantages`) and reference log-probs, and pi_old's log-probs of every row but
     the first :func:`forward_rows` (those come from their training forward in :func:`update_actor`)."""
-    if cfg.algorithm.dynamic_batching:  # groups spread by tokens, per mini-batch (data/packing.py)
+    if cfg.algorithm.dynamic_batching:  # groups spread by tokens, per mini-batch (batch/packing.py)
         local = dp_balanced_shard(batch, dp_rank, dp_size, cfg.mini_batch_prompts)
     else:
         local = dp_shard(batch, dp_rank, dp_size)

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pacs_megatron.batch.build import build_rollouts, dp_shard
+from pacs_megatron.batch.rows import Rollouts, TrainBatch, TrainRows
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import Rollouts, TrainBatch, TrainRows, build_rollouts, dp_shard
 from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.run.metrics import format_metrics
 from pacs_megatron.utils.logging import get_logger

@@ -12,8 +12,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the checkers see the real names
-    from pacs_megatron.pacs.advantage import check_groups, group_advantage
-    from pacs_megatron.pacs.batch import Rollouts, TrainBatch, TrainRows, as_train_batch, loss_batch
+    from pacs_megatron.pacs.advantage import group_advantage
     from pacs_megatron.pacs.config import PACSConfig, PolicyLossConfig
     from pacs_megatron.pacs.gae import explained_variance, gae_advantages, outcome_token_rewards, value_loss
     from pacs_megatron.pacs.group_filter import keep_groups, take_groups
@@ -28,14 +27,9 @@ _HOME = {
     "LOSSES": "registry",
     "LossSpec": "registry",
     "LossTraits": "registry",
-    "Rollouts": "batch",
-    "TrainBatch": "batch",
-    "TrainRows": "batch",
     "PACSConfig": "config",
     "PolicyLossConfig": "config",
     "aggregate": "policy_loss",
-    "as_train_batch": "batch",
-    "check_groups": "advantage",
     "class_weights": "loss",
     "clipped_policy_loss": "policy_loss",
     "explained_variance": "gae",
@@ -45,7 +39,6 @@ _HOME = {
     "implicit_reward": "implicit",
     "keep_groups": "group_filter",
     "kl_estimate": "regularizers",
-    "loss_batch": "batch",
     "outcome_advantages": "policy_loss",
     "outcome_token_rewards": "gae",
     "overlong_penalty": "overlong",
@@ -71,14 +64,9 @@ __all__ = [
     "LOSSES",
     "LossSpec",
     "LossTraits",
-    "Rollouts",
-    "TrainBatch",
-    "TrainRows",
     "PACSConfig",
     "PolicyLossConfig",
     "aggregate",
-    "as_train_batch",
-    "check_groups",
     "class_weights",
     "explained_variance",
     "gae_advantages",
@@ -88,7 +76,6 @@ __all__ = [
     "implicit_reward",
     "keep_groups",
     "kl_estimate",
-    "loss_batch",
     "outcome_advantages",
     "outcome_token_rewards",
     "overlong_penalty",

@@ -20,30 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from pacs_megatron.batch.rows import check_groups
+
 GRPO_EPS = 1e-6
-
-
-def check_groups(num_rows: int, group_size: int, group_ids: torch.Tensor | None = None) -> None:
-    """Rows must come in whole, contiguous groups of ``group_size`` (a group split across a
-    micro-batch or interleaved with another would silently give wrong baselines)."""
-    if group_size < 1:
-        raise ValueError(f"group_size={group_size} must be >= 1 (rollout.n)")
-    if num_rows % group_size != 0:
-        raise ValueError(
-            f"batch of {num_rows} rows is not a whole number of groups of {group_size}: micro-batches "
-            "must hold whole prompt groups (make micro_batch_size a multiple of rollout.n)"
-        )
-    if group_ids is not None:
-        ids = group_ids.reshape(-1, group_size)
-        if not bool((ids == ids[:, :1]).all()):
-            bad = int((ids != ids[:, :1]).any(dim=1).nonzero()[0, 0])
-            raise ValueError(
-                f"rows {bad * group_size}..{(bad + 1) * group_size - 1} do not share one prompt: the "
-                f"{group_size} responses of a prompt must be contiguous rows"
-            )
-        firsts = ids[:, 0]
-        if firsts.numel() != torch.unique(firsts).numel():
-            raise ValueError("a prompt's responses appear in two separate blocks: groups must be contiguous")
 
 
 def drop_lone_rows(keep: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:

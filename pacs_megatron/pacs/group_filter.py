@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from pacs_megatron.pacs.advantage import check_groups
+from pacs_megatron.batch.rows import check_groups
 from pacs_megatron.pacs.config import FILTER_MODES
 
 

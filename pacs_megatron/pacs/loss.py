@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pacs_megatron.pacs.advantage import check_groups, drop_lone_rows, group_advantage
+from pacs_megatron.batch.rows import check_groups
+from pacs_megatron.pacs.advantage import drop_lone_rows, group_advantage
 from pacs_megatron.pacs.config import PACSConfig
 from pacs_megatron.pacs.implicit import implicit_reward
 from pacs_megatron.pacs.rollout_correction import kept_rows

@@ -1,7 +1,7 @@
 """One registry for the trainable losses: each registers its function and its traits (:class:`LossTraits`), so the
 trainer selects PACS or a baseline by name and asks the registry what the loss needs, never its name.
 
-A loss takes a :class:`~pacs_megatron.pacs.batch.TrainBatch` (one micro-batch of whole groups), the current
+A loss takes a :class:`~pacs_megatron.batch.rows.TrainBatch` (one micro-batch of whole groups), the current
 policy's differentiable log-probs ``logp [B, T]``, its config section (``LossTraits.section``, as
 ``AlgorithmConfig.loss_config()`` gives it) and the policy's token entropy when it asks for it
 (``LossSpec.needs_entropy``), and returns ``(loss, metrics)``, where ``loss`` is a *mean* over the loss's unit
@@ -13,7 +13,7 @@ layer reads the traits in the launcher's parent, which starts the ranks without 
 Example:
     >>> import torch
     >>> from pacs_megatron.pacs.config import PACSConfig
-    >>> from pacs_megatron.pacs.batch import loss_batch
+    >>> from pacs_megatron.batch.rows import loss_batch
     >>> b = loss_batch(torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([1.0, 0.0]), 2)
     >>> loss, m = LOSSES["pacs"].fn(b, torch.zeros(2, 3), PACSConfig())
     >>> round(loss.item(), 4)  # psi = 0 for both rows: BCE(0, y) = log 2
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from pacs_megatron.pacs.batch import Rollouts, TrainBatch
+    from pacs_megatron.batch.rows import Rollouts, TrainBatch
 
 LossFn = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 """``fn(batch: TrainBatch, logp: Tensor, cfg, entropy: Tensor | None = None) -> (loss, metrics)``."""

@@ -1,7 +1,7 @@
 """KL to a frozen reference policy and an entropy bonus, added to any registered loss (pure torch).
 
 For a registered loss L (PACS, GRPO, PPO) with its unit (registry.py), on ``[B, T]`` log-probs, reference
-log-probs, entropy and response mask (data/batching.py's token layout)::
+log-probs, entropy and response mask (batch/build.py's token layout)::
 
     L + kl_loss_coef * agg(kl_t) - entropy_coeff * agg(H_t)
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from pacs_megatron.batch.rows import TrainBatch
 from pacs_megatron.pacs.advantage import drop_lone_rows
-from pacs_megatron.pacs.batch import TrainBatch
 from pacs_megatron.pacs.config import KL_TYPES
 from pacs_megatron.pacs.policy_loss import aggregate
 from pacs_megatron.pacs.registry import LossSpec

@@ -2,7 +2,7 @@
 
 The engine samples from pi_rollout (FP8 weights, another kernel, another dtype); every loss here is an
 expectation under pi_old (the actor's own log-probs of the same tokens). Shapes: ``[B, T]`` log-probs and
-response mask (``token_logp`` convention of data/batching.py), ``[B]`` per row. With delta_t = old_logp_t -
+response mask (``token_logp`` convention of batch/build.py), ``[B]`` per row. With delta_t = old_logp_t -
 rollout_logp_t (log-ratio per response token)::
 
     token      : rho_t = exp(delta_t)                                  -> weights [B, T]

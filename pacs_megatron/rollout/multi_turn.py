@@ -12,7 +12,7 @@ One trajectory per sample (a prompt's ``n`` samples diverge at their first token
                  rollout.multi_turn.max_turns assistant turns
 
 The result is a :class:`Response` per sample whose ``token_ids`` hold every turn, ``policy_mask`` which of
-them the policy sampled and ``logprobs`` the engine's values of those only, so the batch (data/batching.py)
+them the policy sampled and ``logprobs`` the engine's values of those only, so the batch (batch/build.py)
 puts tool output in the forward pass and off every loss. A round waits for its slowest tool call (bounded
 by the sandbox's wall limit); every sample generating in a round is batched with the others, and vLLM's
 prefix cache keeps each context's KV across turns (the context only grows).

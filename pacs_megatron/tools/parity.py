@@ -169,8 +169,8 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from pacs_megatron.actor.actor import MegatronActor
+    from pacs_megatron.batch.build import build_rollouts
     from pacs_megatron.config import ModelConfig, ParallelConfig, RunConfig
-    from pacs_megatron.data.batching import build_rollouts
     from pacs_megatron.parallel import destroy_parallel, init_distributed, initialize_parallel
 
     hf = json.loads((Path(args.hf_model) / "config.json").read_text())

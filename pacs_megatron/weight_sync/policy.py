@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from pacs_megatron.data.batching import Rollouts
+from pacs_megatron.batch.rows import Rollouts
 
 
 class TokenLogprobs(Protocol):

@@ -30,7 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pacs_megatron.data.batching import Rollouts, build_rollouts
+from pacs_megatron.batch.build import build_rollouts
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.rollout.base import PROBE_LEN
 from pacs_megatron.rollout.remote import RemoteEngines, broadcast_from_rank0
 from pacs_megatron.rollout.weight_checksum import Recorder

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pacs_megatron.batch.build import build_rollouts
+from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.config import RolloutConfig, SyncConfig
-from pacs_megatron.data.batching import Rollouts, build_rollouts
 from pacs_megatron.rollout.base import PROBE_LEN, ChecksumReader, Generator, WeightReceiver
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.rollout.weight_checksum import Recorder, compare

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from pacs_megatron.batch.build import build_rollouts
+from pacs_megatron.batch.rows import Rollouts, TrainRows
 from pacs_megatron.config import (
     AlgorithmConfig,
     ModelConfig,
@@ -17,7 +19,6 @@ from pacs_megatron.config import (
     RunConfig,
     TrainerConfig,
 )
-from pacs_megatron.data.batching import Rollouts, TrainRows, build_rollouts
 from pacs_megatron.data.routing import RoutedExperts
 from pacs_megatron.pacs import PolicyLossConfig, outcome_advantages
 

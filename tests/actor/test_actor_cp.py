@@ -17,7 +17,7 @@ import torch
 from _actor_helpers import hf_config, make_qwen2, rel_update_diff, run_config, sample_batch, valid_positions
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import as_train_batch
+from pacs_megatron.batch.rows import as_train_batch
 
 VOCAB = 255
 LOSSES = (("pacs", "pacs/loss"), ("grpo", "policy/loss"), ("gspo", "policy/loss"), ("pacs_v2", "pacs/loss"))

@@ -12,7 +12,7 @@ from _actor_helpers import hf_config, hf_logprobs, make_qwen2, run_config, sampl
 from _dist import run_distributed
 from safetensors.torch import load_file
 
-from pacs_megatron.data.batching import as_train_batch
+from pacs_megatron.batch.rows import as_train_batch
 
 pytestmark = pytest.mark.gpu
 

@@ -22,7 +22,8 @@ from _actor_helpers import (
 from _dist import run_distributed
 from safetensors.torch import load_file
 
-from pacs_megatron.data.batching import as_train_batch, dp_shard
+from pacs_megatron.batch.build import dp_shard
+from pacs_megatron.batch.rows import as_train_batch
 
 VOCAB = 255  # not a multiple of 2: TP=2 pads the vocabulary
 

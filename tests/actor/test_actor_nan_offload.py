@@ -18,7 +18,7 @@ import torch
 from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import as_train_batch
+from pacs_megatron.batch.rows import as_train_batch
 
 VOCAB = 255
 

@@ -19,7 +19,8 @@ import torch
 from _actor_helpers import GROUP, hf_config, make_qwen2, rel_update_diff, run_config, sample_batch, valid_positions
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import as_train_batch, split_mini_batches
+from pacs_megatron.batch.build import split_mini_batches
+from pacs_megatron.batch.rows import as_train_batch
 
 VOCAB = 255
 GROUPS, MINI = 8, 4  # 8 prompt groups per step, 2 mini-batches of 4
@@ -43,8 +44,8 @@ def _config(model_dir, tp, pp, dp, dynamic):
 
 def _body(rank, world, model_dir, tp, pp):
     from pacs_megatron.actor import MegatronActor
-    from pacs_megatron.data.batching import split_mini_batches
-    from pacs_megatron.data.packing import dp_balanced_shard
+    from pacs_megatron.batch.build import split_mini_batches
+    from pacs_megatron.batch.packing import dp_balanced_shard
     from pacs_megatron.parallel import initialize_parallel
 
     dp = world // (tp * pp)

@@ -17,7 +17,7 @@ import torch
 from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import as_train_batch
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.pacs import PACSConfig, PolicyLossConfig, get_loss
 
 VOCAB = 255  # TP=2 pads the vocabulary to 256
@@ -97,7 +97,7 @@ def _torch_reference(model_dir, w1, batch, old1, ref, loss_name):
 def _off_body(rank, world, model_dir):
     import pacs_megatron.actor.train_step as ts
     from pacs_megatron.actor import MegatronActor
-    from pacs_megatron.data.batching import TrainBatch
+    from pacs_megatron.batch.rows import TrainBatch
     from pacs_megatron.loop import update_stages
     from pacs_megatron.parallel import initialize_parallel
 

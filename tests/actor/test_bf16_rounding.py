@@ -88,7 +88,7 @@ def _nll(actor, rows) -> float:
 
 def _body(rank, world, model_dir):  # noqa: ARG001
     from pacs_megatron.actor import MegatronActor
-    from pacs_megatron.data.batching import TrainBatch
+    from pacs_megatron.batch.rows import TrainBatch
     from pacs_megatron.parallel import initialize_parallel
 
     out = {}

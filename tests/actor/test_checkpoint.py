@@ -18,7 +18,7 @@ from _actor_helpers import hf_config, make_qwen2, rel_update_diff, run_config, s
 from _dist import run_distributed
 from safetensors.torch import load_file
 
-from pacs_megatron.data.batching import as_train_batch
+from pacs_megatron.batch.rows import as_train_batch
 
 VOCAB = 256
 EXTRA = {"data_position": 5, "note": "trainer state"}

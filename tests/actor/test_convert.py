@@ -14,8 +14,8 @@ from transformers import LlamaConfig, Qwen2Config
 from pacs_megatron.actor.convert import hf_from_shards, hf_shapes, shard_from_hf
 from pacs_megatron.actor.hf_io import SafetensorsReader, write_safetensors
 from pacs_megatron.actor.model import llama3_inv_freq, mask_padded_vocab, model_spec_from_hf
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import ConfigError
-from pacs_megatron.data.batching import as_train_batch
 
 H, HEADS, KV, HD, FFN, VOCAB = 16, 8, 4, 2, 12, 10
 

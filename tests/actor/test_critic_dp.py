@@ -23,7 +23,7 @@ import torch
 from _actor_helpers import GROUP, hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import as_train_batch
+from pacs_megatron.batch.rows import as_train_batch
 
 VOCAB = 255
 GROUPS = 8  # prompt groups per step
@@ -72,7 +72,7 @@ def _body(rank, world, model_dir, runs):  # noqa: ARG001
     from pacs_megatron.actor import MegatronActor
     from pacs_megatron.actor.critic import MegatronCritic
     from pacs_megatron.actor.weights import unwrap
-    from pacs_megatron.data.batching import dp_shard
+    from pacs_megatron.batch.build import dp_shard
     from pacs_megatron.loop import critic_stages, update_stages
     from pacs_megatron.parallel import initialize_parallel
 

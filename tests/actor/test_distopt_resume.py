@@ -22,7 +22,7 @@ import torch
 from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import as_train_batch
+from pacs_megatron.batch.rows import as_train_batch
 
 VOCAB = 255
 
@@ -50,7 +50,7 @@ def _snapshot(actor) -> dict:
 
 def _body(rank, world, model_dir, ckpt_dir):
     from pacs_megatron.actor import MegatronActor
-    from pacs_megatron.data.batching import dp_shard
+    from pacs_megatron.batch.build import dp_shard
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = _config(model_dir)

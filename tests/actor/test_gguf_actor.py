@@ -12,7 +12,7 @@ from _dist import run_distributed
 from _gguf_helpers import tiny_llama, write_gguf
 
 from pacs_megatron.actor.gguf_import import import_gguf
-from pacs_megatron.data.batching import build_rollouts
+from pacs_megatron.batch.build import build_rollouts
 
 
 def _body(rank, world, model_dir, gguf, batch):

@@ -33,8 +33,8 @@ from _actor_helpers import (
 )
 from _dist import run_distributed
 
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import ConfigError, LoRAConfig, load_config
-from pacs_megatron.data.batching import as_train_batch
 
 VOCAB = 255
 

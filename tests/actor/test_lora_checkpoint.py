@@ -31,8 +31,8 @@ from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 from safetensors.torch import load_file, save_file
 
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import ConfigError, LoRAConfig
-from pacs_megatron.data.batching import as_train_batch
 from pacs_megatron.run.checkpoint_data import read_metadata
 from pacs_megatron.run.resume import check_lora_base
 

@@ -18,8 +18,8 @@ import torch
 from _actor_helpers import GROUP, hf_config, make_qwen3, rel_update_diff, run_config, sample_batch
 from _dist import run_distributed
 
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import LoRAConfig
-from pacs_megatron.data.batching import as_train_batch
 
 VOCAB = 64
 LAYOUTS = {"dp": (1, 1, 1, 2, 1), "vpp": (1, 2, 2, 1, 1), "ep": (1, 1, 1, 2, 2)}

@@ -14,8 +14,8 @@ import torch
 from _actor_helpers import run_config, sample_batch
 
 from pacs_megatron.actor.actor import MegatronActor
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import AlgorithmConfig, RunConfig, critic_loss_agg
-from pacs_megatron.data.batching import as_train_batch
 from pacs_megatron.pacs import PolicyLossConfig
 
 VOCAB = 255

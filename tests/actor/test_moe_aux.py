@@ -21,7 +21,7 @@ import pytest
 from _actor_helpers import GROUP, allow_cpu_sequence_parallel, hf_config, make_qwen3, run_config, sample_batch
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import TrainRows, as_train_batch
+from pacs_megatron.batch.rows import TrainRows, as_train_batch
 
 VOCAB = 64
 GROUPS = 3  # micro-batches of one group: 3, so the interleaved schedule pads one

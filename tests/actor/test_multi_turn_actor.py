@@ -16,7 +16,8 @@ import torch
 from _actor_helpers import hf_config, make_qwen2, run_config
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import TrainRows, as_train_batch, build_rollouts
+from pacs_megatron.batch.build import build_rollouts
+from pacs_megatron.batch.rows import TrainRows, as_train_batch
 from pacs_megatron.pacs import PACSConfig, PolicyLossConfig, outcome_advantages
 from pacs_megatron.pacs.loss import pacs_loss
 

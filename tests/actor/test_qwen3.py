@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from pacs_megatron.actor.convert import export_order, hf_from_shards, hf_shapes, shard_from_hf
 from pacs_megatron.actor.convert_moe import expert_hf_from_shard, expert_shard_from_hf
 from pacs_megatron.actor.model import model_spec_from_hf
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import ConfigError, ParallelConfig, TinyModelConfig
-from pacs_megatron.data.batching import as_train_batch
 from pacs_megatron.data.synthetic import tiny_model_config
 from pacs_megatron.parallel.groups import check_layout
 

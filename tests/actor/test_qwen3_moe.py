@@ -24,7 +24,7 @@ from _actor_helpers import (
 from _dist import run_distributed
 from safetensors.torch import load_file
 
-from pacs_megatron.data.batching import as_train_batch
+from pacs_megatron.batch.rows import as_train_batch
 
 VOCAB = 64
 EXTRA = {"step": 2}

@@ -18,7 +18,7 @@ import torch
 from _actor_helpers import hf_config, make_qwen2, make_qwen3, run_config, sample_batch
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import as_train_batch
+from pacs_megatron.batch.rows import as_train_batch
 
 VOCAB = 255
 # layout: (world, tp, pp, vpp, offload, ep); DP is what the world leaves; EP > 1 trains a MoE model (4 experts)
@@ -59,7 +59,7 @@ def _body(rank, world, model_dir, tp, pp, vpp, offload, ep, w1_dir):
     import torch.distributed as dist
 
     from pacs_megatron.actor import MegatronActor
-    from pacs_megatron.data.batching import dp_shard
+    from pacs_megatron.batch.build import dp_shard
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = _config(model_dir, world, tp, pp, vpp, offload, ep)

@@ -13,7 +13,7 @@ import torch
 from _actor_helpers import hf_config, hf_logprobs, run_config, valid_positions
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import build_rollouts
+from pacs_megatron.batch.build import build_rollouts
 
 
 def _body(rank, world, model_dir, batch):

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pacs_megatron.batch.build import build_rollouts
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import ConfigError, load_config
-from pacs_megatron.data.batching import as_train_batch, build_rollouts
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from pacs_megatron.data.batching import build_rollouts
+from pacs_megatron.batch.build import build_rollouts
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.rollout.base import EngineTraits
 from pacs_megatron.rollout.collect import ShardedSteps
@@ -116,6 +116,7 @@ def _body(rank, world):
 def _stages(rank, world, engine):
     from pacs_megatron.config import load_config
     from pacs_megatron.loop import stages, update_stages
+
     cfg = load_config(
         None,
         [

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pacs_megatron.batch.build import build_rollouts
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import RunConfig
-from pacs_megatron.data.batching import as_train_batch, build_rollouts
 from pacs_megatron.loop.diagnostics import post_update_metrics
 from pacs_megatron.pacs.loss import pacs_loss
 

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import load_config
-from pacs_megatron.data.batching import as_train_batch
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.data.sampler import PromptDataset
 from pacs_megatron.loop import sampling_stages, stages, update_stages

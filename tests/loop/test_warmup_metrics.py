@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from pacs_megatron.data.batching import build_rollouts
+from pacs_megatron.batch.build import build_rollouts
 from pacs_megatron.loop.warmup import _sft_step
 
 

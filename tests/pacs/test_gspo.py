@@ -16,9 +16,9 @@ from dataclasses import fields
 import pytest
 import torch
 
+from pacs_megatron.batch.rows import TrainBatch, loss_batch
 from pacs_megatron.config import AlgorithmConfig, ConfigError, load_config
 from pacs_megatron.pacs import LOSSES
-from pacs_megatron.pacs.batch import TrainBatch, loss_batch
 from pacs_megatron.pacs.config import GSPOConfig
 from pacs_megatron.pacs.policy_loss import gspo_policy_loss
 

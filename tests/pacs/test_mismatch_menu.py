@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
+from pacs_megatron.batch.rows import loss_batch
 from pacs_megatron.pacs import LOSSES, PACSConfig
-from pacs_megatron.pacs.batch import loss_batch
 from pacs_megatron.pacs.config import RolloutCorrectionConfig
 from pacs_megatron.pacs.rollout_correction import correction_weights, mismatch_metrics, quantiles
 

@@ -275,7 +275,8 @@ def test_groups_without_a_masked_row_are_bit_identical_to_the_unmasked_loss():
 
 
 def test_reference_anchor_measures_r_against_ref_logp():
-    from pacs_megatron.pacs import get_loss, loss_batch
+    from pacs_megatron.batch.rows import loss_batch
+    from pacs_megatron.pacs import get_loss
 
     logp, old, mask, scores = _toy()
     ref = old - 0.25

@@ -6,9 +6,9 @@ from dataclasses import fields
 import pytest
 import torch
 
+from pacs_megatron.batch.rows import TrainBatch, loss_batch
 from pacs_megatron.config import AlgorithmConfig
 from pacs_megatron.pacs import LOSSES, PolicyLossConfig, clipped_policy_loss, get_loss, outcome_advantages
-from pacs_megatron.pacs.batch import TrainBatch, loss_batch
 
 
 def _expected(logp, old, mask, adv, lo, hi, mode):

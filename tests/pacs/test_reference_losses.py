@@ -6,8 +6,8 @@ where our GAE's terminal bootstrap (0) equals the reference's (lam = 1 only)."""
 import pytest
 import torch
 
+from pacs_megatron.batch.rows import loss_batch
 from pacs_megatron.pacs import PACSConfig, PolicyLossConfig, clipped_policy_loss, get_loss, value_loss
-from pacs_megatron.pacs.batch import loss_batch
 from pacs_megatron.pacs.gae import gae_advantages, outcome_token_rewards
 
 G = torch.Generator().manual_seed(0)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from pacs_megatron.batch.rows import TrainBatch, loss_batch
 from pacs_megatron.pacs import PACSConfig, PolicyLossConfig, get_loss, regularize
-from pacs_megatron.pacs.batch import TrainBatch, loss_batch
 from pacs_megatron.pacs.regularizers import KL_TYPES, kl_estimate
 
 G = torch.Generator().manual_seed(3)

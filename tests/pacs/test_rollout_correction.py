@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from pacs_megatron.batch.rows import TrainBatch, loss_batch
 from pacs_megatron.config import ConfigError, load_config
 from pacs_megatron.pacs import LOSSES, PACSConfig, PolicyLossConfig
-from pacs_megatron.pacs.batch import TrainBatch, loss_batch
 from pacs_megatron.pacs.rollout_correction import importance_weights, mismatch_metrics
 
 # 4 rows (2 groups of 2), T = 5; position 0 is a prompt token, response tokens where MASK is 1.
@@ -143,7 +143,7 @@ def test_engine_logprobs_land_on_the_response_positions_and_doctests_run():
     import doctest
 
     import pacs_megatron.pacs.rollout_correction as rc
-    from pacs_megatron.data.batching import build_rollouts, response_values
+    from pacs_megatron.batch.build import build_rollouts, response_values
 
     b = build_rollouts([[5, 6, 7], [5, 6, 7]], [[1, 2], [3]], [1.0, 0.0], group_size=2, pad_id=0)
     v = response_values(b, [[-0.1, -0.2], [-0.3]])

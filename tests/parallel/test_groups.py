@@ -32,7 +32,7 @@ def test_layout_checks_name_the_field_and_fix():
 def test_group_splitting_micro_batches_rejected():
     with pytest.raises(ConfigError, match="a micro-batch holds whole prompt groups"):
         RunConfig(rollout=RolloutConfig(n=4), algorithm=AlgorithmConfig(micro_batch_size=6))
-    from pacs_megatron.data.batching import build_rollouts, split_micro_batches
+    from pacs_megatron.batch.build import build_rollouts, split_micro_batches
 
     batch = build_rollouts([[1]] * 8, [[2]] * 8, [0.0] * 8, group_size=4, pad_id=0)
     assert [len(m) for m in split_micro_batches(batch, 4)] == [4, 4]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pacs_megatron.batch.build import build_rollouts
 from pacs_megatron.config import TinyModelConfig
-from pacs_megatron.data.batching import build_rollouts
 from pacs_megatron.data.routing import RoutedExperts
 from pacs_megatron.data.synthetic import build_arith_tokenizer, write_tiny_model_dir
 from pacs_megatron.rollout.hf_engine import HFEngine, fused_expert_slice

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "actor"))
 from _actor_helpers import make_qwen2, make_qwen3  # noqa: E402
 
-from pacs_megatron.data.batching import build_rollouts  # noqa: E402
+from pacs_megatron.batch.build import build_rollouts
 from pacs_megatron.tools.parity import _report, load_samples  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

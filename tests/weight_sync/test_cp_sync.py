@@ -22,7 +22,7 @@ from _dist import run_distributed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "actor"))
 from _actor_helpers import hf_config, make_qwen2, rel_update_diff, run_config, sample_batch  # noqa: E402
 
-from pacs_megatron.data.batching import as_train_batch  # noqa: E402
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.rollout.hf_engine import HFEngine  # noqa: E402
 
 pytestmark = pytest.mark.distributed

@@ -17,8 +17,9 @@ import pytest
 import torch
 from _dist import run_distributed
 
+from pacs_megatron.batch.build import build_rollouts
+from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import TinyModelConfig, load_config
-from pacs_megatron.data.batching import as_train_batch, build_rollouts
 from pacs_megatron.data.synthetic import write_tiny_model_dir
 
 pytestmark = pytest.mark.distributed

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pacs_megatron.data.batching import build_rollouts, dp_shard, split_micro_batches, split_mini_batches
+from pacs_megatron.batch.build import build_rollouts, dp_shard, split_micro_batches, split_mini_batches
 
 
 def _batch(groups=4, n=2):

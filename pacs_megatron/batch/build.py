@@ -1,8 +1,7 @@
 """Rollouts as padded tensors, and the only ways this project cuts them: by whole prompt groups.
 
-The row types (:class:`Rollouts`, then :class:`TrainBatch` once pi_old's log-probs and the advantages are
-filled) and the padded layout are defined in pacs/batch.py, at the bottom of the package, so every layer
-types its arguments with them; this module builds them from token lists and cuts them.
+The row types and the padded layout are batch/rows.py's; this module builds them from token lists and cuts
+them (micro-batches, mini-batches, data-parallel shares; token-budget packs: batch/packing.py).
 """
 
 from __future__ import annotations
@@ -12,18 +11,7 @@ from typing import TypeVar
 
 import torch
 
-from pacs_megatron.pacs.batch import Rollouts, TrainBatch, TrainRows, as_train_batch
-
-__all__ = [
-    "Rollouts",
-    "TrainBatch",
-    "TrainRows",
-    "build_rollouts",
-    "dp_shard",
-    "response_values",
-    "split_micro_batches",
-]
-__all__ += ["as_train_batch", "split_mini_batches"]
+from pacs_megatron.batch.rows import Rollouts
 
 R = TypeVar("R", bound=Rollouts)
 

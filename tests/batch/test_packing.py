@@ -1,4 +1,4 @@
-"""Token-budget micro-batches and DP balancing (data/packing.py): properties over random long-tailed
+"""Token-budget micro-batches and DP balancing (batch/packing.py): properties over random long-tailed
 lengths, the config-time and step-time errors, and the docstring examples."""
 
 import doctest
@@ -7,10 +7,9 @@ import random
 import pytest
 import torch
 
-import pacs_megatron.data.packing as packing
-from pacs_megatron.config import ConfigError, load_config
-from pacs_megatron.data.batching import build_rollouts
-from pacs_megatron.data.packing import (
+import pacs_megatron.batch.packing as packing
+from pacs_megatron.batch.build import build_rollouts
+from pacs_megatron.batch.packing import (
     balance_groups,
     dp_balanced_shard,
     group_tokens,
@@ -19,6 +18,7 @@ from pacs_megatron.data.packing import (
     padded_len,
     plan_micro_batches,
 )
+from pacs_megatron.config import ConfigError, load_config
 
 
 def _lengths(rng: random.Random, groups: int, n: int) -> list[int]:

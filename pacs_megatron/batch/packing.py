@@ -17,11 +17,11 @@ Why, invariants and the loss weighting: docs/batching.md.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from pacs_megatron.pacs.batch import Rollouts
+from pacs_megatron.batch.rows import Rollouts
 
 R = TypeVar("R", bound=Rollouts)
 
@@ -157,7 +157,7 @@ def pack_micro_batches(
     return micro, torch.cat(rows)
 
 
-def token_budget(cfg) -> int:
+def token_budget(cfg: Any) -> int:  # a RunConfig: config/ sits above batch/
     """``algorithm.max_tokens_per_micro_batch`` of a RunConfig, or by default (0) the most a fixed
     micro-batch can hold: ``micro_batch_size x padded(data.max_prompt_length + rollout.max_response_length)``,
     so no token-budget micro-batch needs more activation memory than fixed batching could."""

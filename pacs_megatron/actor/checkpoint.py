@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pacs_megatron.actor import lora_checkpoint as lora_ckpt
+from pacs_megatron.actor.lora import checkpoint as lora_ckpt
 from pacs_megatron.actor.optimizer import init_adam_state, torch_adam_load
 from pacs_megatron.actor.weights import load_hf_weights, unwrap
 from pacs_megatron.parallel import ParallelGroups

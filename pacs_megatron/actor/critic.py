@@ -225,8 +225,8 @@ def _copy_trunk(actor_chunks: list, critic_chunks: list) -> None:
 
 def _load_trunk_from_hf(chunks: list, spec, path: str, groups: ParallelGroups) -> None:
     """Load embedding, layers and final norm from an HF directory (the value head stays zero)."""
-    from pacs_megatron.actor.convert import load_chunk_from_hf
-    from pacs_megatron.actor.hf_io import SafetensorsReader
+    from pacs_megatron.hf.convert import load_chunk_from_hf
+    from pacs_megatron.hf.io import SafetensorsReader
 
     reader = SafetensorsReader(path)
     try:

@@ -40,11 +40,12 @@ from pacs_megatron.actor.logit_rows import (
     response_rows,
     selects_rows,
 )
-from pacs_megatron.actor.model import ModelSpec, mask_padded_vocab
+from pacs_megatron.actor.model import mask_padded_vocab
 from pacs_megatron.actor.moe import padding_mask, set_routing_replay
 from pacs_megatron.actor.thd import ThdBatch, pack_thd
 from pacs_megatron.batch.build import split_micro_batches
 from pacs_megatron.batch.rows import Rollouts
+from pacs_megatron.hf.spec import ModelSpec
 from pacs_megatron.ops import fused_head_logprobs, fused_logprobs
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.parallel.cp_comm import gather_replicated

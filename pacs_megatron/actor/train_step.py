@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from pacs_megatron.actor.forward import token_logprobs
 from pacs_megatron.actor.logit_rows import LogitRows
-from pacs_megatron.actor.model import ModelSpec
 from pacs_megatron.actor.thd import ThdBatch
 from pacs_megatron.batch.rows import TrainBatch, TrainRows
+from pacs_megatron.hf.spec import ModelSpec
 from pacs_megatron.pacs import LossSpec
 from pacs_megatron.parallel import ParallelGroups
 

@@ -8,7 +8,7 @@
     save_hf:           export_hf_weights --rank 0--> config.json + safetensors (+ tokenizer files)
 
 Every data-parallel replica and every CP rank holds the same weights, so each pipeline gathers on
-its own (no DP or CP traffic). The layout maths lives in convert.py.
+its own (no DP or CP traffic). The layout maths lives in hf/convert.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pacs_megatron.actor.convert import (
+from pacs_megatron.actor.lora.adapters import adapters_off, lora_modules, merged_weight
+from pacs_megatron.hf.convert import (
     chunk_param_maps,
     export_order,
     hf_from_shards,
@@ -30,9 +31,8 @@ from pacs_megatron.actor.convert import (
     load_chunk_from_hf,
     shard_from_hf,
 )
-from pacs_megatron.actor.hf_io import SafetensorsReader, copy_tokenizer_files, write_safetensors
-from pacs_megatron.actor.lora import adapters_off, lora_modules, merged_weight
-from pacs_megatron.actor.model import ModelSpec
+from pacs_megatron.hf.io import SafetensorsReader, copy_tokenizer_files, write_safetensors
+from pacs_megatron.hf.spec import ModelSpec
 from pacs_megatron.parallel import ParallelGroups
 from pacs_megatron.utils.logging import get_logger
 
@@ -125,7 +125,7 @@ def tp_shards(shard: torch.Tensor, groups: ParallelGroups) -> list[torch.Tensor]
 def _expert_tensors(local, hf_names, ep_owner, shapes, spec, groups, out_dtype) -> list[torch.Tensor]:
     """One expert's HF tensors on every rank of the EP group: its holder broadcasts them."""
     if groups.ep_rank == ep_owner:
-        kind, shard, _ = local[hf_names]  # experts carry no adapter (actor/lora.py)
+        kind, shard, _ = local[hf_names]  # experts carry no adapter (actor/lora/adapters.py)
         tensors = [t.to(out_dtype).contiguous() for t in hf_from_shards(kind, [shard.detach()], spec)]
     else:
         tensors = [torch.empty(shapes[n], dtype=out_dtype, device=groups.device) for n in hf_names]

@@ -47,7 +47,7 @@ def _config(args: argparse.Namespace, model_dir: str | None) -> Any:
 
 def _move_adapters(actor: Any, scale: float = 0.02) -> None:
     """B off zero, seeded: a trained adapter's shape (the merged weights then differ from the base)."""
-    from pacs_megatron.actor.lora import lora_modules
+    from pacs_megatron.actor.lora.adapters import lora_modules
     from pacs_megatron.actor.weights import unwrap
 
     g = torch.Generator().manual_seed(0)

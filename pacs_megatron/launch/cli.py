@@ -79,7 +79,7 @@ def layout_summary(cfg: RunConfig) -> dict:
         }
         check_layout(cfg.parallel, hf)  # heads/KV heads over TP, layers over PP x VPP
     elif cfg.model.init == "gguf":  # imported by the first run: the layout is checked on the GGUF's own shape
-        from pacs_megatron.actor.gguf_import import read_gguf_info
+        from pacs_megatron.hf.gguf_import import read_gguf_info
 
         check_layout(cfg.parallel, read_gguf_info(cfg.model.gguf).config)
     elif cfg.model.init != "tiny":

@@ -125,7 +125,7 @@ def estimate(
     colocated vLLM (the HF engine); ``offload_during_rollout`` moves the actor to CPU while vLLM runs.
     ``replay_rows``: MoE routing replay, ``(rows the rank trains on, rows its engine replica generates)``
     per step; ``reference``: a KL reference policy, kept in host memory with ``offload_reference``.
-    ``lora_rank`` > 0: LoRA adapters on ``lora_targets`` (actor/lora.py) are all that trains: gradients and
+    ``lora_rank`` > 0: LoRA adapters on ``lora_targets`` (actor/lora/adapters.py) are all that trains: gradients and
     optimizer state are theirs only, and the reference is the base itself (no copy). ``cp``: each rank holds
     ``seq_len / cp`` tokens of every row (parallel/cp_split.py); weights are replicated over CP."""
     c = param_counts(hf)
@@ -145,7 +145,7 @@ def estimate(
         params = (n * (2 if bf16 else 4) + n_lora * (2 if bf16 else 4)) / GIB
         grads = n_lora * 4 / GIB
         optimizer = n_lora / shards[0] * (12 if bf16 else 8) / GIB
-        reference = False  # the base with the adapters off (actor/lora_reference.py)
+        reference = False  # the base with the adapters off (actor/lora/reference.py)
     else:
         params = n * (2 if bf16 else 4) / GIB
         grads = n * 4 / GIB
@@ -178,7 +178,7 @@ def estimate(
 
 def lora_params_per_layer(hf: dict, rank: int, tp: int, targets: tuple[str, ...]) -> float:
     """One TP rank's adapter parameters in one transformer layer: a column adapter is A [r, in] + B [out/tp, r],
-    a row adapter A [r, in/tp] + B [out, r] (actor/lora.py)."""
+    a row adapter A [r, in/tp] + B [out, r] (actor/lora/adapters.py)."""
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv, hd = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or h // heads
     inter = hf.get("intermediate_size", 4 * h)

@@ -19,7 +19,7 @@ What it checks, cheapest first, all without reading a tensor:
   follow the Qwen / Llama layout (``model.embed_tokens``, ``model.layers.N.*``);
 - a tokenizer (when asked for): one of :data:`TOKENIZER_FILES`.
 
-It lives in utils/ because its callers span launch/, tools/ and the ranks; actor/hf_io.py (the reader of
+It lives in utils/ because its callers span launch/, tools/ and the ranks; hf/io.py (the reader of
 the same files) imports megatron through its package, which a command must not need for a check.
 """
 

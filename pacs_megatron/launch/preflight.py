@@ -166,7 +166,7 @@ def check_chat_template(cfg: RunConfig, to_write: bool) -> None:
     if not cfg.data.renders_prompts or cfg.data.chat_template == "none" or (to_write and m.init == "tiny"):
         return
     if to_write and not m.tokenizer:  # init=gguf: the tokenizer comes out of the file
-        from pacs_megatron.actor.gguf_import import read_gguf_info
+        from pacs_megatron.hf.gguf_import import read_gguf_info
 
         info = read_gguf_info(m.gguf)
         own, qwen, where = info.has_chat_template, info.config.get("model_type") == "qwen2", f"model.gguf={m.gguf}"
@@ -182,7 +182,7 @@ def check_chat_template(cfg: RunConfig, to_write: bool) -> None:
 def check_gguf(cfg: RunConfig, to_import: bool) -> None:
     """model.init=gguf: the file is a GGUF transformers reads (when it is still to be imported), or the
     existing model.path was imported from this same file (sha256 in its provenance record)."""
-    from pacs_megatron.actor.gguf_import import GGUFImportError, check_imported, read_gguf_info
+    from pacs_megatron.hf.gguf_import import GGUFImportError, check_imported, read_gguf_info
 
     try:
         if to_import:

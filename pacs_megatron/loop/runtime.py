@@ -130,7 +130,7 @@ def claim_run_dir(cfg: RunConfig) -> RunDir:
 def write_model_dir(cfg: RunConfig, model_dir: Path) -> None:
     """Rank 0, first run: the tiny model's config + task tokenizer, or the import of ``model.gguf``."""
     if cfg.model.init == "gguf":
-        from pacs_megatron.actor.gguf_import import import_gguf
+        from pacs_megatron.hf.gguf_import import import_gguf
 
         logger.info("importing %s into %s (first run; dequantized to fp32)", cfg.model.gguf, model_dir)
         import_gguf(cfg.model.gguf, model_dir)

@@ -39,7 +39,7 @@ HF_TARGETS = {
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
 }
-"""``actor.lora.targets`` (megatron's names) -> the HF projections its adapters become (actor/lora_export.py)."""
+"""``actor.lora.targets`` (megatron's names) -> the HF projections its adapters become (actor/lora/export.py)."""
 
 
 def max_lora_rank(rank: int) -> int:

@@ -44,7 +44,7 @@ class BaseModel:
 
 
 def _weight_files(root: Path) -> list[Path]:
-    """The safetensors files the actor reads (actor/hf_io.py): the index's shards, or model.safetensors."""
+    """The safetensors files the actor reads (hf/io.py): the index's shards, or model.safetensors."""
     if (root / INDEX).is_file():
         return sorted({root / f for f in json.loads((root / INDEX).read_text())["weight_map"].values()})
     if (root / SINGLE).is_file():

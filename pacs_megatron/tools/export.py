@@ -3,7 +3,7 @@
     pacs-megatron export outputs/cpu_tiny/checkpoints/step_00000200 outputs/cpu_tiny/hf [--tp 1 --pp 1]
 
 Writes ``config.json``, ``model*.safetensors`` and the tokenizer files; a LoRA run writes a PEFT adapter for
-its base (actor/lora_export.py), or with ``--merge`` a whole model. Every argument is checked before any rank
+its base (actor/lora/export.py), or with ``--merge`` a whole model. Every argument is checked before any rank
 starts (one line, exit 2). Only the model is built, through dist_checkpointing, which reshards: any
 ``--tp/--pp`` loads any checkpoint (by default its own layout). The weights are written by
 ``actor/weights.save_hf``, as ``trainer.export_hf`` does. Design: docs/runs.md, "Export".
@@ -194,11 +194,12 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
 
     from pacs_megatron.actor.actor import resolve_dtype
     from pacs_megatron.actor.checkpoint import load_model_weights
-    from pacs_megatron.actor.lora import apply_lora
-    from pacs_megatron.actor.lora_export import save_peft_adapter
-    from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, seed_for_init, transformer_config
+    from pacs_megatron.actor.lora.adapters import apply_lora
+    from pacs_megatron.actor.lora.export import save_peft_adapter
+    from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
     from pacs_megatron.actor.weights import load_hf_weights, save_hf
     from pacs_megatron.config import ParallelConfig
+    from pacs_megatron.hf.spec import model_spec_from_hf
     from pacs_megatron.parallel import destroy_parallel, init_distributed, initialize_parallel
 
     ckpt = Path(args.checkpoint)

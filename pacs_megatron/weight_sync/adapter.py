@@ -1,6 +1,6 @@
 """Adapter-only weight sync (``sync.lora=adapter``): a LoRA actor's adapters to a vLLM engine that serves them.
 
-    every sync        actor.peft_adapter(): TP all-gather, PP object all-gather (actor/lora_export.py)
+    every sync        actor.peft_adapter(): TP all-gather, PP object all-gather (actor/lora/export.py)
                       -> PEFT adapter directory under /dev/shm (this rank's own; the previous one deleted)
                       -> engine.load_adapter(path, id): vLLM loads it as LoRARequest(id), drops the old one
     when base_due     before that, the BASE (actor.export_base_weights(): adapters off) through the normal

@@ -11,8 +11,8 @@ from _actor_helpers import hf_config, hf_logprobs, run_config, valid_positions
 from _dist import run_distributed
 from _gguf_helpers import tiny_llama, write_gguf
 
-from pacs_megatron.actor.gguf_import import import_gguf
 from pacs_megatron.batch.build import build_rollouts
+from pacs_megatron.hf.gguf_import import import_gguf
 
 
 def _body(rank, world, model_dir, gguf, batch):

@@ -17,7 +17,8 @@ from _dist import run_distributed
 def _dtypes_body(rank, world, model_dir):
     from transformers import AutoConfig
 
-    from pacs_megatron.actor.model import build_model_chunks, model_spec_from_hf, transformer_config
+    from pacs_megatron.actor.model import build_model_chunks, transformer_config
+    from pacs_megatron.hf.spec import model_spec_from_hf
     from pacs_megatron.parallel import initialize_parallel
 
     groups = initialize_parallel(run_config(model_dir).parallel, hf_config(model_dir))

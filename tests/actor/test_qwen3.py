@@ -12,12 +12,12 @@ from _actor_helpers import hf_config, hf_logprobs, make_qwen3, run_config, sampl
 from _dist import run_distributed
 from safetensors.torch import load_file
 
-from pacs_megatron.actor.convert import export_order, hf_from_shards, hf_shapes, shard_from_hf
-from pacs_megatron.actor.convert_moe import expert_hf_from_shard, expert_shard_from_hf
-from pacs_megatron.actor.model import model_spec_from_hf
 from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import ConfigError, ParallelConfig, TinyModelConfig
 from pacs_megatron.data.synthetic import tiny_model_config
+from pacs_megatron.hf.convert import export_order, hf_from_shards, hf_shapes, shard_from_hf
+from pacs_megatron.hf.convert_moe import expert_hf_from_shard, expert_shard_from_hf
+from pacs_megatron.hf.spec import model_spec_from_hf
 from pacs_megatron.parallel.groups import check_layout
 
 VOCAB = 255

@@ -119,7 +119,7 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_at_launch(tmp_path, capf
 def test_gguf_model_is_checked_before_any_rank(tmp_path):
     from _gguf_helpers import tiny_llama, write_gguf
 
-    from pacs_megatron.actor.gguf_import import import_gguf
+    from pacs_megatron.hf.gguf_import import import_gguf
     from pacs_megatron.launch.cli import layout_summary
     from pacs_megatron.launch.preflight import check_model_paths
 

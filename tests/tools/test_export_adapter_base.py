@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pacs_megatron.actor.lora_export import peft_config
+from pacs_megatron.actor.lora.export import peft_config
 from pacs_megatron.config import LoRAConfig
 from pacs_megatron.tools.export import adapter_base_problem
 

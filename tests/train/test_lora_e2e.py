@@ -1,5 +1,5 @@
 """LoRA end to end on the CPU default (2 ranks, TP=2 over gloo) with PACS v2: the reference is the base model
-with the adapters off (actor/lora_reference.py: no copy, no ``reference/`` in a checkpoint), a reset every 2
+with the adapters off (actor/lora/reference.py: no copy, no ``reference/`` in a checkpoint), a reset every 2
 steps merges the adapters into the base and restarts them; every step's weight sync sends the merged weights
 and its probe checks them (the run fails on a mismatch). A run stopped after the reset of step 2 and resumed
 logs steps 3-4 bit for bit as the uninterrupted run; the run's summary suggests the merged export."""

@@ -69,7 +69,7 @@ def test_two_training_steps_of_the_recipe(recipe, smollm2_dir, tmp_path):
 def test_a_lora_run_of_the_recipe_resumes_exactly(smollm2_dir, tmp_path):
     """Issue 43's "a LoRA run of the SmolLM2 recipe trains and resumes exactly": LoRA r 8 on the four linears
     of the real model, two steps straight vs the same run resumed from its step-1 checkpoint: the same step-2
-    metrics bit for bit. The checkpoint holds the adapters and names the base (actor/lora_checkpoint.py), so it is a
+    metrics bit for bit. The checkpoint holds the adapters and names the base (actor/lora/checkpoint.py), so it is a
     small fraction of the model's 538 MB in fp32; the log gives the trainable fraction and the bytes."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])

@@ -20,7 +20,7 @@ SEQS = [[1, 5, 7, 9, 3, 4, 6, 12, 2], [6, 13, 8, 14, 5, 5, 10, 11, 9, 3, 4, 1]]
 
 def _move_adapters(actor, seed: int, scale: float = 0.05) -> None:
     """B away from zero (A is PEFT's random init already): the adapter now changes the policy."""
-    from pacs_megatron.actor.lora import lora_modules
+    from pacs_megatron.actor.lora.adapters import lora_modules
     from pacs_megatron.actor.weights import unwrap
 
     g = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""LoRA checkpoints hold the adapters, not the frozen base (actor/lora_checkpoint.py, docs/lora.md).
+"""LoRA checkpoints hold the adapters, not the frozen base (actor/lora/checkpoint.py, docs/lora.md).
 
 One launch at TP = 2 (two gloo ranks), PACS v2's anchor on (the reference is the base, adapters off):
 
@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
-from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 from _dist import run_distributed
 from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/actor/_actor_helpers.py
+from _actor_helpers import hf_config, make_qwen2, run_config, sample_batch
 
 from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import ConfigError, LoRAConfig

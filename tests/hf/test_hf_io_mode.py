@@ -7,7 +7,7 @@ import stat
 
 import torch
 
-from pacs_megatron.actor.hf_io import write_safetensors
+from pacs_megatron.hf.io import write_safetensors
 
 
 def test_exported_safetensors_honour_the_umask(tmp_path):

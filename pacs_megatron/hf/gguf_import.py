@@ -35,7 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pacs_megatron.actor.hf_io import _umask, write_safetensors
+from pacs_megatron.hf.io import _umask, write_safetensors
 
 PROVENANCE = "gguf_provenance.json"
 """The record of where the weights of an imported directory came from."""

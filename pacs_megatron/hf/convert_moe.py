@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from pacs_megatron.actor.model import ModelSpec
+from pacs_megatron.hf.spec import ModelSpec
 
 EXPERT_KINDS = ("expert_fc1", "expert")
 ROUTER_RULE = ("rep", ("mlp.gate.weight",))

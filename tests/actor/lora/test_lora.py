@@ -1,4 +1,4 @@
-"""LoRA adapters on megatron's column- and row-parallel linears (actor/lora.py), on CPU with gloo ranks.
+"""LoRA adapters on megatron's column- and row-parallel linears (actor/lora/adapters.py), on CPU with gloo ranks.
 
 A two-layer block ``y = row(col(x))`` (the MLP's shape: column-parallel fc1, row-parallel fc2) is built at
 TP = 1 and TP = 2 from the same full weights; the adapters' outputs, gradients and merged weights are checked
@@ -46,7 +46,7 @@ def _body(rank, world, f):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from pacs_megatron.actor.lora import adapters_off, allreduce_replicated_grads, apply_lora, merged_weight
+    from pacs_megatron.actor.lora.adapters import adapters_off, allreduce_replicated_grads, apply_lora, merged_weight
     from pacs_megatron.parallel.cpu_patches import apply_cpu_patches
 
     apply_cpu_patches()
@@ -124,7 +124,7 @@ def test_lora_matches_the_dense_formula(tp):
 def test_bad_targets_and_ranks_name_what_exists():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear  # noqa: F401  (the import must work)
 
-    from pacs_megatron.actor.lora import apply_lora
+    from pacs_megatron.actor.lora.adapters import apply_lora
 
     with pytest.raises(ValueError, match=r"\['linear_qkvv'\] not in this model; its linears are \[\]"):
         apply_lora(torch.nn.Linear(2, 2), ["linear_qkvv"], 4, 8.0)

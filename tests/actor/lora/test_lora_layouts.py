@@ -1,8 +1,8 @@
-"""LoRA at the layouts tests/actor/test_lora_actor.py does not launch: PP=2 x VPP=2 (the interleaved schedule, an
+"""LoRA at the layouts tests/actor/lora/test_lora_actor.py does not launch: PP=2 x VPP=2 (the interleaved schedule, an
 adapter per virtual stage) and EP=2 (a Qwen3-MoE whose experts are split over two ranks, drawn from DP), each
 against DP=2 on the same weights and rows (every DP rank holds the whole batch, so its mean gradient is one
 replica's). On the MoE model the adapters sit on attention (linear_qkv, linear_proj): the experts' linears are not
-adapted (actor/lora.py) and stay frozen with the router. One 2-rank launch builds the layouts in turn.
+adapted (actor/lora/adapters.py) and stay frozen with the router. One 2-rank launch builds the layouts in turn.
 
 Checked per layout: only the adapters are trainable; two PACS v2 updates (reference anchor) move the merged
 weights as the DP=2 run does (relative update difference < 1e-3, as the TP/PP comparison of test_lora_actor.py);
@@ -11,12 +11,16 @@ the reference (adapters off) after them is the step-0 policy bit for bit.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
-from _actor_helpers import GROUP, hf_config, make_qwen3, rel_update_diff, run_config, sample_batch
 from _dist import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/actor/_actor_helpers.py
+from _actor_helpers import GROUP, hf_config, make_qwen3, rel_update_diff, run_config, sample_batch
 
 from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import LoRAConfig

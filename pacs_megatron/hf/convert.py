@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pacs_megatron.actor.convert_moe import (
+from pacs_megatron.hf.convert_moe import (
     EXPERT_KINDS,
     expert_hf_from_shard,
     expert_shard_from_hf,
@@ -36,7 +36,7 @@ from pacs_megatron.actor.convert_moe import (
     moe_hf_shapes,
     moe_layer_rule,
 )
-from pacs_megatron.actor.model import ModelSpec
+from pacs_megatron.hf.spec import ModelSpec
 
 _LAYER = "model.layers.{l}."
 # megatron suffix inside decoder.layers.{i}. -> (kind, HF suffixes inside model.layers.{l}.)
@@ -104,7 +104,8 @@ def shard_from_hf(kind: str, hf: list[torch.Tensor], spec: ModelSpec, tp_rank: i
     if kind == "row":
         return hf[0].chunk(tp_size, dim=1)[tp_rank]
     if kind in ("qkv_w", "qkv_b"):
-        grouped = _qkv_grouped(*hf, spec)
+        q, k, v = hf
+        grouped = _qkv_grouped(q, k, v, spec)
         return grouped.chunk(tp_size, dim=0)[tp_rank].reshape(-1, *grouped.shape[2:])
     if kind == "fc1":
         gate, up = hf

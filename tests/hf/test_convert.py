@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from _actor_helpers import hf_config, hf_logprobs, run_config, sample_batch, valid_positions
 from _dist import run_distributed
 from transformers import LlamaConfig, Qwen2Config
 
-from pacs_megatron.actor.convert import hf_from_shards, hf_shapes, shard_from_hf
-from pacs_megatron.actor.hf_io import SafetensorsReader, write_safetensors
-from pacs_megatron.actor.model import llama3_inv_freq, mask_padded_vocab, model_spec_from_hf
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "actor"))
+from _actor_helpers import hf_config, hf_logprobs, run_config, sample_batch, valid_positions
+
+from pacs_megatron.actor.model import llama3_inv_freq, mask_padded_vocab
 from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import ConfigError
+from pacs_megatron.hf.convert import hf_from_shards, hf_shapes, shard_from_hf
+from pacs_megatron.hf.io import SafetensorsReader, write_safetensors
+from pacs_megatron.hf.spec import model_spec_from_hf
 
 H, HEADS, KV, HD, FFN, VOCAB = 16, 8, 4, 2, 12, 10
 

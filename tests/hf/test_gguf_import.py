@@ -12,7 +12,7 @@ import torch
 from _gguf_helpers import TEMPLATE, tiny_llama, write_gguf
 from safetensors import safe_open
 
-from pacs_megatron.actor.gguf_import import (
+from pacs_megatron.hf.gguf_import import (
     PROVENANCE,
     GGUFImportError,
     check_imported,

@@ -15,7 +15,7 @@ actor/checkpoint.py writes and reads them; this module decides what goes in and 
   :func:`check_legacy` refuses a TP > 1 LoRA checkpoint from before the fix of ``linear_fc1``'s layout;
 * :func:`load_model`: the loaded adapters into the chunks and the merges replayed onto the base they were
   built with, oldest first, in the reset's own arithmetic (``lora.replay_merges``): the base of the saved run,
-  bit for bit at the same layout (tests/actor/test_lora_checkpoint.py).
+  bit for bit at the same layout (tests/actor/lora/test_lora_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pacs_megatron.actor.lora import lora_modules, replay_merges
+from pacs_megatron.actor.lora.adapters import lora_modules, replay_merges
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.config import ConfigError, ModelConfig
 from pacs_megatron.parallel import ParallelGroups
@@ -39,7 +39,7 @@ from pacs_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 FACTORS = ("lora_a", "lora_b")
-"""An adapter's two factors, by their attribute names (actor/lora.py)."""
+"""An adapter's two factors, by their attribute names (actor/lora/adapters.py)."""
 MERGES = "lora_merges"
 """The checkpoint's entry (and key prefix) of the merged adapters."""
 

@@ -1,17 +1,17 @@
 """A LoRA actor's adapters as a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
 that ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the Hugging Face base model.
 
-Megatron fuses what HF keeps apart, and the adapters follow their base (actor/lora.py): ``linear_qkv`` holds
+Megatron fuses what HF keeps apart, and the adapters follow their base (actor/lora/adapters.py): ``linear_qkv`` holds
 q, k and v interleaved per query group, ``linear_fc1`` gate and up. One adapter on a fused linear is the same
 map as one adapter per HF projection that *shares A*: B's rows split exactly as the base weight's rows do
-(actor/convert.py ``hf_from_shards``, applied to B as to a weight whose input width is r), and each projection
+(hf/convert.py ``hf_from_shards``, applied to B as to a weight whose input width is r), and each projection
 gets (A, its rows of B). So the PEFT adapter has the same rank and scaling and gives the same function:
 
     linear_qkv  (A, B)  ->  q_proj (A, B_q), k_proj (A, B_k), v_proj (A, B_v)
     linear_fc1  (A, B)  ->  gate_proj (A, B_gate), up_proj (A, B_up)
     linear_proj, linear_fc2  ->  o_proj, down_proj (A gathered over TP along its input, B as is)
 
-An adapter that a PACS v2 reset merged into its base (actor/lora_reference.py) is no longer an adapter of the
+An adapter that a PACS v2 reset merged into its base (actor/lora/reference.py) is no longer an adapter of the
 HF base: such a checkpoint exports merged (``pacs-megatron export --merge``); ``tools/export.py`` says so.
 """
 
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pacs_megatron.actor.convert import chunk_param_maps, hf_from_shards
-from pacs_megatron.actor.lora import lora_modules
-from pacs_megatron.actor.model import ModelSpec
+from pacs_megatron.actor.lora.adapters import lora_modules
 from pacs_megatron.actor.weights import tp_shards, unwrap
+from pacs_megatron.hf.convert import chunk_param_maps, hf_from_shards
+from pacs_megatron.hf.spec import ModelSpec
 from pacs_megatron.parallel import ParallelGroups
 
 PEFT_PREFIX = "base_model.model."

@@ -1,6 +1,6 @@
 """The Megatron actor with LoRA (``actor.lora.rank`` > 0), at TP = 2 on two gloo ranks.
 
-PACS v2's anchor on, so the reference policy is the LoRA one (actor/lora_reference.py). Checked: only the
+PACS v2's anchor on, so the reference policy is the LoRA one (actor/lora/reference.py). Checked: only the
 adapters are trainable; at step 0 the actor's log-probs equal the plain actor's bit for bit (B = 0) and so do
 the reference's (adapters off); two updates change the adapters and leave every base weight as loaded; the
 exported (merged) weights, loaded by transformers, give the actor's log-probs, which is what a merged weight
@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/actor/_actor_helpers.py
 from _actor_helpers import (
     causal_logprobs,
     hf_config,
@@ -31,7 +34,6 @@ from _actor_helpers import (
     sample_batch,
     valid_positions,
 )
-from _dist import run_distributed
 
 from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import ConfigError, LoRAConfig, load_config

@@ -1,7 +1,7 @@
 """The reference policy of a LoRA actor: the base model, its adapters switched off (no second copy).
 
 With ``actor.lora.rank`` > 0 the KL term's and PACS v2's reference is the actor's own chunks with every
-adapter off (actor/lora.py ``adapters_off``): the frozen base is exactly the policy RL started from
+adapter off (actor/lora/adapters.py ``adapters_off``): the frozen base is exactly the policy RL started from
 (B = 0 at step 0), so no weights are copied, offloaded or checkpointed apart from the actor's.
 
 A v2 hard reset (``algorithm.reference_reset_every``) merges the adapters into the base and starts them
@@ -9,7 +9,7 @@ again from PEFT's init (``merge_and_restart``): the reference becomes the live p
 and the policy is unchanged by the reset itself. The other choice, keeping the base and snapshotting the
 adapters as the reference's, would keep an adapter-only export valid but costs a copy of the adapters and
 a second adapter set in every forward; docs/lora.md compares the two. An actor checkpoint keeps the merged
-adapters and replays them onto the pretrained base on load (actor/lora_checkpoint.py), so a resume across a
+adapters and replays them onto the pretrained base on load (actor/lora/checkpoint.py), so a resume across a
 reset is exact.
 
 The interface is :class:`~pacs_megatron.actor.reference.ReferencePolicy`'s.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pacs_megatron.actor.forward import forward_logprobs
-from pacs_megatron.actor.lora import adapters_off, merge_and_restart
+from pacs_megatron.actor.lora.adapters import adapters_off, merge_and_restart
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.utils.logging import get_logger

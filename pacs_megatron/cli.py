@@ -6,7 +6,7 @@ and a GPU-only dependency never breaks an unrelated subcommand.
 
 Every subcommand runs inside one error boundary (launch/errors.py): a bad path, file, model or
 setting, raised by the command or by a shared validator (utils/paths.py, launch/model_dir.py,
-launch/preflight.py), becomes one line naming it and the fix, and exit code 2. Flags may stand
+launch/checks/preflight.py), becomes one line naming it and the fix, and exit code 2. Flags may stand
 between ``a.b=c`` overrides (``train --config c.yaml a=1 --resume never b=2``).
 """
 

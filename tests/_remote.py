@@ -1,6 +1,6 @@
 """Engines on their own processes for tests (rollout.placement=separate, for real): this process is trainer rank 0
 of a world of one, with ``python -m pacs_megatron.launch.engine_rank`` engine processes beside it and an HF model
-standing in for the Megatron actor. Shared by tests/rollout/test_remote_engines.py and
+standing in for the Megatron actor. Shared by tests/rollout/remote/test_remote_engines.py and
 tests/weight_sync/test_remote_bitwise.py."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pacs_megatron.config import load_config
 from pacs_megatron.data import load_tokenizer
 from pacs_megatron.launch.engine_rank import spawn_engines
 from pacs_megatron.rollout.hf_engine import HFEngine
-from pacs_megatron.rollout.remote import RemoteEngines
+from pacs_megatron.rollout.remote.engines import RemoteEngines
 from pacs_megatron.utils.dist import free_port
 from pacs_megatron.weight_sync.remote import RemoteWeightSync
 

@@ -40,7 +40,7 @@ def cpu_engine(model_dir: Path, *overrides: str):
     from transformers import AutoTokenizer
 
     from pacs_megatron.rollout.hf_engine import HFEngine
-    from pacs_megatron.rollout.vllm_engine import VLLMEngine, single_rank_launcher_env
+    from pacs_megatron.rollout.vllm.engine import VLLMEngine, single_rank_launcher_env
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     cfg = load_config(

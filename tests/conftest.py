@@ -190,7 +190,7 @@ def vllm_installed(monkeypatch):
     """The config checks run as if vllm were installed (``check_engine_installed`` passes): for the tests of a
     ``rollout.engine=vllm`` config's other checks, which import no vllm and so need none (a venv with
     ``.[test]`` only, ``PACS_HIDE_EXTRAS=vllm``). The missing-vllm line itself: tests/test_cli.py."""
-    from pacs_megatron.launch import device_checks
+    from pacs_megatron.launch.checks import device as device_checks
 
     monkeypatch.setattr(device_checks, "check_engine_installed", lambda rollout: None)
 

@@ -1,6 +1,6 @@
 """Every subcommand turns a bad path, file, model or setting into one line naming it and the fix, exit 2,
 before any heavy work (cli.py's error boundary, launch/errors.py; the validators in utils/paths.py,
-launch/model_dir.py, launch/preflight.py).
+launch/model_dir.py, launch/checks/preflight.py).
 
 One table per subcommand, run in this process (each case fails before a rank, a model or a sampler
 starts, so the whole table takes seconds). The user's tries from issue 29 are marked with their item

@@ -45,7 +45,7 @@ def test_planted_violations_inside_functions_fail_the_lint(tmp_path):
     _plant(pkg / "pacs" / "loss.py", "import vllm  # noqa")
     _plant(pkg / "pacs" / "advantage.py", "import torch.distributed  # noqa")
     _plant(pkg / "rollout" / "types.py", "from megatron.core import parallel_state  # noqa")
-    _plant(pkg / "config" / "data.py", "from pacs_megatron.launch import preflight  # noqa")
+    _plant(pkg / "config" / "data.py", "from pacs_megatron.launch.checks import preflight  # noqa")
     _plant(pkg / "actor" / "reference.py", "from pacs_megatron.actor.actor import MegatronActor  # noqa")
     _plant(pkg / "loop" / "stages.py", "from pacs_megatron.loop import train  # noqa")  # a stage up the loop
     _plant(pkg / "batch" / "rows.py", "from pacs_megatron.pacs import loss  # noqa")  # the ground floor looks up
@@ -58,7 +58,7 @@ def test_planted_violations_inside_functions_fail_the_lint(tmp_path):
         "pacs_megatron.pacs.loss -> vllm",
         "pacs_megatron.pacs.advantage -> torch.distributed",
         "pacs_megatron.rollout.types -> megatron",
-        "pacs_megatron.config.data -> pacs_megatron.launch.preflight",
+        "pacs_megatron.config.data -> pacs_megatron.launch.checks.preflight",
         "pacs_megatron.actor.reference -> pacs_megatron.actor.actor",
         "pacs_megatron.loop.stages -> pacs_megatron.loop.train",
         "pacs_megatron.batch.rows -> pacs_megatron.pacs.loss",

@@ -45,7 +45,7 @@ BASELINE_2026_11_28 = frozenset(
         "pacs_megatron.data.sources",
         "pacs_megatron.launch.local",
         "pacs_megatron.parallel.cpu_patches",
-        "pacs_megatron.rollout.vllm_reload",
+        "pacs_megatron.rollout.vllm.reload",
         "pacs_megatron.tools.doctor",
         "pacs_megatron.tools.selftest",
         "pacs_megatron.tools.selftest_checks",

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from pacs_megatron.config import load_config
     from pacs_megatron.rollout.hf_engine import HFEngine
-    from pacs_megatron.rollout.vllm_engine import VLLMEngine, single_rank_launcher_env
+    from pacs_megatron.rollout.vllm.engine import VLLMEngine, single_rank_launcher_env
 
     with tempfile.TemporaryDirectory() as tmp, single_rank_launcher_env():
         model_dir = _model_dir(Path(tmp) / "model")

@@ -65,7 +65,7 @@ def run_rank(args: argparse.Namespace, model_dir: str | None) -> dict:
     from pacs_megatron.actor import MegatronActor
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
     from pacs_megatron.rollout import build_engine
-    from pacs_megatron.rollout.vllm_engine import single_rank_launcher_env
+    from pacs_megatron.rollout.vllm.engine import single_rank_launcher_env
     from pacs_megatron.weight_sync import WeightSync
 
     cfg = _config(args, model_dir)

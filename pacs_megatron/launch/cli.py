@@ -116,8 +116,8 @@ def finished_run(cfg: RunConfig) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     from pacs_megatron.config import load_config, to_yaml
+    from pacs_megatron.launch.checks.preflight import preflight
     from pacs_megatron.launch.local import on_ranks
-    from pacs_megatron.launch.preflight import preflight
     from pacs_megatron.launch.slurm import apply_srun_env
     from pacs_megatron.utils.dist import under_launcher
     from pacs_megatron.utils.early_signals import restore_default_handlers

@@ -86,7 +86,7 @@ def _resumed_dtype(cfg: RunConfig) -> tuple[str | None, str]:
 def resolve_model_dtype(cfg: RunConfig, log: bool = True) -> DtypeChoice:
     """Set ``cfg.model.dtype`` to its resolved value (in place), put the reason where the run's record reads it
     (:data:`~pacs_megatron.run.run_record.DTYPE_REASON_ENV`) and log it as one line when ``log``."""
-    from pacs_megatron.launch.device_checks import runs_on_cpu
+    from pacs_megatron.launch.checks.device import runs_on_cpu
 
     started_with, checkpoint = _resumed_dtype(cfg) if cfg.model.dtype == "auto" else (None, "")
     on_gpu = not runs_on_cpu(cfg.parallel.backend)

@@ -3,9 +3,9 @@
 Started beside the trainer ranks by the launcher (launch/local.py, launch/ray_launcher.py; under torchrun or
 srun by trainer rank 0, :func:`spawn_engines`), with the trainer job's store in ``PACS_ROLLOUT_STORE`` and
 its index in ``PACS_ENGINE_INDEX``. It needs no config of its own: trainer rank 0 sends the resolved one
-(rollout/protocol.py). Then it builds its engine (HF or vLLM; GPU ``cuda:0`` of its CUDA_VISIBLE_DEVICES,
+(rollout/remote/protocol.py). Then it builds its engine (HF or vLLM; GPU ``cuda:0`` of its CUDA_VISIBLE_DEVICES,
 else CPU with OMP_NUM_THREADS threads), joins the weight group (weight_sync/remote.py) and serves the
-trainer (rollout/server.py) until told to close.
+trainer (rollout/remote/server.py) until told to close.
 
 An engine is no trainer rank: RANK / WORLD_SIZE / MASTER_* are dropped from its environment (vLLM's external
 launcher in it is a world of one), and it leaves the stop signals to the trainer, which checkpoints and
@@ -20,7 +20,7 @@ import sys
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from pacs_megatron.rollout.protocol import INDEX_ENV, STORE_ENV, TIMEOUT_ENV
+from pacs_megatron.rollout.remote.protocol import INDEX_ENV, STORE_ENV, TIMEOUT_ENV
 from pacs_megatron.utils.logging import get_logger, init_logging
 from pacs_megatron.utils.proc import die_with_parent, helper_process, run_main
 
@@ -86,8 +86,8 @@ def serve() -> int:
     from pacs_megatron.data.factory import prompt_records
     from pacs_megatron.rollout import build_engine
     from pacs_megatron.rollout.multi_turn import with_tools
-    from pacs_megatron.rollout.protocol import Failed, Ready, connect_store, engine_listen, recv, send
-    from pacs_megatron.rollout.server import EngineServer
+    from pacs_megatron.rollout.remote.protocol import Failed, Ready, connect_store, engine_listen, recv, send
+    from pacs_megatron.rollout.remote.server import EngineServer
     from pacs_megatron.weight_sync.quantize import vllm_fp8_config
     from pacs_megatron.weight_sync.remote import WeightGroup, receive_buckets
 
@@ -104,7 +104,7 @@ def serve() -> int:
         tokenizer = load_tokenizer(init.tokenizer_dir, cfg.data.chat_template)
         context: AbstractContextManager[Any] = nullcontext()
         if cfg.rollout.engine == "vllm":
-            from pacs_megatron.rollout.vllm_engine import single_rank_launcher_env
+            from pacs_megatron.rollout.vllm.engine import single_rank_launcher_env
 
             context = single_rank_launcher_env()  # vLLM's own world of one, for the engine's lifetime
         with context:

@@ -2,7 +2,7 @@
 
 Every command runs inside :func:`boundary` (:func:`run_command`: cli.py's subcommands, the torchrun entry),
 so no command needs its own ``try: ... except: log; return 2``. A command (or a validator it calls:
-utils/paths.py, launch/model_dir.py, launch/preflight.py) raises; the boundary decides:
+utils/paths.py, launch/model_dir.py, launch/checks/preflight.py) raises; the boundary decides:
 
 - a **user error** (:func:`user_message` returns its line): a bad setting or flag (``ConfigError``), a
   malformed data row (``DataFormatError``), a reward function that cannot be used, a checkpoint that

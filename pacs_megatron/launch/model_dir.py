@@ -1,6 +1,6 @@
 """Is this a usable Hugging Face model directory? One check, used by every command that reads one.
 
-``train`` (launch/preflight.py: ``model.path``, ``model.tokenizer``, ``critic.init``), ``eval --model``,
+``train`` (launch/checks/preflight.py: ``model.path``, ``model.tokenizer``, ``critic.init``), ``eval --model``,
 ``parity --hf-model`` and ``export --model-dir`` all call :func:`check_model_dir` before any rank starts
 or any model loads, and get the same answer in the same words: a :class:`ConfigError` naming the key
 (a config key or a flag) and the fix.

@@ -13,7 +13,7 @@ seconds). The declared dependencies (pyproject.toml) are listed too: a partial o
 where they go missing, and the line then says what to install rather than a traceback.
 
 ``rollout.engine=vllm`` and ``rollout.quantization`` keep their own, more specific messages
-(launch/device_checks.py), which run first.
+(launch/checks/device.py), which run first.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ NEEDS: tuple[Need, ...] = (
     Need("model.init=gguf", lambda c: c.model.init == "gguf", "accelerate", "pip install accelerate", ""),
     Need("trainer.export_hf", lambda c: c.trainer.export_hf, "safetensors", "pip install safetensors", ""),
 )
-"""Every optional package a setting imports (the GPU engine and modelopt: launch/device_checks.py)."""
+"""Every optional package a setting imports (the GPU engine and modelopt: launch/checks/device.py)."""
 
 
 def installed(module: str) -> bool:

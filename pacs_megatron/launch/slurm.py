@@ -23,7 +23,7 @@ import sys
 from datetime import datetime
 
 from pacs_megatron.config import ConfigError, load_config
-from pacs_megatron.launch.device_checks import check_device
+from pacs_megatron.launch.checks.device import check_device
 from pacs_megatron.utils.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 USAGE = "python -m pacs_megatron.launch.slurm plan --nodes N --nproc-per-node P --config FILE [a.b=c ...]"

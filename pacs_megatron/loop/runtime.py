@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # the run's pieces; build_components imports them when it bui
     from pacs_megatron.reward.scorer import RewardScorer
     from pacs_megatron.rollout.base import Generator
     from pacs_megatron.rollout.pipeline import InFlightPrompts
-    from pacs_megatron.rollout.remote import RemoteEngines
+    from pacs_megatron.rollout.remote.engines import RemoteEngines
     from pacs_megatron.run.run_dir import RunDir
     from pacs_megatron.weight_sync.remote import RemoteWeightSync
     from pacs_megatron.weight_sync.sync import WeightSyncer
@@ -274,7 +274,7 @@ def _separate_engines(
     """Collective: connect to the engine processes the launcher started; the prompt stream that saves its
     in-flight batches as untrained, the remote engines, and the weight sync over the weight group."""
     from pacs_megatron.rollout.pipeline import InFlightPrompts
-    from pacs_megatron.rollout.remote import RemoteEngines
+    from pacs_megatron.rollout.remote.engines import RemoteEngines
     from pacs_megatron.weight_sync.remote import RemoteWeightSync
 
     tokenizer_dir = Path(cfg.model.tokenizer or rt.model_dir).absolute()

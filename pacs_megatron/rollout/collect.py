@@ -4,7 +4,7 @@ Prompts are split into contiguous shares, one per engine replica (an HF engine p
 engine per vLLM-TP group), each replica samples ``n`` responses for its share, and the groups are
 gathered back in prompt order, so a group's responses are contiguous rows everywhere downstream.
 Seeds derive from (step, replica): a resumed run samples exactly what the uninterrupted run did.
-Engines on their own ranks shard the same way themselves (rollout/remote.py).
+Engines on their own ranks shard the same way themselves (rollout/remote/engines.py).
 """
 
 from __future__ import annotations

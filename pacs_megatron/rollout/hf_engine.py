@@ -436,7 +436,7 @@ class HFEngine(ShardedSteps):
     def weight_checksums(self) -> list[Held]:
         """Every parameter as held now, fingerprinted for the bitwise sync check (rollout/weight_checksum.py):
         one entry per HF tensor; a fused expert parameter as the per-expert slices the sync writes."""
-        from pacs_megatron.rollout.vllm_reload import checkpoint_names
+        from pacs_megatron.rollout.vllm.reload import checkpoint_names
 
         self.wake()
         out = []

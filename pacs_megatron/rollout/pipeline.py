@@ -6,7 +6,7 @@ resumed step s0. The schedule (:class:`RolloutPipeline`)::
     start          submit steps s0+1 .. s0+1+k                    (all sampled with version s0)
     after step t   push the weights of version t, then submit step t+1+k
 
-Each engine serves its commands in order (rollout/server.py), so step t+1+k is sampled with version >= t:
+Each engine serves its commands in order (rollout/remote/server.py), so step t+1+k is sampled with version >= t:
 the staleness of step s, (s - 1) - version, is at most k. It is exactly min(k, s - 1 - s0), whatever the
 engines' speed: a slow engine makes the trainer wait, a slow trainer makes the engines wait, neither
 changes which weights sampled which step, so a run is reproducible. k = 0 is the synchronous loop.
@@ -102,7 +102,7 @@ class Taken:
 
 
 class RolloutPipeline:
-    """Keeps the next k + 1 steps' rollouts in flight on the engines (``engines``: rollout/remote.py).
+    """Keeps the next k + 1 steps' rollouts in flight on the engines (``engines``: rollout/remote/engines.py).
 
     Example (k = 1, fresh run of 4 steps)::
 

@@ -106,7 +106,7 @@ def check_validates(args: argparse.Namespace) -> str | None:
     """Why the runs would never validate (the comparison's score), or None: checked before any run starts, on
     each method's settings (the overrides may need them: a reset period K needs PACS v2's anchor)."""
     from pacs_megatron.config import ConfigError, load_config
-    from pacs_megatron.launch.device_checks import check_device
+    from pacs_megatron.launch.checks.device import check_device
 
     steps = [f"trainer.total_steps={args.steps}"] if args.steps else []
     try:

@@ -211,8 +211,8 @@ def problems(report: dict) -> list[tuple[str, str]]:
 
 def config_report(config: str, overrides: list[str], gpu_gib: float | None, gpus: list[dict]) -> dict:
     from pacs_megatron.config import ConfigError, load_config
+    from pacs_megatron.launch.checks.device import check_device
     from pacs_megatron.launch.cli import layout_summary
-    from pacs_megatron.launch.device_checks import check_device
     from pacs_megatron.launch.memory_plan import estimate_run
 
     cfg = load_config(config, overrides)  # a file that does not load: one line, exit 2 (cli.py's boundary)

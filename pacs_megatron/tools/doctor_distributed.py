@@ -185,7 +185,7 @@ def _ray_job(args: argparse.Namespace):
     if not (getattr(args, "config", None) or getattr(args, "overrides", None)):
         return None
     from pacs_megatron.config import load_config
-    from pacs_megatron.launch.device_checks import check_device
+    from pacs_megatron.launch.checks.device import check_device
 
     cfg = load_config(args.config, list(args.overrides))
     check_device(cfg)  # what loading the config checked before these checks left config/

@@ -134,7 +134,7 @@ def _check_tools(args: argparse.Namespace) -> None:
     sandbox starts here, the chat template renders a tool turn), before any model loads; one line naming the
     flags."""
     from pacs_megatron.config import DataConfig, ModelConfig, RunConfig
-    from pacs_megatron.launch.tool_checks import check_tools
+    from pacs_megatron.launch.checks.tools import check_tools
 
     try:
         multi_turn, tools = _tool_configs(args)
@@ -154,8 +154,8 @@ def _check_tools(args: argparse.Namespace) -> None:
 
 def validate(args: argparse.Namespace) -> list[int]:
     """Check the flags before any model loads; the k list, or ConfigError naming the flag."""
-    from pacs_megatron.launch.device_checks import check_engine_installed
-    from pacs_megatron.launch.preflight import check_reward_fn
+    from pacs_megatron.launch.checks.device import check_engine_installed
+    from pacs_megatron.launch.checks.preflight import check_reward_fn
 
     if args.n < 1:
         raise ConfigError(f"--n {args.n}: sample at least one response per problem")
@@ -315,7 +315,7 @@ def _vllm_run_config(run_cfg, args: argparse.Namespace, datasets: dict):
     checked against the model's ``max_position_embeddings`` as the trainer's preflight does."""
     from dataclasses import replace
 
-    from pacs_megatron.launch.preflight import check_vllm_context
+    from pacs_megatron.launch.checks.preflight import check_vllm_context
 
     longest = max((len(r.prompt_ids) for recs in datasets.values() for r in recs), default=1)
     run_cfg = replace(
@@ -356,7 +356,7 @@ def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path, 
     records = [r for recs in datasets.values() for r in recs]
     engine = lambda cfg: with_tools(build_engine(cfg, model_dir, tokenizer, device), cfg, tokenizer, records)  # noqa: E731
     if args.engine == "vllm":
-        from pacs_megatron.rollout.vllm_engine import single_rank_launcher_env
+        from pacs_megatron.rollout.vllm.engine import single_rank_launcher_env
 
         run_cfg = _vllm_run_config(run_cfg, args, datasets)
         with single_rank_launcher_env():  # a world of one rank for vLLM's external launcher, unless torchrun

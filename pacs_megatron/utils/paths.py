@@ -1,6 +1,6 @@
 """Can this process write where a command will write? Asked before any heavy work, in every command.
 
-``train`` (``trainer.output_dir``, launch/preflight.py), ``eval --out``, ``export OUT``, ``parity --out``,
+``train`` (``trainer.output_dir``, launch/checks/preflight.py), ``eval --out``, ``export OUT``, ``parity --out``,
 ``selftest --out``, ``compare --out`` and ``plot --out`` call these first, so a read-only disk, a path that
 is a file, or a folder under a file is one line naming the key and the fix, not a traceback after the
 sampling or training that the write was meant to keep.

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from pacs_megatron.batch.build import build_rollouts
 from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.rollout.base import PROBE_LEN
-from pacs_megatron.rollout.remote import RemoteEngines, broadcast_from_rank0
+from pacs_megatron.rollout.remote.engines import RemoteEngines, broadcast_from_rank0
 from pacs_megatron.rollout.weight_checksum import Recorder
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.weight_sync.buckets import iter_buckets

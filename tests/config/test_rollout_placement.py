@@ -41,10 +41,10 @@ def test_defaults_are_the_synchronous_colocated_loop():
 
 
 def test_separate_engines_need_their_own_gpus(monkeypatch):
-    """launch/preflight.check_engine_gpus (the GPU branch, exercised here with a faked device count)."""
+    """launch/checks/preflight.check_engine_gpus (the GPU branch, exercised here with a faked device count)."""
     import torch
 
-    from pacs_megatron.launch.preflight import check_engine_gpus
+    from pacs_megatron.launch.checks.preflight import check_engine_gpus
 
     for k in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
@@ -59,7 +59,7 @@ def test_separate_engines_need_their_own_gpus(monkeypatch):
 
 
 def test_staleness_without_correction_is_warned_once_by_the_launcher(monkeypatch, caplog):
-    from pacs_megatron.launch.preflight import warn_uncorrected_staleness
+    from pacs_megatron.launch.checks.preflight import warn_uncorrected_staleness
 
     monkeypatch.delenv("PACS_LAUNCHER_KIND", raising=False)
     stale = ["rollout.placement=separate", "rollout.max_staleness=2"]

@@ -112,7 +112,7 @@ def test_template_choice_checked_before_any_rank(plain_toks, tmp_path, capfd):
     """The launcher reads the same choice from the tokenizer files (no load), and eval refuses in one line."""
     from pacs_megatron.cli import main
     from pacs_megatron.config import ConfigError, load_config
-    from pacs_megatron.launch.preflight import check_chat_template
+    from pacs_megatron.launch.checks.preflight import check_chat_template
 
     bare, own = plain_toks
     cfg = [f"model.path={tmp_path}", f"model.tokenizer={bare}", "data.task=math", "reward.fn=math"]

@@ -24,8 +24,8 @@ from pacs_megatron.batch.build import build_rollouts
 from pacs_megatron.data.records import PromptRecord
 from pacs_megatron.rollout.base import EngineTraits
 from pacs_megatron.rollout.collect import ShardedSteps
-from pacs_megatron.rollout.protocol import Result
-from pacs_megatron.rollout.remote import Inbox, RemoteEngines
+from pacs_megatron.rollout.remote.engines import Inbox, RemoteEngines
+from pacs_megatron.rollout.remote.protocol import Result
 from pacs_megatron.rollout.types import Response
 from pacs_megatron.utils.dist import rank_and_world, shard_bounds
 

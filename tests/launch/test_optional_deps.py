@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pacs_megatron.config import ConfigError, load_config
+from pacs_megatron.launch.checks.preflight import preflight
 from pacs_megatron.launch.optional_deps import NEEDS, check_optional_deps
-from pacs_megatron.launch.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pacs_megatron.config import load_config
-from pacs_megatron.launch.preflight import note_pacs_one_update, pacs_loss_is_ln2
+from pacs_megatron.launch.checks.preflight import note_pacs_one_update, pacs_loss_is_ln2
 from pacs_megatron.pacs.loss import pacs_loss
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"

@@ -19,7 +19,7 @@ from pacs_megatron.rollout.pipeline import InFlightPrompts
 
 
 class FakeRemote:
-    """The engines of rollout/remote.py in process: a step's groups are the fake engine's answers with the
+    """The engines of rollout/remote/engines.py in process: a step's groups are the fake engine's answers with the
     seed generate_sharded gives one replica, all sampled with version ``step - 1`` (k = 0)."""
 
     def __init__(self, engine) -> None:

@@ -1,6 +1,6 @@
 """The rollout pipeline of rollout.max_staleness (rollout/pipeline.py, issue 31 items 2 and 5), against an
 in-process fake of the engines that serves commands in order as the real ones do (a generation is sampled
-with the last weights queued before it). The real processes are tests/rollout/test_remote_engines.py.
+with the last weights queued before it). The real processes are tests/rollout/remote/test_remote_engines.py.
 
 (a) the schedule: step s is sampled with version max(s0, s-1-k), so staleness is exactly min(k, s-1-s0) and
     never above k; at k = 0 each step is submitted only after the previous step's weights (synchronous);

@@ -14,7 +14,7 @@ from pacs_megatron.data.synthetic import write_tiny_model_dir
 from pacs_megatron.rollout import build_engine
 from pacs_megatron.rollout.stop_tokens import resolve_stop_token_ids
 from pacs_megatron.rollout.types import SamplingParams
-from pacs_megatron.rollout.vllm_engine import sampling_kwargs
+from pacs_megatron.rollout.vllm.engine import sampling_kwargs
 
 TINY = TinyModelConfig(
     hidden_size=32,

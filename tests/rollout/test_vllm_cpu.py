@@ -59,7 +59,7 @@ with cpu_engine(model):
 
 def test_the_engine_leaves_torch_set_num_threads_working(engines):
     """vLLM's CPU worker (in this process) replaced torch.set_num_threads with a warning no-op for the rest of
-    the process; the engine puts torch's back (tests/rollout/test_remote_engines.py's reference relies on it)."""
+    the process; the engine puts torch's back (tests/rollout/remote/test_remote_engines.py's reference relies on it)."""
     threads = torch.get_num_threads()
     target = 1 if threads != 1 else 2
     torch.set_num_threads(target)

@@ -17,10 +17,10 @@ import torch
 
 from pacs_megatron.config import ConfigError, TinyModelConfig, load_config
 from pacs_megatron.data.synthetic import write_tiny_model_dir
-from pacs_megatron.launch.preflight import check_vllm_context
+from pacs_megatron.launch.checks.preflight import check_vllm_context
 from pacs_megatron.rollout.types import SamplingParams
-from pacs_megatron.rollout.vllm_engine import VLLMEngine
-from pacs_megatron.rollout.vllm_params import (
+from pacs_megatron.rollout.vllm.engine import VLLMEngine
+from pacs_megatron.rollout.vllm.params import (
     colocated_memory_utilization,
     llm_kwargs,
     prompt_logprob_kwargs,
@@ -30,7 +30,7 @@ from pacs_megatron.rollout.vllm_params import (
     to_responses,
     vllm_replica,
 )
-from pacs_megatron.rollout.vllm_reload import SyncStream, expected_hf_names
+from pacs_megatron.rollout.vllm.reload import SyncStream, expected_hf_names
 from pacs_megatron.utils.dist import free_port
 from pacs_megatron.weight_sync import iter_buckets
 

@@ -9,7 +9,7 @@ import pytest
 
 from pacs_megatron.config import ConfigError, RolloutConfig
 from pacs_megatron.config.rollout import VLLMConfig
-from pacs_megatron.rollout.vllm_engine import set_vllm_log_level
+from pacs_megatron.rollout.vllm.engine import set_vllm_log_level
 
 
 def test_the_setting_defaults_to_warning_and_is_checked():

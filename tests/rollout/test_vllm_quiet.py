@@ -1,4 +1,4 @@
-"""rollout/vllm_quiet.py: vLLM's known-harmless warnings are dropped at WARNING, anything else still prints,
+"""rollout/vllm/quiet.py: vLLM's known-harmless warnings are dropped at WARNING, anything else still prints,
 and the filter survives vLLM re-applying its logging config (as every engine start does)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from pacs_megatron.rollout import vllm_quiet
+from pacs_megatron.rollout.vllm import quiet as vllm_quiet
 
 
 def _record(message: str, level: int = logging.WARNING) -> logging.LogRecord:

@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from pacs_megatron.rollout import vllm_quiet
+from pacs_megatron.rollout.vllm import quiet as vllm_quiet
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),

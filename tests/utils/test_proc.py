@@ -118,7 +118,7 @@ def test_the_engine_process_and_the_reward_worker_exit_without_teardown(module):
     import os
     import socket
 
-    from pacs_megatron.rollout.protocol import INDEX_ENV, STORE_ENV
+    from pacs_megatron.rollout.remote.protocol import INDEX_ENV, STORE_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in (INDEX_ENV, STORE_ENV)}
     argv, fds, parent = [sys.executable, "-c", TEARDOWN_PROBE, module], (), None

@@ -37,7 +37,7 @@ def main(workdir: Path) -> dict:
     from pacs_megatron.actor import MegatronActor
     from pacs_megatron.config import load_config
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
-    from pacs_megatron.rollout.vllm_engine import VLLMEngine, single_rank_launcher_env
+    from pacs_megatron.rollout.vllm.engine import VLLMEngine, single_rank_launcher_env
     from pacs_megatron.weight_sync import WeightSync, WeightSyncError
 
     model_dir = saved_model(workdir / "model", tied=True, seed=3)

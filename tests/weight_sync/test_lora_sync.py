@@ -1,4 +1,4 @@
-"""The adapter-only weight sync (``sync.lora=adapter``; weight_sync/adapter.py, rollout/vllm_lora.py).
+"""The adapter-only weight sync (``sync.lora=adapter``; weight_sync/adapter.py, rollout/vllm/lora.py).
 
 Fast: the config refuses what it cannot serve in one line naming the field and the fix; vLLM's rank slots;
 the sync's extra metrics. Slow (an engine starts): a real LoRA MegatronActor beside a real vLLM-on-CPU engine
@@ -19,7 +19,7 @@ import pytest
 from _vllm import needs_vllm
 
 from pacs_megatron.config import ConfigError, load_config
-from pacs_megatron.rollout.vllm_lora import lora_llm_kwargs, max_lora_rank
+from pacs_megatron.rollout.vllm.lora import lora_llm_kwargs, max_lora_rank
 from pacs_megatron.weight_sync.adapter import AdapterSync, base_generation
 from pacs_megatron.weight_sync.sync import SyncResult
 

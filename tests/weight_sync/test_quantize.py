@@ -15,9 +15,9 @@ import torch
 
 from pacs_megatron.config import ConfigError, SyncConfig, load_config
 from pacs_megatron.config.rollout import RolloutConfig
-from pacs_megatron.launch.device_checks import check_device
+from pacs_megatron.launch.checks.device import check_device
 from pacs_megatron.rollout.base import EngineTraits
-from pacs_megatron.rollout.vllm_reload import SyncStream
+from pacs_megatron.rollout.vllm.reload import SyncStream
 from pacs_megatron.weight_sync import WeightSync
 
 pytest.importorskip("modelopt.torch.quantization")
@@ -251,7 +251,7 @@ def test_nvfp4_fake_quant_on_cuda():
 
 def test_the_sync_hands_vllm_the_fp8_layout_it_sends():
     """The engine is built with the sender's description of its FP8 weights (it never reads the recipe)."""
-    from pacs_megatron.rollout.vllm_params import llm_kwargs
+    from pacs_megatron.rollout.vllm.params import llm_kwargs
 
     fp8 = ["model.path=/m", "rollout.engine=vllm", "rollout.quantization=fp8"]
     cfg = load_config(None, [*fp8, "rollout.quant_recipe=FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"])

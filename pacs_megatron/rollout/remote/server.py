@@ -13,7 +13,7 @@ sampled with those weights, which is what bounds staleness (rollout/pipeline.py)
 carries the version of the weights it was drawn with. The receiving side of the weight group is injected
 (``receive``: weight_sync/remote.py), so this module knows engines and messages only.
 
-A failure while serving is reported to the trainer as :class:`~pacs_megatron.rollout.protocol.Failed` with
+A failure while serving is reported to the trainer as :class:`~pacs_megatron.rollout.remote.protocol.Failed` with
 its traceback (the trainer raises it, naming the engine) before this process exits 1.
 """
 
@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 
 from pacs_megatron.rollout.base import PROBE_LEN, ChecksumReader, NamedTensors, RolloutEngine
-from pacs_megatron.rollout.protocol import (
+from pacs_megatron.rollout.remote.protocol import (
     DELAY_ENV,
     Close,
     Failed,

@@ -12,7 +12,7 @@ import pytest
 
 from pacs_megatron.config import ConfigError, load_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "examples" / "configs" / "cpu_tiny.yaml"
 USER_FNS = REPO / "tests" / "reward"
 
@@ -68,7 +68,7 @@ def test_launcher_refuses_early_with_one_line(tmp_path):
 
 def test_every_model_path_is_checked_before_any_rank(tmp_path):
     from pacs_megatron.data.synthetic import write_tiny_model_dir
-    from pacs_megatron.launch.preflight import check_model_paths
+    from pacs_megatron.launch.checks.preflight import check_model_paths
 
     model = tmp_path / "model"
     tiny = load_config(CONFIG, [f"model.path={model}", f"trainer.output_dir={tmp_path}/out"])
@@ -90,7 +90,7 @@ def test_every_model_path_is_checked_before_any_rank(tmp_path):
 
 
 def test_critic_settings_without_a_critic_are_named():
-    from pacs_megatron.launch.preflight import unused_critic_settings
+    from pacs_megatron.launch.checks.preflight import unused_critic_settings
 
     cfg = load_config(CONFIG, ["critic.optim.lr=0.01", "critic.cliprange_value=0.2"])  # loss=pacs
     assert unused_critic_settings(cfg) == ["critic.cliprange_value: 0.5 -> 0.2", "critic.optim.lr: 1e-05 -> 0.01"]
@@ -120,8 +120,8 @@ def test_gguf_model_is_checked_before_any_rank(tmp_path):
     from _gguf_helpers import tiny_llama, write_gguf
 
     from pacs_megatron.hf.gguf_import import import_gguf
+    from pacs_megatron.launch.checks.preflight import check_model_paths
     from pacs_megatron.launch.cli import layout_summary
-    from pacs_megatron.launch.preflight import check_model_paths
 
     model = tmp_path / "model"
     src = write_gguf(tiny_llama(layers=2), tmp_path / "tiny.gguf")

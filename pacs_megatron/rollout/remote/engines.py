@@ -1,8 +1,8 @@
 """The engines of ``rollout.placement=separate`` as the trainer ranks see them.
 
 :class:`RemoteEngines` is the trainer's engine when the engines run in their own processes
-(rollout/server.py, started by the launcher): trainer rank 0 holds one control connection per engine
-(rollout/protocol.py) and a reader thread per connection; the other trainer ranks never talk to an engine.
+(rollout/remote/server.py, started by the launcher): trainer rank 0 holds one control connection per engine
+(rollout/remote/protocol.py) and a reader thread per connection; the other trainer ranks never talk to an engine.
 Calls that return samples are collective over the trainer ranks: rank 0 waits for the engines and
 broadcasts the result (or the failure) over the trainer's default group.
 
@@ -28,7 +28,7 @@ import torch
 
 from pacs_megatron.rollout.base import EngineTraits
 from pacs_megatron.rollout.collect import step_seed
-from pacs_megatron.rollout.protocol import (
+from pacs_megatron.rollout.remote.protocol import (
     Close,
     Failed,
     Generate,

@@ -79,7 +79,7 @@ class HarmlessFilter(logging.Filter):
         if not _announced[0]:
             _announced[0] = True
             logger.info(
-                "hiding vLLM's known-harmless warnings (rollout/vllm_quiet.py lists each and why); "
+                "hiding vLLM's known-harmless warnings (rollout/vllm/quiet.py lists each and why); "
                 "rollout.vllm.log_level=INFO shows them"
             )
         self.dropped += 1

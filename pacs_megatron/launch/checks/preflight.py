@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 
 from pacs_megatron.config import ConfigError, RunConfig
-from pacs_megatron.launch.device_checks import check_device
+from pacs_megatron.launch.checks.device import check_device
+from pacs_megatron.launch.checks.tools import check_tools
 from pacs_megatron.launch.optional_deps import check_optional_deps
-from pacs_megatron.launch.tool_checks import check_tools
 from pacs_megatron.run.layout import RunLayout
 from pacs_megatron.run.resume import preflight_resume
 

@@ -6,7 +6,7 @@ are WRITTEN FOR GPU, NEVER RUN: no GPU with vLLM was available.
 
 Every trainer rank hosts one vLLM worker (``external_launcher``); ranks ``[k*tp, (k+1)*tp)`` form replica ``k``
 (``traits().replica``), and every rank of a replica submits the same requests with the same seeds. Weights load
-through vLLM's layerwise reload (rollout/vllm_reload.py). ``Response.logprobs`` are the sampling distribution's
+through vLLM's layerwise reload (rollout/vllm/reload.py). ``Response.logprobs`` are the sampling distribution's
 (after temperature, top-k, top-p), as the HF engine's; :meth:`logprobs` serves temperature 1 only.
 The device branches, sleep levels, numerics and versions: docs/weight_sync.md, "vLLM path"; serving LoRA
 adapters: docs/lora.md, "Weight sync"; routing replay: docs/models.md.
@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from pacs_megatron.rollout import vllm_quiet
 from pacs_megatron.rollout.base import EngineTraits, NamedTensors
 from pacs_megatron.rollout.collect import ShardedSteps
 from pacs_megatron.rollout.stop_tokens import resolve_stop_token_ids
 from pacs_megatron.rollout.types import Response, SamplingParams
-from pacs_megatron.rollout.vllm_lora import AdapterSlot, lora_llm_kwargs
-from pacs_megatron.rollout.vllm_params import (  # re-exported: the engine's public helpers
+from pacs_megatron.rollout.vllm import quiet as vllm_quiet
+from pacs_megatron.rollout.vllm.lora import AdapterSlot, lora_llm_kwargs
+from pacs_megatron.rollout.vllm.params import (  # re-exported: the engine's public helpers
     has_weights,
     llm_kwargs,
     moe_layer_indices,
@@ -162,7 +162,7 @@ class VLLMEngine(ShardedSteps):
     ) -> None:
         """``fp8_config``: with ``rollout.quantization=fp8``, vLLM's ``quantization_config`` of the FP8 weights
         the weight sync sends (weight_sync/quantize.py ``vllm_fp8_config``); the engine never reads the recipe."""
-        from pacs_megatron.rollout.vllm_reload import expected_hf_names
+        from pacs_megatron.rollout.vllm.reload import expected_hf_names
         from pacs_megatron.utils.dist import rank_and_world
 
         device = torch.device(device)
@@ -189,7 +189,7 @@ class VLLMEngine(ShardedSteps):
         level = set_vllm_log_level(cfg.rollout.vllm.log_level)  # before the import: vLLM reads it once
         vllm_quiet.before_import(level)
         vllm = _import_vllm()
-        vllm_quiet.quiet_vllm(level)  # its known-harmless warnings, each named with why (rollout/vllm_quiet.py)
+        vllm_quiet.quiet_vllm(level)  # its known-harmless warnings, each named with why (rollout/vllm/quiet.py)
         if not vllm.__version__.startswith(VLLM_VERSION.rsplit(".", 1)[0]):
             logger.warning("vllm %s installed; this engine was written against %s", vllm.__version__, VLLM_VERSION)
         missing = [k for k in _LAUNCHER_ENV if k not in os.environ]
@@ -215,7 +215,7 @@ class VLLMEngine(ShardedSteps):
                 free_total[0] / 2**30,
                 kwargs["gpu_memory_utilization"],
             )
-        serves_adapters = cfg.sync.lora == "adapter"  # over its base (rollout/vllm_lora.py)
+        serves_adapters = cfg.sync.lora == "adapter"  # over its base (rollout/vllm/lora.py)
         if serves_adapters:
             kwargs.update(lora_llm_kwargs(cfg.actor.lora.rank, cfg.actor.lora.targets))
         if device.type == "cpu":
@@ -299,15 +299,15 @@ class VLLMEngine(ShardedSteps):
         return [prompt_logprobs_tensor(list(s), o.prompt_logprobs) for s, o in zip(token_ids, outputs)]
 
     def update_weights(self, buckets: Iterable[NamedTensors]) -> int:
-        """Load full HF-named tensors through vLLM's layerwise reload (rollout/vllm_reload.py); return how
+        """Load full HF-named tensors through vLLM's layerwise reload (rollout/vllm/reload.py); return how
         many were loaded. Raises naming any tensor that never arrived (a partial sync)."""
-        from pacs_megatron.rollout.vllm_reload import SyncStream, reload_weights
+        from pacs_megatron.rollout.vllm.reload import SyncStream, reload_weights
 
         if self._state == "asleep":
             self.llm.wake_up(tags=["weights"])
             self._state = "weights"
         if self._adapter is not None:
-            self._adapter.clear()  # vLLM drops its adapters on a base reload (rollout/vllm_lora.py)
+            self._adapter.clear()  # vLLM drops its adapters on a base reload (rollout/vllm/lora.py)
         count = reload_weights(self.llm, buckets, SyncStream(self._expected, self._scales))
         self._weights_valid = True
         return count
@@ -318,7 +318,7 @@ class VLLMEngine(ShardedSteps):
 
     def load_adapter(self, path: str, adapter_id: int, name: str) -> None:
         """Serve the PEFT adapter directory ``path`` (written by weight_sync/adapter.py) as ``adapter_id`` from
-        the next generate / logprobs call on, and remove the previous one (rollout/vllm_lora.py)."""
+        the next generate / logprobs call on, and remove the previous one (rollout/vllm/lora.py)."""
         if self._adapter is None:
             raise RuntimeError("vLLM engine built without sync.lora=adapter serves no adapter (enable_lora is off)")
         self.wake()
@@ -326,11 +326,11 @@ class VLLMEngine(ShardedSteps):
 
     def weight_checksums(self) -> list[Held] | None:
         """The weights as this rank's worker holds them, fingerprinted for the bitwise sync check
-        (rollout/vllm_reload.py ``held_checksums``); None where they are not read back: tensor parallelism > 1
+        (rollout/vllm/reload.py ``held_checksums``); None where they are not read back: tensor parallelism > 1
         (each rank holds a shard) and FP8 weights (GPU, never run)."""
         from functools import partial
 
-        from pacs_megatron.rollout.vllm_reload import held_checksums
+        from pacs_megatron.rollout.vllm.reload import held_checksums
 
         if self._tp > 1 or self._traits.fp8_weights:
             return None

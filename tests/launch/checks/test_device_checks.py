@@ -1,12 +1,12 @@
 """rollout.quant_recipe: on CPU only the recipes whose quantizer runs there are accepted and offered (the
-preflight's device checks, launch/device_checks.py)."""
+preflight's device checks, launch/checks/device.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pacs_megatron.config import ConfigError, load_config
-from pacs_megatron.launch.device_checks import check_device
+from pacs_megatron.launch.checks.device import check_device
 
 pytest.importorskip("modelopt.torch.quantization")
 
@@ -26,7 +26,7 @@ def test_cpu_refuses_and_never_offers_recipes_that_need_cuda():
 
 def test_the_config_is_data_and_the_preflight_checks_the_device():
     """Building the config runs no device check (config/ is data); the launcher's preflight runs it."""
-    from pacs_megatron.launch.preflight import preflight
+    from pacs_megatron.launch.checks.preflight import preflight
 
     cfg = load_config(None, ["rollout.quantization=nvfp4", "parallel.backend=gloo"])
     with pytest.raises(ConfigError, match="rollout.quantization=nvfp4 needs CUDA"):

@@ -1,7 +1,7 @@
 """Pure translation for the vLLM engine (no vllm import): run config -> ``vllm.LLM`` kwargs on CPU and GPU,
 sampling -> ``vllm.SamplingParams`` kwargs and per-request seeds, replica layout, and vLLM's outputs ->
 :class:`Response` / log-prob tensors. Unit-tested without vllm (tests/rollout/test_vllm_engine.py); the
-engine itself is rollout/vllm_engine.py."""
+engine itself is rollout/vllm/engine.py."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def llm_kwargs(
         # which a step of 64 prompts of ~115 tokens (SmolLM2's recipe) triggers with the default budget.
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = v.max_num_seqs * kwargs["max_model_len"]
-    if cfg.actor.routing_replay == "rollout" and not cpu:  # refused on CPU (launch/device_checks.py)
+    if cfg.actor.routing_replay == "rollout" and not cpu:  # refused on CPU (launch/checks/device.py)
         # vLLM's AuxOutput connector: needs Model Runner V2 (picked by default on CUDA with Triton; vLLM
         # raises "requires Model Runner V2" otherwise) and prefix caching (set above)
         kwargs["enable_return_routed_experts"] = True
@@ -124,7 +124,7 @@ def fp8_llm_kwargs(quantization_config: dict[str, Any] | None) -> dict[str, Any]
     """Extra ``vllm.LLM`` kwargs for FP8 weights (empty for None): vLLM's FP8 linear method with
     ``quantization_config``, the layout of the weights the sync sends (weight_sync/quantize.py
     ``vllm_fp8_config``), declared as a serialized FP8 checkpoint, and dummy initial weights (the bf16
-    checkpoint on disk is not FP8; the trainer syncs before step 1). The reload (rollout/vllm_reload.py)
+    checkpoint on disk is not FP8; the trainer syncs before step 1). The reload (rollout/vllm/reload.py)
     re-runs vLLM's FP8 post-load processing after every sync. GPU only: vLLM's CPU backend has no FP8
     kernels (``_C::static_scaled_fp8_quant`` is a stub there). Written for GPU, never run.
 

@@ -27,8 +27,8 @@ from _vllm import needs_vllm
 
 from pacs_megatron.rollout.collect import step_seed
 from pacs_megatron.rollout.pipeline import InFlightPrompts, RolloutPipeline
-from pacs_megatron.rollout.protocol import DELAY_ENV
-from pacs_megatron.rollout.remote import EngineFailure
+from pacs_megatron.rollout.remote.engines import EngineFailure
+from pacs_megatron.rollout.remote.protocol import DELAY_ENV
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.weight_sync import WeightSyncError
 
@@ -39,7 +39,7 @@ PROMPTS = [[1, 5, 7, 9], [2, 8, 8], [6, 13, 8, 14, 5], [3, 4], [9, 9, 10]]
 @contextmanager
 def remote(tmp_path, monkeypatch, engines: int, delays: list[float], *overrides: str):
     """(RemoteEngines, RemoteWeightSync, RefActor, cfg, engine processes): ``engines`` engine processes, engine i
-    answering ``delays[i]`` seconds late (rollout/protocol.py's DELAY_ENV test hook)."""
+    answering ``delays[i]`` seconds late (rollout/remote/protocol.py's DELAY_ENV test hook)."""
     with remote_engines(
         tmp_path, monkeypatch, engines, ["rollout.n=4", *overrides], {DELAY_ENV: ",".join(str(d) for d in delays)}
     ) as r:

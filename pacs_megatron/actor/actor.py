@@ -27,8 +27,8 @@ from pacs_megatron.actor.lora.adapters import adapters_off, apply_lora, sum_repl
 from pacs_megatron.actor.lora.export import gather_peft_tensors, peft_config
 from pacs_megatron.actor.lora.reference import LoRAReference
 from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
-from pacs_megatron.actor.moe import MoeStats
-from pacs_megatron.actor.moe_aux import MoeAuxLoss
+from pacs_megatron.actor.moe.aux_loss import MoeAuxLoss
+from pacs_megatron.actor.moe.routing import MoeStats
 from pacs_megatron.actor.offload import ActorOffload
 from pacs_megatron.actor.optimizer import (
     apply_lr_config,
@@ -151,10 +151,10 @@ class MegatronActor:
         """Router statistics of each train step (MoE models), logged as moe/*."""
         coeff = cfg.model.moe_aux_loss_coeff
         self.moe_aux = MoeAuxLoss(chunks, coeff, groups) if self.spec.is_moe and coeff > 0 else None
-        """The load-balancing loss (actor/moe_aux.py), when model.moe_aux_loss_coeff > 0."""
+        """The load-balancing loss (actor/moe/aux_loss.py), when model.moe_aux_loss_coeff > 0."""
         self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device, groups.ep_size)
         """THD-packed micro-batches (actor/thd.py; CPU, and GPU with Transformer Engine: unverified there;
-        MoE routing replay follows the packing, actor/moe.py)."""
+        MoE routing replay follows the packing, actor/moe/routing.py)."""
         self.optimizer = build_optimizer(self.model, cfg, groups, self.param_dtype)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.iteration = 0

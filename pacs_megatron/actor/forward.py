@@ -41,7 +41,7 @@ from pacs_megatron.actor.logit_rows import (
     selects_rows,
 )
 from pacs_megatron.actor.model import mask_padded_vocab
-from pacs_megatron.actor.moe import padding_mask, set_routing_replay
+from pacs_megatron.actor.moe.routing import padding_mask, set_routing_replay
 from pacs_megatron.actor.thd import ThdBatch, pack_thd
 from pacs_megatron.batch.build import split_micro_batches
 from pacs_megatron.batch.rows import Rollouts
@@ -203,7 +203,7 @@ def run_schedule(
         k, mb = next(data_iterator)
         ids = mb.input_ids.to(device, non_blocking=True)
         p = pack_thd(ids, mb.seq_lens, 8 * groups.tp_size * groups.cp_size, groups.cp_size) if thd else None
-        # MoE (actor/moe.py): the recorded experts in the routers' token order; None: route anew
+        # MoE (actor/moe/routing.py): the recorded experts in the routers' token order; None: route anew
         routed = None if mb.routed_experts is None else mb.routed_experts.padded(ids.shape[1])
         set_routing_replay(model, routed, ids.shape[1], p, groups.tp_rank, groups.tp_size)
         mask = _moe_padding_mask(model, mb, ids.shape[1], p, k >= n_real, groups)
@@ -332,7 +332,7 @@ def gather_rows(
 
 
 def _moe_padding_mask(model, mb: Rollouts, width: int, packed, dummy: bool, groups: ParallelGroups):
-    """The padding mask MoE routers get (actor/moe.py ``padding_mask``: padding and dummy micro-batches
+    """The padding mask MoE routers get (actor/moe/routing.py ``padding_mask``: padding and dummy micro-batches
     stay out of the aux loss and the moe/* metrics); None for a dense model."""
     chunk = _unwrap(model)
     if not chunk.config.num_moe_experts:

@@ -58,7 +58,7 @@ def transformer_config(
     train_step.py). ``batch_p2p_comm`` is off on gloo (interleaved PP is wrong with it on gloo).
     MoE: experts are never tensor-parallel (``expert_tensor_parallel_size=1``: EP splits the expert
     list, each expert is whole), no token dropping, the allgather dispatcher, and megatron's own
-    load balancing off: the aux loss is actor/moe_aux.py (megatron's scales with the loss units).
+    load balancing off: the aux loss is actor/moe/aux_loss.py (megatron's scales with the loss units).
     Context parallelism: megatron slices RoPE per CP rank; Transformer Engine's attention runs the p2p
     ring (``cp_comm_type``; **written for GPU, never run**), the CPU's is actor/attention.py's all-gather.
     """

@@ -136,7 +136,7 @@ def pack_thd(input_ids: torch.Tensor, seq_lens: torch.Tensor, multiple: int = 8,
 def use_thd(dynamic_batching: bool, device: torch.device, ep_size: int = 1) -> bool:
     """THD packing: with dynamic batching, on CPU (actor/attention.py) or on GPU where Transformer
     Engine imports (the layer spec is then TE's, whose attention reads ``packed_seq_params``). MoE
-    routing replay hands the routers their experts in packed order (actor/moe.py ``replay_order``).
+    routing replay hands the routers their experts in packed order (actor/moe/routing.py ``replay_order``).
     Not with expert parallelism on CPU: megatron's all-gather token dispatcher needs the same token count
     on every EP rank, which padded micro-batches give and packed ones (each rank its own rows' tokens) do
     not (gloo aborted on the size mismatch in tests/rollout/test_vllm_moe_train.py). Under context

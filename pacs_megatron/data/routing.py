@@ -8,7 +8,7 @@ The engine records, per response, the experts each token went to: ``[prompt + re
   :func:`fetch_routed_experts` (collective) hands every rank those of the rows it trains on after the
   data-parallel split;
 - the padded ``[b, T, L, k]`` indices exist per micro-batch only (:meth:`RoutedExperts.padded`, called by
-  actor/forward.py), and megatron's int64 per-router indices per layer only (actor/moe.py).
+  actor/forward.py), and megatron's int64 per-router indices per layer only (actor/moe/routing.py).
 
 The sizes at the 30B recipe's scale, before and after: docs/models.md, "Routing replay (R3)".
 """

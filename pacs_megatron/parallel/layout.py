@@ -72,7 +72,7 @@ def check_context_layout(cfg: ParallelConfig, get) -> None:
     if cfg.cp == 1:
         return
     if get("model_type", None) == "qwen3_moe":
-        # routing replay and the MoE padding mask index tokens in the unsplit order (actor/moe.py)
+        # routing replay and the MoE padding mask index tokens in the unsplit order (actor/moe/routing.py)
         raise ConfigError(f"parallel.cp={cfg.cp} with a MoE model is not supported yet: set parallel.cp=1")
 
 

@@ -131,7 +131,7 @@ class RoutingRecorder:
     A router here is a module whose forward returns ``(logits, scores, indices)`` (transformers'
     ``*TopKRouter``, e.g. Qwen3-MoE's ``mlp.gate``). :meth:`take` returns the last forward's choices
     as ``[rows, cols, L, k]`` int16 with L = every decoder layer (the actor replays by global layer
-    number, ``actor/moe.py``); a dense layer (``mlp_only_layers``, ``decoder_sparse_step``) holds
+    number, ``actor/moe/routing.py``); a dense layer (``mlp_only_layers``, ``decoder_sparse_step``) holds
     0..k-1, never read. :meth:`attach` cuts them into each Response's ``routed_experts``
     ``[prompt + response tokens, L, k]``. The last response token is never fed to the model (nothing
     is sampled after it): its row holds 0..k-1, like padding.

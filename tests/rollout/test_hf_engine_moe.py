@@ -77,7 +77,7 @@ def test_expert_sync_and_routing_record(model_dir):
 
 
 def test_routing_record_has_every_decoder_layer_when_some_are_dense(tmp_path):
-    """The actor replays by global layer number (actor/moe.py): with a dense layer first
+    """The actor replays by global layer number (actor/moe/routing.py): with a dense layer first
     (``mlp_only_layers=[0]``) the record must keep layer 1's experts at index 1, not at 0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

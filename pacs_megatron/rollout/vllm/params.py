@@ -290,7 +290,7 @@ def routed_experts_from_vllm(
     num_hidden_layers, k]``, uint8 (uint16 past 256 experts), one row per token the model was FED. The
     last sampled token is never fed, so vLLM has no row for it (the scheduler returns rows up to
     ``num_tokens - 1``); like the HF engine's recorder we give it 0..k-1 (causality keeps it from
-    mattering). The layer axis is indexed by global decoder layer (what ``actor/moe.py`` replays by);
+    mattering). The layer axis is indexed by global decoder layer (what ``actor/moe/routing.py`` replays by);
     vLLM never writes the rows of dense layers (its buffer keeps zeros there, k copies of expert 0), so
     with ``moe_layers`` given they are replaced by 0..k-1 too: k distinct experts, as the batch padding.
     ``routed_experts_prompt_start`` is left at 0: every prompt token has a row.

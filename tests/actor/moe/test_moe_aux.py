@@ -15,11 +15,15 @@ rows (the optimizer step is skipped, the router weights' main grads are read aft
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
-from _actor_helpers import GROUP, allow_cpu_sequence_parallel, hf_config, make_qwen3, run_config, sample_batch
 from _dist import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/actor/_actor_helpers.py
+from _actor_helpers import GROUP, allow_cpu_sequence_parallel, hf_config, make_qwen3, run_config, sample_batch
 
 from pacs_megatron.batch.rows import TrainRows, as_train_batch
 
@@ -51,7 +55,7 @@ def _actor(model_dir, layout, coeff):
 
 def _router_grads(actor, batch, loss, dynamic, from_forward=False):
     """Per global layer, the router weight's gradient of one train step (the step itself skipped)."""
-    from pacs_megatron.actor.moe import routers
+    from pacs_megatron.actor.moe.routing import routers
 
     actor.cfg = replace(actor.cfg, algorithm=replace(actor.cfg.algorithm, dynamic_batching=dynamic))
     grads = {}

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pacs_megatron.actor.moe import router_valid_tokens, routers
+from pacs_megatron.actor.moe.routing import router_valid_tokens, routers
 from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.parallel import ParallelGroups
 

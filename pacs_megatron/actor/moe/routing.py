@@ -14,7 +14,7 @@ its tokens (megatron is sequence-first, ``[s, b]`` flattened):
     sequence parallel         this TP rank's contiguous slice s in [r * s/tp, (r+1) * s/tp) of either
 
 Definitions and the replay's memory and tests: docs/models.md ("Qwen3-MoE", "Routing replay"); the aux
-loss itself is actor/moe_aux.py.
+loss itself is actor/moe/aux_loss.py.
 """
 
 from __future__ import annotations

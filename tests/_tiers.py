@@ -112,4 +112,27 @@ def violation_report(item, report) -> None:
     )
 
 
-__all__ = ["FAIL_FAST_ENV", "SPAWN_MARKS", "install", "is_fast", "launches", "set_current", "violation_report"]
+def per_file_table(durations: list[tuple[float, str, str]], launches: dict[str, int]) -> list[str]:
+    """Seconds, tests and launches per test file, the costliest first: where a merge would pay (issue 59).
+
+    Example:
+        >>> per_file_table([(2.0, "call", "tests/a.py::t"), (1.0, "setup", "tests/a.py::t")], {"tests/a.py::t": 3})
+        ['| s | tests | launches | file |', '| ---: | ---: | ---: | --- |', '| 3.0 | 1 | 3 | `tests/a.py` |']
+    """
+    files: dict[str, list] = {}
+    for took, _, nodeid in durations:
+        row = files.setdefault(nodeid.split("::")[0], [0.0, set(), 0])
+        row[0] += took
+        row[1].add(nodeid)
+    for nodeid, n in launches.items():
+        if nodeid.split("::")[0] in files:
+            files[nodeid.split("::")[0]][2] += n
+    rows = sorted(files.items(), key=lambda kv: -kv[1][0])
+    return ["| s | tests | launches | file |", "| ---: | ---: | ---: | --- |"] + [
+        f"| {s:.1f} | {len(ids)} | {n} | `{f}` |" for f, (s, ids, n) in rows
+    ]
+
+
+__all__ = [
+    "FAIL_FAST_ENV", "SPAWN_MARKS", "install", "is_fast", "launches", "per_file_table", "set_current", "violation_report"
+]  # fmt: skip

@@ -121,32 +121,11 @@ def suite_report(tier: dict, fast: dict[str, bool], stats: dict, now: float) -> 
     for took, when, nodeid in sorted(_DURATIONS, reverse=True)[:25]:
         lines.append(f"| {took:.2f} | {when} | `{nodeid}` | {_tiers.launches.get(nodeid, 0)} |")
     lines += ["", "by file (every phase of every test, the file's module fixtures included):", ""]
-    lines += per_file_table(_DURATIONS, _tiers.launches)
+    lines += _tiers.per_file_table(_DURATIONS, _tiers.launches)
     lines += ["", "most launches (tests with more than one):", "", "| launches | test |", "| ---: | --- |"]
     many = sorted(((n, k) for k, n in _tiers.launches.items() if n > 1), reverse=True)
     lines += [f"| {n} | `{nodeid}` |" for n, nodeid in many]
     return "\n".join(lines) + "\n"
-
-
-def per_file_table(durations: list[tuple[float, str, str]], launches: dict[str, int]) -> list[str]:
-    """Seconds, tests and launches per test file, the costliest first: where a merge would pay (issue 59).
-
-    Example:
-        >>> per_file_table([(2.0, "call", "tests/a.py::t"), (1.0, "setup", "tests/a.py::t")], {"tests/a.py::t": 3})
-        ['| s | tests | launches | file |', '| ---: | ---: | ---: | --- |', '| 3.0 | 1 | 3 | `tests/a.py` |']
-    """
-    files: dict[str, list] = {}
-    for took, _, nodeid in durations:
-        row = files.setdefault(nodeid.split("::")[0], [0.0, set(), 0])
-        row[0] += took
-        row[1].add(nodeid)
-    for nodeid, n in launches.items():
-        if nodeid.split("::")[0] in files:
-            files[nodeid.split("::")[0]][2] += n
-    rows = sorted(files.items(), key=lambda kv: -kv[1][0])
-    return ["| s | tests | launches | file |", "| ---: | ---: | ---: | --- |"] + [
-        f"| {s:.1f} | {len(ids)} | {n} | `{f}` |" for f, (s, ids, n) in rows
-    ]
 
 
 @pytest.fixture(autouse=True)

@@ -67,11 +67,9 @@ def test_a_library_probe_of_the_machine_needs_no_marker():
 
 
 def test_the_cost_report_sums_each_files_phases_and_launches():
-    """The by-file table of the suite's report (tests/conftest.py): a file's setup, call and teardown seconds
-    and its tests' launches add up, costliest file first."""
-    from conftest import per_file_table
-
+    """The by-file table of the suite's report (tests/_tiers.py, printed by tests/conftest.py): a file's setup,
+    call and teardown seconds and its tests' launches add up, costliest file first."""
     durations = [(2.0, "call", "tests/a.py::t"), (1.0, "setup", "tests/a.py::t"), (0.5, "call", "tests/a.py::u")]
     durations.append((9.0, "call", "tests/b.py::t[x]"))
-    table = per_file_table(durations, {"tests/a.py::t": 3, "tests/b.py::t[x]": 1, "elsewhere": 4})
+    table = _tiers.per_file_table(durations, {"tests/a.py::t": 3, "tests/b.py::t[x]": 1, "elsewhere": 4})
     assert table[2:] == ["| 9.0 | 1 | 1 | `tests/b.py` |", "| 3.5 | 2 | 3 | `tests/a.py` |"]

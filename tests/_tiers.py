@@ -134,5 +134,12 @@ def per_file_table(durations: list[tuple[float, str, str]], launches: dict[str, 
 
 
 __all__ = [
-    "FAIL_FAST_ENV", "SPAWN_MARKS", "install", "is_fast", "launches", "per_file_table", "set_current", "violation_report"
-]  # fmt: skip
+    "FAIL_FAST_ENV",
+    "SPAWN_MARKS",
+    "install",
+    "is_fast",
+    "launches",
+    "per_file_table",
+    "set_current",
+    "violation_report",
+]

@@ -25,6 +25,7 @@ NOT_RUN_PATHS = {
     "tools/selftest_checks.py": {"configs"},  # the repository's examples/configs
     "launch/ray_rank.py": {"config.yaml"},  # a rank's own temporary copy of the config, not the run's
     "bench/async_rollout.py": {"configs"},  # the repository's examples/configs
+    "bench/dtype_pilot.py": {"configs"},  # the repository's examples/configs
     "bench/rl_step.py": {"config.yaml", "step_s", "step_cpu_s", "step_rss_gb"},  # its input config; record keys
 }
 """Same names, other directories."""

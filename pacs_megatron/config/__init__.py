@@ -6,7 +6,7 @@ Loaded from YAML with ``a.b.c=value`` overrides through OmegaConf structured con
 
 Every field carries a docstring; ``__post_init__`` raises :class:`ConfigError` naming the field and
 the fix. Checks that need the model (TP divides the heads, ...) run at start-up in ``parallel/``; checks
-that need the device, an import or the file system are launch/preflight.py's. config/ runs no such code.
+that need the device, an import or the file system are launch/checks/preflight.py's. config/ runs no such code.
 """
 
 from pacs_megatron.config.actor import ActorConfig, LoRAConfig

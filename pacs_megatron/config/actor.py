@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from pacs_megatron.config.base import ConfigError
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""Megatron's names of the attention and MLP linears an adapter may wrap (actor/lora.py)."""
+"""Megatron's names of the attention and MLP linears an adapter may wrap (actor/lora/adapters.py)."""
 
 
 @dataclass
 class LoRAConfig:
-    """``actor.lora.*``: low-rank adapters on the actor's linears, the base frozen (actor/lora.py,
+    """``actor.lora.*``: low-rank adapters on the actor's linears, the base frozen (actor/lora/adapters.py,
     docs/lora.md). Off unless ``rank`` > 0."""
 
     rank: int = 0

@@ -101,7 +101,7 @@ class ModelConfig:
     """Full activation recomputation per layer (saves memory for long responses)."""
     moe_aux_loss_coeff: float = 0.0
     """MoE models: coefficient c of the router load-balancing loss, one loss per MoE layer (megatron's
-    convention) whose gradient is the same for every RL loss and batching (actor/moe_aux.py); 0 (the
+    convention) whose gradient is the same for every RL loss and batching (actor/moe/aux_loss.py); 0 (the
     default, as verl for Qwen3-MoE RL) turns it off. From Hugging Face's ``router_aux_loss_coef``, which
     pools one loss over all L layers: c = router_aux_loss_coef * k / L (docs/models.md)."""
     fused_lm_head: str = "auto"

@@ -27,7 +27,7 @@ class VLLMConfig:
     log_level: str = "WARNING"
     """vLLM's own logging (its engine config dump, per-step INFO lines): "WARNING" keeps a run's console to the
     project's lines (a SmolLM2 run was 177 of 240 lines vLLM's at INFO); "INFO" or "DEBUG" to see them. A
-    ``VLLM_LOGGING_LEVEL`` already in the environment wins (rollout/vllm_engine.py ``set_vllm_log_level``)."""
+    ``VLLM_LOGGING_LEVEL`` already in the environment wins (rollout/vllm/engine.py ``set_vllm_log_level``)."""
 
     def __post_init__(self) -> None:
         self.log_level = str(self.log_level).upper()  # "info" as vLLM itself accepts it

@@ -31,7 +31,7 @@ from pacs_megatron.pacs.registry import losses_where
 @dataclass
 class RunConfig:
     """Everything one run needs. Cross-area checks live here; those that need the device or an import
-    (quantized rollouts, routing replay) are launch/device_checks.py's, run by the preflight."""
+    (quantized rollouts, routing replay) are launch/checks/device.py's, run by the preflight."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path="outputs/model"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -20,7 +20,8 @@ def test_fixed_count_by_default_and_the_tool_recipe_measures():
         stop = cfg.trainer.sft_warmup_stop
         assert stop.until == ("valid_calls" if cfg.rollout.multi_turn.enabled else "steps"), path.name
     tools = load_config(CONFIGS / "cpu_smollm2_tools.yaml").trainer
-    # the maximum leaves room past the 14 steps the fp32 sweep needed for 0.556 held-out (docs/results/smollm2_tools_cpu)
+    # the maximum leaves room past the 14 steps the fp32 sweep needed for 0.556 held-out
+    # (docs/results/smollm2_tools_cpu)
     assert tools.sft_warmup_stop.threshold == 0.8 and tools.sft_warmup_steps >= 20
 
 

@@ -4,10 +4,11 @@
     python -m pacs_megatron.bench.memory --vocab 65536 --json mem.json
 
 Variants, each in a FRESH process so that one cannot hide the other's peak: ``sliced`` (the path before the
-fix: sliced logits, a fresh N x V gradient) and ``inplace`` (actor/forward.py: full logits, the gradient
-written into the logits buffer). A vocab-heavy tiny Qwen2, so the N x V buffers dominate; the second step's
-peak RSS over RSS before it is reported beside the N x V size. Method and results: docs/benchmarks.md,
-"GPU readiness: training-pass memory".
+fix: every token's logits, sliced, a fresh N x V gradient) and ``inplace`` (actor/forward.py: the response rows'
+logits only, the gradient written into the logits buffer). Both unfused (``model.fused_lm_head=false``: the
+fused head holds no logits at all, bench/head.py) and padded (no THD packing). A vocab-heavy tiny Qwen2, so the
+N x V buffers dominate; the second step's peak RSS over RSS before it is reported beside the N x V size. Method
+and results: docs/benchmarks.md, "GPU readiness: training-pass memory".
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
 
 
-def _sliced_token_logprobs(logits, input_ids, spec, groups, temperature, with_entropy=False, inplace_backward=False):
-    """The training pass's log-prob call before the fix (kept here only to measure it)."""
+def _sliced_token_logprobs(
+    logits, input_ids, spec, groups, temperature, with_entropy=False, inplace_backward=False, thd=None, rows=None
+):
+    """The training pass's log-prob call before the fix (kept here only to measure it): padded rows, every
+    token's logits (the sliced child turns the selection of response rows off)."""
+    if thd is not None or rows is not None:
+        raise ValueError("the sliced variant measures padded rows with every token's logits: no thd, no rows")
     import torch.nn.functional as F
 
     from pacs_megatron.actor.model import mask_padded_vocab
@@ -96,10 +102,15 @@ def measure_train_step(args, overrides: list[str], group: int, write_model: bool
 def _child(args) -> dict:
     from pacs_megatron.actor import train_step as train_step_mod
 
-    if args.variant == "sliced":
+    if args.variant == "sliced":  # the path before both fixes: every token's logits, sliced
+        from pacs_megatron.actor import forward
+
         train_step_mod.token_logprobs = _sliced_token_logprobs
+        forward.selects_rows = lambda model: False
     group = 4
     overrides = [f"rollout.n={group}", f"trainer.train_batch_size={args.rows // group}"]
+    # the logits -> log-prob path is what the variants differ in: unfused, padded rows (no THD packing) in both
+    overrides += ["model.fused_lm_head=false", "algorithm.dynamic_batching=false"]
     step = measure_train_step(args, overrides, group)
     n, t = step["shape"]
     return {

@@ -28,15 +28,7 @@ if TYPE_CHECKING:
 
 
 def train_sampling(cfg: RunConfig) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(
-        n=r.n,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_tokens=r.max_response_length,
-        seed=r.seed,
-    )
+    return SamplingParams.of_rollout(cfg.rollout)
 
 
 def val_sampling(cfg: RunConfig) -> SamplingParams:

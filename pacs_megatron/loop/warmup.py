@@ -205,15 +205,8 @@ class ValidCallCheck:
             )
         self.c = c
         self.records = random.Random(cfg.trainer.seed + _HELD_OUT_SEED).sample(pool, stop.held_out)
-        r = cfg.rollout  # what RL will sample with (stages.train_sampling, a sibling stage), n and seed its own
-        self.sampling = SamplingParams(
-            n=stop.samples,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_tokens=r.max_response_length,
-            seed=r.seed + _HELD_OUT_SEED,
-        )
+        # what RL will sample with, n and seed its own
+        self.sampling = SamplingParams.of_rollout(cfg.rollout, n=stop.samples, seed=cfg.rollout.seed + _HELD_OUT_SEED)
 
     def __call__(self, step: int) -> dict:
         """Collective: sync the actor's weights into the engine (verified), sample, and put the engine back to

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pacs_megatron.config import RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,19 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Stop strings (a multi-turn rollout's tool-call close, rollout/multi_turn.py): a response ends with the
     token whose text completes one of them, that token included (both engines; finish_reason "stop")."""
+
+    @classmethod
+    def of_rollout(cls, r: RolloutConfig, n: int | None = None, seed: int | None = None) -> SamplingParams:
+        """What RL samples with (``rollout.*``); ``n`` and ``seed`` given for a stream of its own (the tool
+        warm-up's check)."""
+        return cls(
+            n=r.n if n is None else n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_response_length,
+            seed=r.seed if seed is None else seed,
+        )
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -186,7 +187,7 @@ def _env(threads: int) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
 
 
-def run_ours(args, dtype: str, work: Path, prompts_file: Path, arm: list[str] = ()) -> list[dict]:
+def run_ours(args, dtype: str, work: Path, prompts_file: Path, arm: Sequence[str] = ()) -> list[dict]:
     """Our trainer's steps (``pacs-megatron train``, local ranks, ``--ours`` then the arm's overrides), from
     its metrics.jsonl."""
     import yaml
@@ -276,7 +277,17 @@ def report(rows: list[dict], floors: dict, vocab: int, console) -> None:
 
     trl = {r["dtype"]: r["tokens_per_s"] for r in rows if r["trainer"] == "trl"}
     table = Table(title="one RL step, medians (wall seconds; CPU seconds of the process beside the step)")
-    cols = ("trainer", "dtype", "stages s", "step s", "cpu s", "tokens", "tok/s", "x TRL same", "x TRL fp32")
+    cols: tuple[str, ...] = (
+        "trainer",
+        "dtype",
+        "stages s",
+        "step s",
+        "cpu s",
+        "tokens",
+        "tok/s",
+        "x TRL same",
+        "x TRL fp32",
+    )
     cols += ("floor frac", "peak RSS GB/rank", "bytes/token", "V-buffers/token")
     for c in cols:
         table.add_column(c, justify="right")

@@ -126,8 +126,8 @@ def spawn_local(module_argv: list[str], world_size: int, engines=None) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         stop_engines(helpers)
-    codes = [p.returncode for p in procs]
-    return next((c for c in codes if c != 0), 0)
+    exits = [p.returncode or 0 for p in procs]  # every rank has ended here
+    return next((c for c in exits if c != 0), 0)
 
 
 def stop_engines(helpers: list[subprocess.Popen], wait_s: float = 10.0) -> None:

@@ -29,8 +29,9 @@ class _RankFilter(logging.Filter):
         self.all_ranks = all_ranks
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = _rank()
-        return self.all_ranks or record.rank == 0 or record.levelno >= logging.ERROR
+        rank = _rank()
+        record.rank = rank  # the formatter's %(rank)s
+        return self.all_ranks or rank == 0 or record.levelno >= logging.ERROR
 
 
 IMPORT_NOISE = (
@@ -79,7 +80,7 @@ class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time of the record, not the one at set-up: a caller that
     redirects stderr (pytest's capture, a notebook) still sees the lines."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self):
         return sys.stderr
 

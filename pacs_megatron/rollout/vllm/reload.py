@@ -103,14 +103,17 @@ class SyncStream:
     ) -> None:
         """``scale_suffixes``: extra names ``<required name><suffix>`` accepted (FP8 scales, see
         weight_sync/quantize.py: ``("_scale", "_scale_inv")``)."""
+        self.required: frozenset[str] | None
+        self.optional: frozenset[str]
         self.required, self.optional = expected if expected is not None else (None, frozenset())
         self.scale_suffixes = scale_suffixes
         self.received: set[str] = set()
 
     def _known(self, name: str) -> bool:
-        if name in self.required or name in self.optional:
+        required = self.required or frozenset()  # None: no expected names (tensors() does not ask then)
+        if name in required or name in self.optional:
             return True
-        return any(name.endswith(s) and name[: -len(s)] in self.required for s in self.scale_suffixes)
+        return any(name.endswith(s) and name[: -len(s)] in required for s in self.scale_suffixes)
 
     def tensors(self, buckets: Iterable[Iterable[NamedTensor]]) -> Iterator[NamedTensor]:
         """The buckets' tensors in order, checked; optional aliases dropped. Raises ``KeyError`` on a name

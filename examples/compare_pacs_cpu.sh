@@ -16,9 +16,10 @@
 # smollm2_gpu, smollm2_lora_cpu), and on the H200 partial runs 1e-6 moved no method in 20 steps (held-out
 # 0.34-0.37, docs/results/smollm2_pacs_gpu_partial/).
 # dtype: float32. bf16 is the recipe's choice where the CPU has it natively, but it is used here only once a
-# 3-step pilot shows bf16 updates learn as fp32's do at lr 1e-5 (issue 58 found the bf16 warm-up barely
-# learning); DTYPE=bfloat16 is for that day, and its runs get their own keys. A seed's runs (a block) run on one
-# CPU: compare defers a block begun on another CPU until a machine of its kind runs the script.
+# 3-step pilot shows bf16 updates learn as fp32's do at lr 1e-5 (python -m pacs_megatron.bench.dtype_pilot
+# --model-dir DIR; issue 58 found the bf16 warm-up barely learning); DTYPE=bfloat16 is for that day, and
+# its runs get their own keys. A seed's runs (a block) run on one CPU: compare defers a block begun on another
+# CPU until a machine of its kind runs the script.
 # Resumable in pieces: each finished run's record (metrics, samples, config, placement, no checkpoint) is
 # copied to RESULTS/runs/ as it finishes and reused from there on any machine: commit RESULTS. A restart loses
 # only the run in progress (it checkpoints at step 8; kill the compare by its pid and it stops at a step's end).

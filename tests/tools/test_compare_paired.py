@@ -169,3 +169,21 @@ def test_a_committed_run_under_an_older_key_is_rekeyed_in_the_results_and_restor
     assert not old.exists() and (tmp_path / "results" / "runs" / new.name / "final.json").is_file()
     runner.restore(Spec("pacs", 1e-3, 0))
     assert (new / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.subprocess
+def test_the_kept_runs_of_every_results_folder_can_be_committed():
+    """compare keeps each finished run in RESULTS/runs/ and says "commit it"; the repository's .gitignore once
+    ignored every ``runs/`` folder, so no kept run of docs/results/ was ever committed (issue 56's reuse across
+    sessions rested on files git would not take)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    folders = sorted(p for p in (repo / "docs" / "results").iterdir() if p.is_dir())
+    paths = [str(f.relative_to(repo) / "runs" / "pacs_lr1e-05_s0-0123456789" / "metrics.jsonl") for f in folders]
+    ignored = subprocess.run(["git", "check-ignore", *paths], cwd=repo, capture_output=True, text=True).stdout.split()
+    assert not ignored, ignored

@@ -6,7 +6,8 @@
 One process, one rank. The PACS v1 recipe (examples/configs/cpu_smollm2_pacs_v1.yaml: 4 mini-batches a step,
 lr 1e-5) draws ``--steps`` rollout batches from the base model once, with an fp32 engine; then an fp32 actor and
 a bf16 actor (``model.bf16_rounding`` as configured: stochastic by default) each train on the same batches, one
-recipe step per batch. The update's effect on a batch is each row's change of summed response log-prob,
+recipe step per batch, the arms in turn (``--json`` is rewritten after every step: a stopped pilot keeps them).
+The update's effect on a batch is each row's change of summed response log-prob,
 ``delta_i = sum_t (logp_after - logp_before)``, both measured by the actor that trained. Per step it reports
 each dtype's mean |delta|, their ratio and their correlation over rows, and the verdict: bf16 learns as fp32
 does when, on every step, the ratio lies in [RATIO_LOW, RATIO_HIGH] and the correlation is at least MIN_CORR.
@@ -121,47 +122,54 @@ def run(args: argparse.Namespace) -> dict:
         source = rollout_source(cfg32, c, 0)
         batches = [source.take(step)[0] for step in range(1, args.steps + 1)]
         logger.info("drew %d rollout batches of %d rows (fp32 engine)", len(batches), len(batches[0]))
+        # both arms start from the same file; the bf16 one rounds it to bf16 on load, as a bf16 run does
+        configs = {"float32": cfg32, "bfloat16": _config(args, "bfloat16")}
+        actors = {"float32": c.actor, "bfloat16": MegatronActor(configs["bfloat16"], rt.groups, str(rt.model_dir))}
         deltas: dict[str, list[torch.Tensor]] = {}
         metrics: dict[str, list[dict]] = {}
-        seconds: dict[str, float] = {}
-        for dtype in ("float32", "bfloat16"):
-            cfg = cfg32 if dtype == "float32" else _config(args, dtype)
-            # both arms start from the same file; the bf16 one rounds it to bf16 on load, as a bf16 run does
-            actor = c.actor if dtype == "float32" else MegatronActor(cfg, rt.groups, str(rt.model_dir))
-            start = time.perf_counter()
-            for batch in batches:
-                delta, adv, m = row_deltas(cfg, actor, batch)
+        seconds = dict.fromkeys(actors, 0.0)
+        for i, batch in enumerate(batches, start=1):  # the arms step by step: a stopped pilot keeps its steps
+            for dtype, actor in actors.items():
+                start = time.perf_counter()
+                delta, adv, m = row_deltas(configs[dtype], actor, batch)
+                seconds[dtype] += time.perf_counter() - start
                 deltas.setdefault(dtype, []).append(delta)
                 metrics.setdefault(dtype, []).append({k: float(v) for k, v in m.items() if k.startswith(POST_PREFIX)})
                 logger.info(
-                    "%s: mean |delta| %.4g nats, corr(delta, advantage) %.3f",
-                    dtype, float(delta.abs().mean()), float(torch.corrcoef(torch.stack([delta, adv]))[0, 1]),
+                    "step %d, %s: mean |delta| %.4g nats, corr(delta, advantage) %.3f, %.0f s so far",
+                    i, dtype, float(delta.abs().mean()), float(torch.corrcoef(torch.stack([delta, adv]))[0, 1]),
+                    seconds[dtype],
                 )  # fmt: skip
-            seconds[dtype] = time.perf_counter() - start
-            if dtype == "float32":
-                c.actor = None  # type: ignore[assignment]  # its memory, before the bf16 actor's
-                del actor
-        steps = compare_steps(deltas)
-        return {
-            "cpu": cpu_description(),
-            "torch": torch.__version__,
-            "config": args.config,
-            "overrides": args.overrides,
-            "seed": args.seed,
-            "lr": cfg32.optimizer.lr,
-            "bf16_rounding": cfg32.model.bf16_rounding,
-            "rows": len(batches[0]),
-            "steps": steps,
-            "post_update": metrics,
-            "seconds": seconds,
-            "bounds": {"ratio": [RATIO_LOW, RATIO_HIGH], "min_corr": MIN_CORR},
-            "bf16_learns_as_fp32": verdict(steps),
-        }
+            if args.json:  # after every step: what a stopped pilot measured stays
+                report = _report(args, cfg32, batches, deltas, metrics, seconds)
+                Path(args.json).write_text(json.dumps(report, indent=1))
+        return _report(args, cfg32, batches, deltas, metrics, seconds)
     finally:
         if c is not None:
             c.scorer.close()
             c.engine.close()
         teardown(rt)
+
+
+def _report(args, cfg, batches, deltas: dict, metrics: dict, seconds: dict) -> dict:
+    """The pilot's record so far: its settings, each finished step's comparison and the verdict on them."""
+    steps = compare_steps(deltas)
+    return {
+        "cpu": cpu_description(),
+        "torch": torch.__version__,
+        "config": args.config,
+        "overrides": args.overrides,
+        "seed": args.seed,
+        "lr": cfg.optimizer.lr,
+        "bf16_rounding": cfg.model.bf16_rounding,
+        "rows": len(batches[0]),
+        "steps": steps,
+        "post_update": metrics,
+        "seconds": seconds,
+        "bounds": {"ratio": [RATIO_LOW, RATIO_HIGH], "min_corr": MIN_CORR},
+        "steps_planned": args.steps,
+        "bf16_learns_as_fp32": verdict(steps) if len(steps) == args.steps else None,
+    }
 
 
 def main(args: argparse.Namespace) -> int:

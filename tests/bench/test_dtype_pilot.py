@@ -6,6 +6,7 @@ Measured here (Zen 3, 2026-12-02): ratio of mean |delta| 0.21 nearest, 1.04 stoc
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ def _pilots(rank: int, world_size: int, tmp: str) -> list[dict]:
         work = f"{tmp}/{rounding}"
         args = parser.parse_args(
             ["--config", str(CONFIG), "--model-dir", f"{work}/model", "--workdir", work, "--steps", "1"]
+            + ["--json", f"{tmp}/{rounding}.json"]
             + ["--overrides", *TINY, f"model.bf16_rounding={rounding}"]
         )
         reports.append(dtype_pilot.run(args))
@@ -43,6 +45,8 @@ def test_the_pilot_tells_a_stalled_bf16_update_from_one_that_learns(tmp_path):
     assert nearest["steps"][0]["fp32_mean_abs"] == stochastic["steps"][0]["fp32_mean_abs"]
     assert not nearest["bf16_learns_as_fp32"] and nearest["steps"][0]["ratio"] < 0.5
     assert stochastic["bf16_learns_as_fp32"]
+    # the record written after the step (what a stopped pilot keeps) is the report's
+    assert json.loads((tmp_path / "stochastic.json").read_text())["steps"] == stochastic["steps"]
 
 
 def test_the_verdict_needs_every_step_within_its_bounds():

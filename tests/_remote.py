@@ -28,6 +28,7 @@ class RefActor:
     def __init__(self, model_dir, tokenizer) -> None:
         self.hf = HFEngine(model_dir, tokenizer, dtype=torch.float32)
         self.corrupt: str | None = None
+        self.groups = SimpleNamespace(rank=0, cp_rank=0)  # one process: rank 0, CP rank 0 (weight_sync/policy.py)
 
     def export_hf_weights(self):
         for name, t in self.hf.model.state_dict().items():

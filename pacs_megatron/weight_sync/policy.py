@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
@@ -43,21 +43,6 @@ class RankOf(Protocol):
     def cp_rank(self) -> int:
         """Rank in its context-parallel group (0 without CP)."""
         ...
-
-
-@runtime_checkable
-class Placed(Protocol):
-    """An actor that says where it runs; a one-process stand-in need not (it is CP rank 0)."""
-
-    @property
-    def groups(self) -> RankOf:
-        """Its process groups."""
-        ...
-
-
-def cp_rank_of(actor: object) -> int:
-    """The actor's CP rank: 0 without CP, and for a stand-in that names no groups."""
-    return actor.groups.cp_rank if isinstance(actor, Placed) else 0
 
 
 class PolicyWeights(Protocol):

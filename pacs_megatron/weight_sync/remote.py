@@ -37,7 +37,6 @@ from pacs_megatron.rollout.remote.engines import RemoteEngines, broadcast_from_r
 from pacs_megatron.rollout.weight_checksum import Recorder
 from pacs_megatron.utils.logging import get_logger
 from pacs_megatron.weight_sync.buckets import iter_buckets
-from pacs_megatron.weight_sync.policy import cp_rank_of
 from pacs_megatron.weight_sync.sync import SyncResult, WeightSync, raise_bitwise, random_probe_batch
 
 logger = get_logger(__name__)
@@ -212,7 +211,7 @@ class RemoteWeightSync(WeightSync):
             self.sender = WeightSender(group, engines.wait_wanted)
         # rank 0's TP and PP groups hold no rank of another CP rank (MoE, whose EP groups could, is refused at
         # cp > 1): the CP ranks > 0 skip the export together, unless their quantized probe needs its tensors
-        self.exports = cp_rank_of(actor) == 0 or (self.quantizer is not None and self.prompts is not None)
+        self.exports = actor.groups.cp_rank == 0 or (self.quantizer is not None and self.prompts is not None)
         """This rank runs the export (collective over its TP and PP groups)."""
 
     def push_version(self, version: int) -> SyncResult:

@@ -9,7 +9,7 @@
 # of examples/k_sweep_cpu.sh, docs/pacs_v2.md) and GRPO with the same mini-batching. 6 paired seeds x 16 steps,
 # the held-out split only (40 problems x 16 samples) validated at steps 8 and 16; a run's score is its last.
 # Paired: the runs of one seed share their prompts, their first rollout batch and the seeds of their held-out
-# samples (tests/tools/test_compare_paired.py checks step 1's tokens on the CPU), so compare reports each
+# samples (tests/tools/compare/test_paired.py checks step 1's tokens on the CPU), so compare reports each
 # pair's per-seed difference and its 95% t-interval (v1 - GRPO, v2 - GRPO, v2 - v1): at a planned SD of 0.025
 # for a paired difference, 6 seeds give about +-0.026.
 # lr 1e-5 for all three, not tuned: every committed SmolLM2 comparison used or chose it (docs/results/

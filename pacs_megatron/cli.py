@@ -29,7 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "selftest": ("pacs_megatron.tools.selftest", "check this machine: extension, kernel, parity, training, sync"),
     "export": ("pacs_megatron.tools.export", "write a checkpoint as a Hugging Face model (safetensors + tokenizer)"),
     "import-gguf": ("pacs_megatron.tools.import_gguf", "write a GGUF model file as a Hugging Face directory (fp32)"),
-    "compare": ("pacs_megatron.tools.compare", "PACS vs GRPO vs PPO over seeds with a tuned lr each (JSON + PNG)"),
+    "compare": (
+        "pacs_megatron.tools.compare.protocol",
+        "PACS vs GRPO vs PPO over seeds with a tuned lr each (JSON + PNG)",
+    ),
 }
 
 

@@ -54,7 +54,7 @@ def test_an_unmarked_test_that_starts_a_process_fails_with_the_fix(door):
 
 def test_a_library_probe_of_the_machine_needs_no_marker():
     """matplotlib's first plot on a machine builds its font cache with ``fc-list``: on a fresh machine the fast
-    tier's first plotting test (tests/tools/test_compare_report.py) failed the guard, and passed on a rerun."""
+    tier's first plotting test (tests/tools/compare/test_report.py) failed the guard, and passed on a rerun."""
 
     def start():
         try:

@@ -11,7 +11,7 @@ Resolved in the launch (``launch/cli.py``, every process that runs ``train``: th
 see the same machine), before the preflight: from there on ``cfg.model.dtype`` is "float32" or "bfloat16", so
 the saved configs (``configs/launch_*.yaml``, ``config.yaml``), the checkpoints' ``extra_state.json`` and
 ``final.json`` record the resolved value. An explicit value is left as it is, so whatever keys a run by its
-explicit settings (tools/compare_runs.py) keys it as before.
+explicit settings (tools/compare/runs.py) keys it as before.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from pacs_megatron.run.layout import RunLayout
-from pacs_megatron.tools.compare_report import _pm, band, find_val_key, finish, interval, series
+from pacs_megatron.tools.compare.report import _pm, band, find_val_key, finish, interval, series
 from pacs_megatron.tools.plot import read_metrics
 
 BRIER, POST, AGE, REWARD = "pacs/brier", "pacs/post_brier", "reference/age", "reward/mean"

@@ -1,7 +1,7 @@
 """Paired differences between methods, and where each run ran (``pacs-megatron compare``'s summary).
 
 Runs of one seed share their prompts, their first rollout batch and the seeds of their validation samples
-(tools/compare_runs.py sets every seed of a run to it), so the difference of two methods on one seed cancels
+(tools/compare/runs.py sets every seed of a run to it), so the difference of two methods on one seed cancels
 the seed's own luck: its spread over seeds is smaller than either method's, and its 95% t-interval is the
 honest answer to "does A beat B here". Pure functions of the runs' rows and records, checkable by hand.
 """
@@ -12,8 +12,8 @@ import statistics
 from pathlib import Path
 
 from pacs_megatron.run.layout import RunLayout
-from pacs_megatron.tools.compare_report import _pm, interval, run_score, series
-from pacs_megatron.tools.compare_results import run_cpu
+from pacs_megatron.tools.compare.report import _pm, interval, run_score, series
+from pacs_megatron.tools.compare.results import run_cpu
 
 Runs = dict[int, list[dict]]
 """One method's finished runs by seed: each run's metrics rows."""

@@ -8,8 +8,8 @@ import math
 import pytest
 from _compare_helpers import GENERALIZE, SMALL
 
-from pacs_megatron.tools.compare import grid_step, tune
-from pacs_megatron.tools.compare_runs import Runner, Spec, run_name
+from pacs_megatron.tools.compare.protocol import grid_step, tune
+from pacs_megatron.tools.compare.runs import Runner, Spec, run_name
 
 
 class _Synthetic(Runner):
@@ -72,7 +72,7 @@ def test_each_method_tunes_on_its_own_grid(tmp_path, monkeypatch):
     import argparse
 
     from pacs_megatron.config import ConfigError
-    from pacs_megatron.tools import compare as compare_mod
+    from pacs_megatron.tools.compare import protocol as compare_mod
 
     peaks = {"pacs": 1e-5, "pacs_lora": 1e-4}
     runner = _Synthetic(1, lambda s: -abs(math.log10(s.lr / peaks[s.method])))
@@ -105,7 +105,7 @@ def test_pacs_v2_tunes_its_reset_period_at_its_chosen_lr(tmp_path, monkeypatch):
     import argparse
 
     from pacs_megatron.config import ConfigError
-    from pacs_megatron.tools import compare as compare_mod
+    from pacs_megatron.tools.compare import protocol as compare_mod
 
     class Tuned(_Synthetic):
         def __init__(self, score):

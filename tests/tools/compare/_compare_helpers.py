@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-GENERALIZE = Path(__file__).resolve().parents[2] / "examples" / "configs" / "cpu_generalize.yaml"
+GENERALIZE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "cpu_generalize.yaml"
 SMALL = [
     "parallel.tp=1",
     "trainer.train_batch_size=4",

@@ -10,9 +10,9 @@ import math
 import pytest
 from _compare_helpers import GENERALIZE, SMALL
 
-from pacs_megatron.tools.compare_paired import paired_differences, paired_table, parse_pairs
-from pacs_megatron.tools.compare_report import interval
-from pacs_megatron.tools.compare_results import order_blocks
+from pacs_megatron.tools.compare.paired import paired_differences, paired_table, parse_pairs
+from pacs_megatron.tools.compare.report import interval
+from pacs_megatron.tools.compare.results import order_blocks
 
 
 def _rows(*vals, key="val/x/pass@1"):
@@ -117,7 +117,7 @@ def test_overrides_are_checked_with_each_methods_settings(tmp_path):
     import argparse
 
     from pacs_megatron.config import ConfigError
-    from pacs_megatron.tools.compare import add_arguments, check_args
+    from pacs_megatron.tools.compare.protocol import add_arguments, check_args
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -135,7 +135,7 @@ def test_an_auto_dtype_run_is_keyed_as_this_machine_resolves_it(tmp_path, monkey
     import argparse
 
     import pacs_megatron.utils.cpu as cpu
-    from pacs_megatron.tools.compare_runs import Runner
+    from pacs_megatron.tools.compare.runs import Runner
 
     def key(flags, *extra):
         monkeypatch.setattr(cpu, "cpu_bf16_flags", lambda: flags)
@@ -154,7 +154,7 @@ def test_a_committed_run_under_an_older_key_is_rekeyed_in_the_results_and_restor
     from omegaconf import OmegaConf
 
     from pacs_megatron.config import load_config
-    from pacs_megatron.tools.compare_runs import Runner, Spec
+    from pacs_megatron.tools.compare.runs import Runner, Spec
 
     args = argparse.Namespace(config=str(GENERALIZE), out=str(tmp_path / "out"), steps=2, overrides=SMALL)
     args.results, args.gpus = str(tmp_path / "results"), []
@@ -180,7 +180,7 @@ def test_the_kept_runs_of_every_results_folder_can_be_committed():
     import subprocess
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     if shutil.which("git") is None or not (repo / ".git").exists():
         pytest.skip("not a git checkout")
     folders = sorted(p for p in (repo / "docs" / "results").iterdir() if p.is_dir())

@@ -3,7 +3,7 @@
 A protocol of many CPU hours runs across sessions and machines whose run directories do not survive: each
 finished run's small record (metrics, rollout samples, summary, config, placement; no checkpoint) is copied
 to ``DIR/runs/NAME-KEY/`` as it finishes, and a run found there is copied back before the comparison decides
-what to run. The key is the run's (compare_runs.config_key), so only a run of the very same settings is reused;
+what to run. The key is the run's (runs.config_key), so only a run of the very same settings is reused;
 a restart anywhere loses only the run in progress.
 """
 

@@ -1,4 +1,4 @@
-"""The runs of ``pacs-megatron compare`` (tools/compare.py): one ``pacs-megatron train`` process per (method,
+"""The runs of ``pacs-megatron compare`` (protocol.py): one ``pacs-megatron train`` process per (method,
 lr, seed), at most ``--jobs`` at a time, each in its own directory keyed on its resolved config, so a rerun
 resumes or reuses it. On GPUs, runs that share one are pinned to the least busy and capped at their share of
 its memory (utils/devices.py); a colocated vLLM engine must fit inside that share (:func:`check_engine_share`).
@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import psutil
 
 from pacs_megatron.run.layout import RunLayout
-from pacs_megatron.tools.compare_results import ResultsDir
+from pacs_megatron.tools.compare.results import ResultsDir
 from pacs_megatron.tools.plot import read_metrics
 from pacs_megatron.utils.devices import MEMORY_FRACTION_ENV, share_gpus, visible_gpus
 from pacs_megatron.utils.logging import get_logger

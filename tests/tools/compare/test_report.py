@@ -3,7 +3,7 @@ column twice)."""
 
 from __future__ import annotations
 
-from pacs_megatron.tools.compare_report import method_summary, table
+from pacs_megatron.tools.compare.report import method_summary, table
 
 ROWS = [{"step": s, "reward/mean": 0.1 * s, "val/arith/pass@1": 0.2 * s} for s in range(1, 5)]
 
@@ -34,7 +34,7 @@ def test_two_seeds_and_a_separate_tuning_set_keep_both_columns_and_intervals():
 
 def test_pass_at_k_finals_and_the_classifier_curves(tmp_path):
     """The held-out split's pass@4/16 get their own intervals, and entropy / psi curves are kept and drawn."""
-    from pacs_megatron.tools.compare_report import plot
+    from pacs_megatron.tools.compare.report import plot
 
     rows = [
         r | {"val/arith/pass@4": 0.5, "val/arith/pass@16": 0.75, "actor/entropy": 1.0 - 0.1 * r["step"],

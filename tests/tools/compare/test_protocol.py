@@ -11,8 +11,8 @@ import math
 import pytest
 from _compare_helpers import GENERALIZE, SMALL
 
-from pacs_megatron.tools.compare import interval, run_score
-from pacs_megatron.tools.compare_runs import Runner
+from pacs_megatron.tools.compare.protocol import interval, run_score
+from pacs_megatron.tools.compare.runs import Runner
 
 
 def test_interval_and_score_by_hand():
@@ -231,7 +231,7 @@ def test_stopping_waits_for_every_run_to_finish_its_step(tmp_path, monkeypatch):
     """A stopped run checkpoints after its current step, however long it takes: the old fixed 120 s
     grace killed a SmolLM2 run whose step under load took 165 s (here: a clock that jumps 200 s a
     reading makes any deadline pass; the old code then killed the runs, exit -9)."""
-    from pacs_megatron.tools import compare_runs as compare_mod
+    from pacs_megatron.tools.compare import runs as compare_mod
 
     running = _slow_runs(tmp_path, step_s=1.0)
     procs = [p for p, _ in running.values()]
@@ -249,7 +249,7 @@ def test_a_second_signal_kills_the_runs_at_once(tmp_path):
     import threading
     import time
 
-    from pacs_megatron.tools.compare_runs import _stop_runs
+    from pacs_megatron.tools.compare.runs import _stop_runs
 
     running = _slow_runs(tmp_path, step_s=60.0)
     procs = [p for p, _ in running.values()]
@@ -298,7 +298,7 @@ def test_a_vllm_engine_must_fit_its_share_of_a_shared_gpu():
     """A colocated vLLM engine sizes itself by a fraction of the whole GPU, outside the runs' allocator caps:
     runs sharing a GPU must ask for at most half their share (the actor keeps the other half)."""
     from pacs_megatron.config import ConfigError, load_config
-    from pacs_megatron.tools.compare_runs import check_engine_share
+    from pacs_megatron.tools.compare.runs import check_engine_share
 
     vllm = load_config(GENERALIZE, ["rollout.engine=vllm"])
     check_engine_share(vllm, None, 4)  # no GPU shared: nothing to check

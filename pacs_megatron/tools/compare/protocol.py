@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pacs_megatron.run.layout import RunLayout
-from pacs_megatron.tools.compare_paired import facts_table, paired_differences, paired_table, parse_pairs, run_facts
-from pacs_megatron.tools.compare_report import (
+from pacs_megatron.tools.compare.paired import facts_table, paired_differences, paired_table, parse_pairs, run_facts
+from pacs_megatron.tools.compare.report import (
     final_definition,
     find_val_key,
     interval,  # noqa: F401  (re-exported: the public helpers of this tool)
@@ -34,8 +34,8 @@ from pacs_megatron.tools.compare_report import (
     run_score,
     table,
 )
-from pacs_megatron.tools.compare_results import order_blocks
-from pacs_megatron.tools.compare_runs import (
+from pacs_megatron.tools.compare.results import order_blocks
+from pacs_megatron.tools.compare.runs import (
     METHODS,
     Runner,
     Spec,

@@ -1,4 +1,4 @@
-"""compare on CPU: another run starts only when the host's memory holds it (tools/compare_runs.py). Two SmolLM2 runs
+"""compare on CPU: another run starts only when the host's memory holds it (tools/compare/runs.py). Two SmolLM2 runs
 of 10-12 GB each started together on a 24 GB box under the default --jobs (cores // ranks)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import psutil
 import pytest
 from _compare_helpers import GENERALIZE, SMALL
 
-from pacs_megatron.tools import compare_runs
-from pacs_megatron.tools.compare_runs import HEADROOM, Runner
+from pacs_megatron.tools.compare import runs as compare_runs
+from pacs_megatron.tools.compare.runs import HEADROOM, Runner
 
 
 def _runner(tmp_path, gpus):

@@ -1,7 +1,7 @@
 """What ``pacs-megatron compare`` writes: scores, intervals over seeds, the tables and the plot.
 
 Pure functions of the runs' ``metrics.jsonl`` rows, so the numbers in ``summary.json`` can be checked
-by hand (tests/tools/test_compare.py does).
+by hand (tests/tools/compare/test_protocol.py does).
 """
 
 from __future__ import annotations

@@ -15,11 +15,14 @@
 # lr 1e-5 for all three, not tuned: every committed SmolLM2 comparison used or chose it (docs/results/
 # smollm2_gpu, smollm2_lora_cpu), and on the H200 partial runs 1e-6 moved no method in 20 steps (held-out
 # 0.34-0.37, docs/results/smollm2_pacs_gpu_partial/).
-# dtype: float32. bf16 is the recipe's choice where the CPU has it natively, but it is used here only once a
-# 3-step pilot shows bf16 updates learn as fp32's do at lr 1e-5 (python -m pacs_megatron.bench.dtype_pilot
-# --model-dir DIR; issue 58 found the bf16 warm-up barely learning); DTYPE=bfloat16 is for that day, and
-# its runs get their own keys. A seed's runs (a block) run on one CPU: compare defers a block begun on another
-# CPU until a machine of its kind runs the script.
+# dtype: auto, per block: a seed's three runs (its block) run on one CPU in one dtype, the machine's when the block
+# begins (bf16 on a native-bf16 CPU, AVX512-BF16 or AMX; fp32 elsewhere, where torch emulates bf16), and a block
+# begun in one dtype keeps it (tools/compare/runs.py block_dtype); each run records its CPU and dtype. bf16 was
+# allowed only after the 3-step pilot showed its updates learn as fp32's do at lr 1e-5 (bench.dtype_pilot, same
+# rollouts, stochastic rounding: bf16/fp32 mean |delta log-prob| 0.99 / 1.03 / 0.85, row correlation 0.94-0.97,
+# AMD Zen 5 with AVX512-BF16, RESULTS/dtype_pilot.json). DTYPE=float32 or bfloat16 pins every block's dtype
+# (the same keys as an auto block of that dtype).
+# A block begun on another CPU waits: compare defers it until a machine of its kind runs the script.
 # Resumable in pieces: each finished run's record (metrics, samples, config, placement, no checkpoint) is
 # copied to RESULTS/runs/ as it finishes and reused from there on any machine: commit RESULTS. A restart loses
 # only the run in progress (it checkpoints at step 8; kill the compare by its pid and it stops at a step's end).
@@ -39,4 +42,4 @@ exec pacs-megatron compare --config examples/configs/cpu_smollm2_pacs_v1.yaml \
   --pairs "${PAIRS:-pacs-grpo,pacs_v2-grpo,pacs_v2-pacs}" --val-key val/arith_heldout/pass@1 --jobs 1 \
   ${REPORT_ONLY:+--report-only} \
   trainer.test_freq=8 trainer.val_before_train=false "trainer.val_sets=[arith_heldout]" \
-  model.dtype="${DTYPE:-float32}" trainer.save_freq=8 trainer.keep_checkpoints=1 "$@"
+  model.dtype="${DTYPE:-auto}" trainer.save_freq=8 trainer.keep_checkpoints=1 "$@"

@@ -134,7 +134,7 @@ class Runner:
 
         spec = Spec(*spec_fields)
         if spec not in self._dirs:
-            cfg = self._resolved(load_config(self.args.config, self.settings(*spec)))
+            cfg = self._resolved(load_config(self.args.config, self.settings(*spec)), spec.seed)
             key = config_key(cfg)
             self._dirs[spec] = self.out / "runs" / f"{run_name(*spec)}-{key}"
             self._builds_model[spec] = cfg.model.init != "pretrained"
@@ -142,16 +142,30 @@ class Runner:
                 self._adopt(spec, cfg, self._dirs[spec])
         return self._dirs[spec]
 
-    def _resolved(self, cfg: Any) -> Any:
-        """``cfg`` with ``model.dtype=auto`` as this machine resolves it (launch/dtype.py), so the key says what the
-        run computes in: auto is bf16 on a GPU or a native-bf16 CPU and fp32 elsewhere, and an fp32 run of one
-        machine is never reused as a bf16 run of another. An explicit dtype is keyed as given."""
+    def _resolved(self, cfg: Any, seed: int | None = None) -> Any:
+        """``cfg`` with ``model.dtype=auto`` resolved, so the key says what the run computes in: an fp32 run of one
+        machine is never reused as a bf16 run of another. A seed's block keeps the dtype it began in
+        (:meth:`block_dtype`), so its remaining runs pair with its finished ones on any machine; a fresh block takes
+        this machine's (launch/dtype.py: bf16 on a GPU or a native-bf16 CPU, fp32 elsewhere). An explicit dtype is
+        keyed as given."""
         from pacs_megatron.launch.dtype import choose_dtype
         from pacs_megatron.utils.cpu import cpu_bf16_flags
 
         if cfg.model.dtype == "auto":
-            cfg.model.dtype = choose_dtype("auto", on_gpu=bool(self.gpus), bf16_flags=cpu_bf16_flags()).dtype
+            began = self.block_dtype(seed) if seed is not None else None
+            cfg.model.dtype = began or choose_dtype("auto", on_gpu=bool(self.gpus), bf16_flags=cpu_bf16_flags()).dtype
         return cfg
+
+    def block_dtype(self, seed: int) -> str | None:
+        """The dtype seed ``seed``'s block began in: the saved config of any of its runs, committed in --results or
+        begun in --out (the earliest saved), None when none has begun."""
+        from omegaconf import OmegaConf
+
+        folders = [self.out / "runs", *([self.results.path / "runs"] if self.results else [])]
+        saved = [RunLayout(d).config for f in folders if f.is_dir() for d in f.glob(f"*_s{seed}-*")]
+        saved = [c for c in saved if c.is_file()]
+        dtypes = [str(OmegaConf.load(c).model.dtype) for c in sorted(saved, key=lambda c: c.stat().st_mtime)]
+        return next((d for d in dtypes if d != "auto"), None)  # a launch saves the resolved one
 
     def _adopt(self, spec: Spec, cfg: Any, new: Path) -> None:
         """A finished run of the same settings under another key (the key's scheme changed since: it once

@@ -148,6 +148,37 @@ def test_an_auto_dtype_run_is_keyed_as_this_machine_resolves_it(tmp_path, monkey
     assert key([], "model.dtype=float32") == key(["amx_bf16"], "model.dtype=float32")
 
 
+def test_an_auto_dtype_block_keeps_the_dtype_its_seed_began_in(tmp_path, monkeypatch):
+    """Issue 56: a block's dtype is its machine's (auto), fixed when the block begins. A seed whose runs exist
+    (committed in --results, or begun in --out) in fp32 stays fp32 on a native-bf16 CPU, so its remaining runs
+    pair with the finished ones; a fresh seed takes this machine's bf16."""
+    import argparse
+
+    from omegaconf import OmegaConf
+
+    import pacs_megatron.utils.cpu as cpu
+    from pacs_megatron.config import load_config
+    from pacs_megatron.tools.compare.runs import Runner
+
+    monkeypatch.setattr(cpu, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+
+    def runner(*extra):
+        args = argparse.Namespace(config=str(GENERALIZE), out=str(tmp_path / "out"), steps=2)
+        args.overrides, args.results, args.gpus = [*SMALL, *extra], str(tmp_path / "results"), []
+        return Runner(args)
+
+    fp32 = runner("model.dtype=float32")
+    kept = tmp_path / "results" / "runs" / fp32.run_dir("pacs", 1e-3, 0).name  # seed 0's PACS run, committed
+    cfg = load_config(GENERALIZE, [*fp32.settings("pacs", 1e-3, 0), f"trainer.output_dir={kept}"])
+    kept.mkdir(parents=True)
+    OmegaConf.save(OmegaConf.structured(cfg), kept / "config.yaml")
+    (kept / "final.json").write_text("{}")
+    auto, bf16 = runner("model.dtype=auto"), runner("model.dtype=bfloat16")
+    assert auto.run_dir("grpo", 1e-3, 0).name == fp32.run_dir("grpo", 1e-3, 0).name  # the block's dtype
+    assert auto.run_dir("pacs", 1e-3, 0).name == kept.name
+    assert auto.run_dir("grpo", 1e-3, 1).name == bf16.run_dir("grpo", 1e-3, 1).name  # a fresh block: this CPU's
+
+
 def test_a_committed_run_under_an_older_key_is_rekeyed_in_the_results_and_restored(tmp_path):
     import argparse
 

@@ -71,7 +71,7 @@ def remote_engines(tmp_path, monkeypatch, engines: int, overrides: list[str], sp
         monkeypatch.delenv(key)
     actor = RefActor(model_dir, load_tokenizer(str(model_dir), cfg.data.chat_template))
     config = OmegaConf.to_container(OmegaConf.structured(cfg))
-    client = RemoteEngines(cfg, model_dir, model_dir, config, torch.device("cpu"))
+    client = RemoteEngines(cfg.rollout, model_dir, model_dir, config, torch.device("cpu"))
     vocab = actor.hf.model.config.vocab_size
     sync = RemoteWeightSync(actor, client, cfg.sync, vocab, torch.float32, cfg.rollout, "cpu")
     try:

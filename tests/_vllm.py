@@ -39,6 +39,7 @@ def cpu_engine(model_dir: Path, *overrides: str):
     """``(VLLMEngine, HFEngine)`` on ``model_dir`` in float32, the vLLM one shut down on exit."""
     from transformers import AutoTokenizer
 
+    from pacs_megatron.loop.build import engine_run
     from pacs_megatron.rollout.hf_engine import HFEngine
     from pacs_megatron.rollout.vllm.engine import VLLMEngine, single_rank_launcher_env
 
@@ -54,7 +55,7 @@ def cpu_engine(model_dir: Path, *overrides: str):
         ],
     )
     with single_rank_launcher_env():
-        engine = VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tok, device="cpu")
+        engine = VLLMEngine(cfg.rollout, engine_run(cfg), model_dir=model_dir, tokenizer=tok, device="cpu")
         try:
             yield engine, HFEngine(model_dir, tok, device="cpu", dtype=torch.float32, seed=0)
         finally:

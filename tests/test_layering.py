@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CONTRACTS = 6  # megatron, vllm, pacs/ pure torch, no actor <-> reference circle, the layers, the loop's layers
+# megatron, vllm, pacs/ pure torch, no actor <-> reference circle, the run config, the layers, the loop's layers
+CONTRACTS = 7
 
 
 def _lint(cwd: Path, pythonpath: Path | None = None) -> tuple[int, str]:
@@ -49,6 +50,7 @@ def test_planted_violations_inside_functions_fail_the_lint(tmp_path):
     _plant(pkg / "actor" / "reference.py", "from pacs_megatron.actor.actor import MegatronActor  # noqa")
     _plant(pkg / "loop" / "stages.py", "from pacs_megatron.loop import train  # noqa")  # a stage up the loop
     _plant(pkg / "batch" / "rows.py", "from pacs_megatron.pacs import loss  # noqa")  # the ground floor looks up
+    _plant(pkg / "data" / "sampler.py", "from pacs_megatron.config.run import RunConfig  # noqa")  # below the loop
     (pkg / "newfolder").mkdir()  # a folder the layers do not place
     (pkg / "newfolder" / "__init__.py").write_text("")
     code, out = _lint(tmp_path, pythonpath=tmp_path)  # the copy, not the installed package
@@ -62,6 +64,7 @@ def test_planted_violations_inside_functions_fail_the_lint(tmp_path):
         "pacs_megatron.actor.reference -> pacs_megatron.actor.actor",
         "pacs_megatron.loop.stages -> pacs_megatron.loop.train",
         "pacs_megatron.batch.rows -> pacs_megatron.pacs.loss",
+        "pacs_megatron.data.sampler -> pacs_megatron.config.run",
         "pacs_megatron.newfolder",
     ]:
         assert planted in out, (planted, out)
@@ -105,3 +108,34 @@ def test_the_folder_graph_is_acyclic_and_at_most_eleven_levels_tall():
     assert tallest <= 11, sorted(levels.items(), key=lambda kv: -kv[1])
     assert edges["batch"] == set(), edges["batch"]  # the ground floor imports nothing of the package
     assert "data" not in edges["actor"] | edges["weight_sync"]
+
+
+RUN_CONFIG_NAMES = {"RunConfig", "load_config", "config_from_dict", "to_yaml", "run"}
+"""What config/__init__ re-exports of config/run.py (and the module itself)."""
+RUN_CONFIG_USERS = {"loop", "launch", "tools", "bench", "run", "config", "cli", "__main__"}
+"""Where the run config may be named: pyproject.toml's "the run config stops at the loop" contract."""
+
+
+def test_the_run_config_is_named_only_above_the_components():
+    """Issue 60 R5: import-linter sees modules, not names, so ``from pacs_megatron.config import RunConfig`` (the
+    package re-exports it) escapes its contract; this scan holds it, imports inside functions and TYPE_CHECKING too."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "pacs_megatron").rglob("*.py")):
+        rel = path.relative_to(REPO / "pacs_megatron")
+        if (rel.parts[0] if len(rel.parts) > 1 else rel.stem) in RUN_CONFIG_USERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module, names = node.module or "", {a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                module, names = "", {a.name for a in node.names}
+            else:
+                continue
+            run_module = module.startswith("pacs_megatron.config.run") or any(
+                n.startswith("pacs_megatron.config.run") for n in names
+            )
+            if run_module or (module == "pacs_megatron.config" and RUN_CONFIG_NAMES & names):
+                found.append(f"{rel}:{node.lineno}")
+    assert not found, f"the run config below the loop (take the sections instead, loop/build.py): {found}"

@@ -1,6 +1,6 @@
 """MegatronActor: the policy the trainer and weight sync talk to (TP x PP x DP megatron-core GPTModel).
 
-    actor = MegatronActor(cfg, groups, model_dir)
+    actor = MegatronActor(sections, groups, model_dir)      # actor/sections.py; loop/build.py from a run config
     old = actor.compute_logprobs(local_batch, micro_batch_size=8, temperature=T)      # no grad
     metrics = actor.train_step(TrainBatch.of_rows(rows, old_logp=..., old_entropy=...))  # one update
     for name, tensor in actor.export_hf_weights(): ...                                  # weight sync
@@ -40,6 +40,7 @@ from pacs_megatron.actor.optimizer import (
     wrap_ddp,
 )
 from pacs_megatron.actor.reference import ReferencePolicy
+from pacs_megatron.actor.sections import ActorSections
 from pacs_megatron.actor.thd import use_thd
 from pacs_megatron.actor.train_step import (
     FORWARD_KEYS,
@@ -53,7 +54,7 @@ from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save
 from pacs_megatron.batch.build import split_micro_batches
 from pacs_megatron.batch.packing import pack_micro_batches, token_budget
 from pacs_megatron.batch.rows import Rollouts, TrainBatch, TrainRows
-from pacs_megatron.config import ConfigError, RunConfig
+from pacs_megatron.config import ConfigError
 from pacs_megatron.hf.spec import model_spec_from_hf
 from pacs_megatron.pacs import get_loss, regularize
 from pacs_megatron.parallel import ParallelGroups
@@ -98,10 +99,16 @@ class MegatronActor:
     """The training forward computes the logits of response tokens only (actor/logit_rows.py): its loss
     reads nothing else. Pass ``response_only=True`` to :meth:`compute_logprobs` for its old log-probs."""
 
-    def __init__(self, cfg: RunConfig, groups: ParallelGroups, model_dir: str) -> None:
+    def __init__(self, sections: ActorSections, groups: ParallelGroups, model_dir: str) -> None:
+        """The policy of ``model_dir`` (config.json, and its weights when ``model.loads_weights``) on ``groups``.
+
+        ``sections`` (actor/sections.py): ``model`` its numerics and seed, ``parallel`` sequence parallelism,
+        ``actor`` LoRA / routing replay / offloading, ``optimizer`` Adam and the lr schedule, ``train`` the loss,
+        batching and the schedule's length."""
         from transformers import AutoConfig
 
-        self.cfg, self.groups, self.model_dir = cfg, groups, str(model_dir)
+        cfg = self.sections = sections
+        self.groups, self.model_dir = groups, str(model_dir)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.spec = model_spec_from_hf(self.hf_config, groups.tp_size)
         if cfg.actor.routing_replay == "rollout" and cfg.model.recompute_activations:
@@ -111,7 +118,7 @@ class MegatronActor:
             )
         on_gpu = groups.device.type == "cuda"
         self.param_dtype = resolve_dtype(cfg.model.dtype, on_gpu)
-        self.distributed_optimizer = use_distributed_optimizer(cfg, groups)
+        self.distributed_optimizer = use_distributed_optimizer(cfg.optimizer, groups)
         self.config = transformer_config(
             self.spec,
             groups,
@@ -139,7 +146,7 @@ class MegatronActor:
                     tp_rank=groups.tp_rank,
                     tp_size=groups.tp_size,
                 )
-        self.model = wrap_ddp(chunks, self.config, cfg, groups)
+        self.model = wrap_ddp(chunks, self.config, cfg.optimizer, groups)
         if lora.enabled:
             sum_replicated_lora_grads(self.config, groups.tp_group)
         set_fused_head(chunks, cfg.model.use_fused_lm_head(on_gpu))  # actor/logit_rows.py, ops/head.py
@@ -152,11 +159,11 @@ class MegatronActor:
         coeff = cfg.model.moe_aux_loss_coeff
         self.moe_aux = MoeAuxLoss(chunks, coeff, groups) if self.spec.is_moe and coeff > 0 else None
         """The load-balancing loss (actor/moe/aux_loss.py), when model.moe_aux_loss_coeff > 0."""
-        self.thd = use_thd(cfg.algorithm.dynamic_batching, groups.device, groups.ep_size)
+        self.thd = use_thd(cfg.train.algorithm.dynamic_batching, groups.device, groups.ep_size)
         """THD-packed micro-batches (actor/thd.py; CPU, and GPU with Transformer Engine: unverified there;
         MoE routing replay follows the packing, actor/moe/routing.py)."""
-        self.optimizer = build_optimizer(self.model, cfg, groups, self.param_dtype)
-        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.model, groups, self.param_dtype)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.train.optimizer_steps)
         self.iteration = 0
         """Optimizer steps attempted (successful + skipped)."""
         self.skipped_steps = 0
@@ -164,7 +171,7 @@ class MegatronActor:
         self.nan_skipped_steps = 0
         """Steps skipped because the loss or a metric (log-probs, old log-probs) was NaN/inf."""
         self.offloader = ActorOffload(self.model, self.optimizer, groups.device)
-        if cfg.algorithm.needs_reference:
+        if cfg.train.algorithm.needs_reference:
             self.reference = LoRAReference(self) if lora.enabled else ReferencePolicy(self)
         if cfg.actor.offload_during_rollout:  # free the (empty) grad buffer before the engine sizes its memory
             self.offload()
@@ -264,23 +271,24 @@ class MegatronActor:
     def _train_step(
         self, batch: TrainRows, loss_name: str | None, old_from_forward: bool
     ) -> tuple[dict[str, float], LogprobResult | None]:
-        name = loss_name or self.cfg.algorithm.loss
+        train = self.sections.train
+        name = loss_name or train.algorithm.loss
         loss = get_loss(name)
         if loss_name is None:  # the run's RL loss gets the recipe's KL / entropy terms, if any
-            a = self.cfg.algorithm
+            a = train.algorithm
             loss = regularize(loss, a.kl_loss_coef, a.kl_loss_type, a.entropy_coeff)
         check_train_batch(batch, old_from_forward)
-        mbs = self.cfg.algorithm.micro_batch_size
+        mbs = train.algorithm.micro_batch_size
         packed = self._packed(batch, 0)
         micro, rows = packed or (split_micro_batches(batch, min(mbs, len(batch))), torch.arange(len(batch)))
-        loss_cfg = step_loss_config(self.cfg.algorithm.loss_config(name), self.cfg.rollout.max_response_length)
+        loss_cfg = step_loss_config(train.algorithm.loss_config(name), train.max_response_length)
         make = partial(
             train_loss_func,
             spec=self.spec,
             groups=self.groups,
             loss=loss,
             loss_cfg=loss_cfg,
-            temperature=self.cfg.rollout.temperature,
+            temperature=train.temperature,
             old_from_forward=old_from_forward,
         )
         store: list = []
@@ -326,9 +334,13 @@ class MegatronActor:
         """Token-budget micro-batches (batch/packing.py) when dynamic batching is on, else None. With
         PP every micro-batch of a pass keeps the rows' padded length only up to its own longest row;
         megatron's p2p then sends shapes ahead (run_schedule), see docs/batching.md."""
-        if not self.cfg.algorithm.dynamic_batching:
+        train = self.sections.train
+        a = train.algorithm
+        if not a.dynamic_batching:
             return None
-        return pack_micro_batches(batch, token_budget(self.cfg), chunk_groups)
+        longest = train.max_prompt_length + train.max_response_length
+        budget = token_budget(a.max_tokens_per_micro_batch, a.micro_batch_size, longest)
+        return pack_micro_batches(batch, budget, chunk_groups)
 
     def _optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
         """Clip and step, or skip the step when the loss / log-prob metrics or the gradient norm are
@@ -369,7 +381,7 @@ class MegatronActor:
     def offload(self) -> dict[str, float]:
         """Optimizer state to host, grad buffer freed until the next train step or checkpoint
         (``actor.offload_during_rollout``; the trainer calls it after the update, collective-free)."""
-        return self.offloader.offload() if self.cfg.actor.offload_during_rollout else {}
+        return self.offloader.offload() if self.sections.actor.offload_during_rollout else {}
 
     # ------------------------------------------------------------------ weights and checkpoints
 
@@ -386,7 +398,7 @@ class MegatronActor:
         """Every stage's LoRA adapters as PEFT-named full CPU tensors on every rank, with their
         ``adapter_config.json`` (collective over TP and PP; actor/lora/export.py): the adapter-only sync's."""
         tensors = gather_peft_tensors(self.model, self.spec, self.groups)
-        return tensors, peft_config(tensors, self.cfg.actor.lora, self.model_dir)
+        return tensors, peft_config(tensors, self.sections.actor.lora, self.model_dir)
 
     def swapped_hf_weights(self, tensors: dict[str, torch.Tensor]):
         """Context manager: hold these full HF-named tensors instead of the trained ones (restored on exit)."""
@@ -412,5 +424,5 @@ class MegatronActor:
         extra = ckpt.load_actor_checkpoint(self, path)
         if self.reference is not None:
             self.reference.load(path)
-        apply_lr_config(self.optimizer, self.scheduler, self.cfg)  # a changed lr applies on resume
+        apply_lr_config(self.optimizer, self.scheduler, self.sections.optimizer)  # a changed lr applies on resume
         return extra

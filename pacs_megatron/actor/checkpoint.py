@@ -174,7 +174,7 @@ def load_actor_checkpoint(actor, path: str | os.PathLike) -> dict:
     models = [unwrap(c) for c in actor.model]
     reread = (
         (lambda: load_hf_weights(actor.model, actor.spec, actor.model_dir, g))
-        if actor.cfg.model.loads_weights
+        if actor.sections.model.loads_weights
         else None
     )
     lora_ckpt.load_model(models, _model_keys(len(models)), loaded, lora, where, reread)

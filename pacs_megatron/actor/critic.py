@@ -1,13 +1,13 @@
 """MegatronCritic: the learned value function of the paper's PPO baseline (GAE advantages).
 
-    critic = build_critic(cfg, groups, actor)                  # None unless adv_estimator=gae
+    critic = MegatronCritic(cfg.critic, groups, actor)   # loop/build.py build_critic: None unless adv_estimator=gae
     values = critic.compute_values(local_batch, micro_batch_size=8)        # [B, T], no grad
     metrics = critic.train_step(mini_batch)   # needs old_values and returns; one optimizer step
 
 Design: the actor's machinery, not a copy of it. The critic is a :class:`MegatronActor` subclass
 built by the same functions (``build_model_chunks``, ``wrap_ddp``, ``build_optimizer``,
 ``build_scheduler``) with its own TransformerConfig, optimizer and schedule (``critic.optim``), on
-the actor's process groups (same TP/PP/DP layout, colocated). Only the last pipeline stage
+the actor's process groups and sections (same TP/PP/DP layout, colocated). Only the last pipeline stage
 differs: the vocab-parallel output layer is replaced by :class:`ValueHead`, a replicated ``[1, H]``
 projection. Hidden states are replicated over TP, so the head's output already is the same on
 every TP rank; with sequence parallelism the head runs on the rank's sequence shard and the values
@@ -33,18 +33,12 @@ from pacs_megatron.actor.actor import MegatronActor
 from pacs_megatron.actor.forward import run_schedule
 from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
 from pacs_megatron.actor.offload import ActorOffload
-from pacs_megatron.actor.optimizer import (
-    apply_lr_config,
-    build_optimizer,
-    build_scheduler,
-    use_distributed_optimizer,
-    wrap_ddp,
-)
+from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
 from pacs_megatron.actor.train_step import _DENOM, _MAXLR
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.batch.build import split_micro_batches
 from pacs_megatron.batch.rows import Rollouts, TrainRows
-from pacs_megatron.config import RunConfig, critic_enabled, critic_loss_agg
+from pacs_megatron.config import CriticConfig, critic_loss_agg
 from pacs_megatron.config.model import check_context_parallel
 from pacs_megatron.pacs import value_loss
 from pacs_megatron.parallel import ParallelGroups
@@ -92,17 +86,20 @@ def aligned_values(out: torch.Tensor) -> torch.Tensor:
 class MegatronCritic(MegatronActor):
     """Value model on the actor's layout (see module docstring). Every method is collective."""
 
-    def __init__(self, cfg: RunConfig, groups: ParallelGroups, actor: MegatronActor) -> None:
+    def __init__(self, critic: CriticConfig, groups: ParallelGroups, actor: MegatronActor) -> None:
+        """The value model of ``actor`` on ``groups``: ``critic`` its init, optimizer (``critic.optim``), value
+        clip, micro-batch size and loss aggregation; the rest (model numerics, parallelism, the loss's batching
+        and the schedule's length) are the actor's sections."""
+        # The critic's optimizer and schedule, built by the actor's code from the actor's sections whose
+        # ``optimizer`` is ``critic.optim``.
+        cfg = self.sections = replace(actor.sections, optimizer=critic.optim)
         # the config's line (config/model.py), for a caller that builds a critic without the config's checks
         check_context_parallel(cfg.parallel, critic=True, routing_replay="none")
-        self.cfg, self.groups, self.model_dir = cfg, groups, actor.model_dir
+        self.critic_cfg, self.groups, self.model_dir = critic, groups, actor.model_dir
         self.hf_config, self.param_dtype = actor.hf_config, actor.param_dtype
         # Untied: the critic has no LM head to share the embedding with.
         self.spec = replace(actor.spec, tie_embeddings=False)
-        # The critic's optimizer and schedule, built by the actor's code from a config whose
-        # ``optimizer`` section is ``critic.optim``.
-        self.opt_cfg = replace(cfg, optimizer=cfg.critic.optim)
-        self.distributed_optimizer = use_distributed_optimizer(self.opt_cfg, groups)
+        self.distributed_optimizer = use_distributed_optimizer(cfg.optimizer, groups)
         self.config = transformer_config(
             self.spec, groups, self.param_dtype, cfg.parallel.sequence_parallel, cfg.model.recompute_activations
         )
@@ -116,24 +113,24 @@ class MegatronCritic(MegatronActor):
                 model.output_layer = ValueHead(
                     self.spec.hidden_size, self.param_dtype, cfg.parallel.sequence_parallel, groups.tp_group
                 ).to(groups.device)
-        if cfg.critic.init == "actor":
+        if critic.init == "actor":
             _copy_trunk(actor.model, chunks)
         else:
-            _load_trunk_from_hf(chunks, self.spec, cfg.critic.init, groups)
-        self.model = wrap_ddp(chunks, self.config, self.opt_cfg, groups)
-        self.optimizer = build_optimizer(self.model, self.opt_cfg, groups, self.param_dtype)
-        self.scheduler = build_scheduler(self.optimizer, self.opt_cfg)
+            _load_trunk_from_hf(chunks, self.spec, critic.init, groups)
+        self.model = wrap_ddp(chunks, self.config, cfg.optimizer, groups)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.model, groups, self.param_dtype)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.train.optimizer_steps)
         self.iteration = 0
         self.skipped_steps = 0
         self.nan_skipped_steps = 0
         self.thd = False  # the critic's own passes use padded micro-batches
         self.moe_stats = None  # router statistics are logged for the policy only (moe/*)
         self.offloader = ActorOffload(self.model, self.optimizer, groups.device)
-        logger.info("critic: value head, init from %s, lr %g", cfg.critic.init, cfg.critic.optim.lr)
+        logger.info("critic: value head, init from %s, lr %g", critic.init, critic.optim.lr)
 
     @property
     def micro_batch_size(self) -> int:
-        return self.cfg.critic.micro_batch_size or self.cfg.algorithm.micro_batch_size
+        return self.critic_cfg.micro_batch_size or self.sections.train.algorithm.micro_batch_size
 
     def compute_values(self, batch: Rollouts, micro_batch_size: int | None = None) -> torch.Tensor:
         """No-grad ``[B, T]`` float32 values of this DP rank's rows, on every rank of the replica."""
@@ -163,18 +160,12 @@ class MegatronCritic(MegatronActor):
         if batch.old_values is None or batch.returns is None:
             raise ValueError("critic.train_step needs batch.old_values and batch.returns (GAE)")
         micro = split_micro_batches(batch, min(self.micro_batch_size, len(batch)))
-        mode, horizon = critic_loss_agg(self.cfg)
-        loss = partial(_value_loss_func, clip=self.cfg.critic.cliprange_value, mode=mode, horizon=horizon)
+        train = self.sections.train
+        mode, horizon = critic_loss_agg(self.critic_cfg, train.algorithm, train.max_response_length)
+        loss = partial(_value_loss_func, clip=self.critic_cfg.cliprange_value, mode=mode, horizon=horizon)
         metrics = self._update(micro, loss)
         metrics.pop(_MAXLR, None)
         return {k.replace("actor/", "critic/"): v for k, v in metrics.items()}
-
-    def load_checkpoint(self, path: str) -> dict:
-        """As the actor's, but the lr applied after the load is the critic's (``critic.optim``): the
-        actor's method applies ``optimizer.lr``, which resumed the critic at the actor's lr."""
-        extra = super().load_checkpoint(path)
-        apply_lr_config(self.optimizer, self.scheduler, self.opt_cfg)
-        return extra
 
     @torch.no_grad()
     def copy_trunk_from(self, actor: MegatronActor) -> None:
@@ -240,8 +231,3 @@ def _load_trunk_from_hf(chunks: list, spec, path: str, groups: ParallelGroups) -
                     model.output_layer = head
     finally:
         reader.close()
-
-
-def build_critic(cfg: RunConfig, groups: ParallelGroups, actor: MegatronActor) -> MegatronCritic | None:
-    """The run's critic, or None when the policy loss needs none."""
-    return MegatronCritic(cfg, groups, actor) if critic_enabled(cfg) else None

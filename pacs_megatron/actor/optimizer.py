@@ -25,33 +25,34 @@ from contextlib import contextmanager
 
 import torch
 
-from pacs_megatron.config import ConfigError, RunConfig
+from pacs_megatron.config import AlgorithmConfig, ConfigError, ModelConfig, OptimizerConfig, TrainerConfig
 from pacs_megatron.parallel import ParallelGroups
 
 
-def use_distributed_optimizer(cfg: RunConfig, groups: ParallelGroups) -> bool:
+def use_distributed_optimizer(optimizer: OptimizerConfig, groups: ParallelGroups) -> bool:
     """``optimizer.use_distributed_optimizer``: "auto" is on with GPUs only."""
-    choice = cfg.optimizer.use_distributed_optimizer
+    choice = optimizer.use_distributed_optimizer
     if choice == "auto":
         return groups.device.type == "cuda"
     return choice == "true"
 
 
-def total_optimizer_steps(cfg: RunConfig) -> int:
+def total_optimizer_steps(trainer: TrainerConfig, algorithm: AlgorithmConfig) -> int:
     """Optimizer updates of the whole run: RL steps x mini-batches x ppo_epochs + SFT warm-up steps."""
-    t = cfg.trainer
-    per_rl_step = (t.train_batch_size // cfg.mini_batch_prompts) * cfg.algorithm.ppo_epochs
-    return t.total_steps * per_rl_step + t.sft_warmup_steps
+    mini_batch_prompts = algorithm.mini_batch_size or trainer.train_batch_size
+    per_rl_step = (trainer.train_batch_size // mini_batch_prompts) * algorithm.ppo_epochs
+    return trainer.total_steps * per_rl_step + trainer.sft_warmup_steps
 
 
-def wrap_ddp(chunks: list, config, cfg: RunConfig, groups: ParallelGroups) -> list:
-    """Wrap chunks in megatron DDP and install the no-sync / finalize hooks the schedules call."""
+def wrap_ddp(chunks: list, config, optimizer: OptimizerConfig, groups: ParallelGroups) -> list:
+    """Wrap chunks in megatron DDP and install the no-sync / finalize hooks the schedules call; ``optimizer``
+    says whether the gradient buffers are laid out for the distributed optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer(cfg, groups),
+        use_distributed_optimizer=use_distributed_optimizer(optimizer, groups),
         bucket_size=None,
     )
     wrapped = [
@@ -70,12 +71,16 @@ def wrap_ddp(chunks: list, config, cfg: RunConfig, groups: ParallelGroups) -> li
     return wrapped
 
 
-def build_optimizer(wrapped: list, cfg: RunConfig, groups: ParallelGroups, dtype: torch.dtype):
-    """megatron's optimizer (a ChainedOptimizer) for the DDP-wrapped chunks."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def build_optimizer(
+    wrapped: list, optimizer: OptimizerConfig, model: ModelConfig, groups: ParallelGroups, dtype: torch.dtype
+):
+    """megatron's optimizer (a ChainedOptimizer) for the DDP-wrapped chunks: Adam and clipping from
+    ``optimizer``; ``model`` gives the bf16 rounding of the update and its seed."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
 
-    o = cfg.optimizer
-    ocfg = OptimizerConfig(
+    o = optimizer
+    ocfg = MegatronOptimizerConfig(
         optimizer="adam",
         lr=o.lr,
         min_lr=o.min_lr,
@@ -86,23 +91,21 @@ def build_optimizer(wrapped: list, cfg: RunConfig, groups: ParallelGroups, dtype
         clip_grad=o.clip_grad,
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
-        use_distributed_optimizer=use_distributed_optimizer(cfg, groups),
+        use_distributed_optimizer=use_distributed_optimizer(optimizer, groups),
     )
     if ocfg.use_distributed_optimizer:
         # The distributed optimizer's checkpointing wants megatron's gloo DP groups, which 0.16.1
         # cannot take through pg_collection: let it read parallel_state (written for GPU, never run here).
-        optimizer = get_megatron_optimizer(ocfg, wrapped)
+        built = get_megatron_optimizer(ocfg, wrapped)
     else:
-        optimizer = get_megatron_optimizer(
-            ocfg, wrapped, use_gloo_process_groups=False, pg_collection=groups.pg_collection
-        )
+        built = get_megatron_optimizer(ocfg, wrapped, use_gloo_process_groups=False, pg_collection=groups.pg_collection)
     if groups.device.type == "cpu":
-        use_fused_adam(optimizer)
-    if dtype == torch.bfloat16 and cfg.model.bf16_rounding == "stochastic":  # actor/bf16_rounding.py: why
+        use_fused_adam(built)
+    if dtype == torch.bfloat16 and model.bf16_rounding == "stochastic":  # actor/bf16_rounding.py: why
         from pacs_megatron.actor.bf16_rounding import use_stochastic_rounding
 
-        use_stochastic_rounding(optimizer, cfg.model.seed)
-    return optimizer
+        use_stochastic_rounding(built, model.seed)
+    return built
 
 
 def use_fused_adam(optimizer) -> None:
@@ -117,12 +120,11 @@ def use_fused_adam(optimizer) -> None:
                 group.update(fused=True, foreach=None)
 
 
-def build_scheduler(optimizer, cfg: RunConfig):
-    """OptimizerParamScheduler over the run's optimizer steps (constant weight decay)."""
+def build_scheduler(optimizer, o: OptimizerConfig, optimizer_steps: int):
+    """OptimizerParamScheduler of ``o``'s lr shape over the run's ``optimizer_steps`` (constant weight decay)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    o = cfg.optimizer
-    total = max(1, total_optimizer_steps(cfg))
+    total = max(1, optimizer_steps)
     if o.lr_warmup_steps >= total and o.lr_warmup_steps > 0:
         raise ConfigError(
             f"optimizer.lr_warmup_steps={o.lr_warmup_steps} must be below the run's {total} optimizer steps "
@@ -208,15 +210,15 @@ def reset_optimizer_state(optimizer) -> None:
                 group["step"] = group["step"].zero_() if torch.is_tensor(group["step"]) else 0
 
 
-def apply_lr_config(optimizer, scheduler, cfg: RunConfig) -> None:
-    """After a checkpoint load: this config's peak and floor lr replace the checkpoint's. Megatron
+def apply_lr_config(optimizer, scheduler, o: OptimizerConfig) -> None:
+    """After a checkpoint load: ``o``'s peak and floor lr replace the checkpoint's. Megatron
     keeps them per param group (``max_lr`` / ``min_lr``, restored with the optimizer state), where
     they win over the scheduler's own; the schedule's position is kept."""
     for group in optimizer.param_groups:
         if "max_lr" in group:
-            group["max_lr"] = cfg.optimizer.lr
+            group["max_lr"] = o.lr
         if "min_lr" in group:
-            group["min_lr"] = cfg.optimizer.min_lr
+            group["min_lr"] = o.min_lr
     scheduler.step(increment=0)  # recompute every group's lr at the current step
 
 

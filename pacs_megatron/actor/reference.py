@@ -34,7 +34,7 @@ class ReferencePolicy:
 
     def __init__(self, actor) -> None:
 
-        cfg, groups = actor.cfg, actor.groups
+        cfg, groups = actor.sections, actor.groups
         self.groups, self.spec = groups, actor.spec
         self.config = transformer_config(
             actor.spec,

@@ -17,7 +17,7 @@ Why, invariants and the loss weighting: docs/batching.md.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -157,10 +157,13 @@ def pack_micro_batches(
     return micro, torch.cat(rows)
 
 
-def token_budget(cfg: Any) -> int:  # a RunConfig: config/ sits above batch/
-    """``algorithm.max_tokens_per_micro_batch`` of a RunConfig, or by default (0) the most a fixed
-    micro-batch can hold: ``micro_batch_size x padded(data.max_prompt_length + rollout.max_response_length)``,
-    so no token-budget micro-batch needs more activation memory than fixed batching could."""
-    algo = cfg.algorithm
-    longest = padded_len(cfg.data.max_prompt_length + cfg.rollout.max_response_length)
-    return algo.max_tokens_per_micro_batch or algo.micro_batch_size * longest
+def token_budget(max_tokens_per_micro_batch: int, micro_batch_size: int, max_length: int) -> int:
+    """``algorithm.max_tokens_per_micro_batch``, or by default (0) the most a fixed micro-batch can hold:
+    ``micro_batch_size x padded(max_length)`` (``data.max_prompt_length + rollout.max_response_length``),
+    so no token-budget micro-batch needs more activation memory than fixed batching could.
+
+    Example:
+        >>> token_budget(0, 8, 100), token_budget(4096, 8, 100)
+        (832, 4096)
+    """
+    return max_tokens_per_micro_batch or micro_batch_size * padded_len(max_length)

@@ -105,16 +105,16 @@ def run_rank(args, workdir: Path, tp: int) -> dict:
     """Both actors on this rank; per-mode token counts, timings and memory."""
     import torch.distributed as dist
 
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.batch.build import split_micro_batches
     from pacs_megatron.batch.rows import as_train_batch
     from pacs_megatron.bench.logprob import _PeakMemory
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
 
     cfgs = {m: _config(args, workdir, tp, m == "dynamic") for m in MODES}
     groups = initialize_parallel(cfgs["fixed"].parallel, json.loads((workdir / "config.json").read_text()))
     try:
-        actors = {m: MegatronActor(cfgs[m], groups, str(workdir)) for m in MODES}
+        actors = {m: build_actor(cfgs[m], groups, str(workdir)) for m in MODES}
         batch = _batch(args)
         mbs = args.micro_batch_size
         out: dict = {"rank": groups.rank, "tp": tp, "rows": len(batch), "threads": torch.get_num_threads()}

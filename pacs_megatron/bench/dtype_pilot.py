@@ -109,7 +109,7 @@ def verdict(steps: list[dict]) -> bool:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.loop.runtime import build_components, setup, teardown
     from pacs_megatron.loop.sources import rollout_source
 
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
         logger.info("drew %d rollout batches of %d rows (fp32 engine)", len(batches), len(batches[0]))
         # both arms start from the same file; the bf16 one rounds it to bf16 on load, as a bf16 run does
         configs = {"float32": cfg32, "bfloat16": _config(args, "bfloat16")}
-        actors = {"float32": c.actor, "bfloat16": MegatronActor(configs["bfloat16"], rt.groups, str(rt.model_dir))}
+        actors = {"float32": c.actor, "bfloat16": build_actor(configs["bfloat16"], rt.groups, str(rt.model_dir))}
         deltas: dict[str, list[torch.Tensor]] = {}
         metrics: dict[str, list[dict]] = {}
         seconds = dict.fromkeys(actors, 0.0)

@@ -61,12 +61,12 @@ def measure_train_step(args, overrides: list[str], group: int, write_model: bool
     allocates Adam's state. ``overrides`` join the shared ones (the model, fp32, gloo, one micro-batch);
     ``write_model=False``: another rank writes the model directory and this one waits for it. Returns the peak
     extra bytes and their method (``_PeakMemory``), the step's seconds, its metrics, the rank and the batch shape."""
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.batch.build import build_rollouts
     from pacs_megatron.batch.rows import as_train_batch
     from pacs_megatron.bench.logprob import _PeakMemory
     from pacs_megatron.bench.sync import _write_model_dir
     from pacs_megatron.config import load_config
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
 
     workdir = Path(args.workdir)
@@ -80,7 +80,7 @@ def measure_train_step(args, overrides: list[str], group: int, write_model: bool
         time.sleep(0.1)
     groups = initialize_parallel(cfg.parallel, json.loads((workdir / "config.json").read_text()))
     try:
-        actor = MegatronActor(cfg, groups, str(workdir))
+        actor = build_actor(cfg, groups, str(workdir))
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, args.vocab, (32,), generator=gen).tolist() for _ in range(args.rows)]
         responses = [torch.randint(1, args.vocab, (args.seq - 32,), generator=gen).tolist() for _ in range(args.rows)]

@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from pacs_megatron.config import load_config
+    from pacs_megatron.loop.build import engine_run
     from pacs_megatron.rollout.hf_engine import HFEngine
     from pacs_megatron.rollout.vllm.engine import VLLMEngine, single_rank_launcher_env
 
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
              f"rollout.max_response_length={longest}", "rollout.vllm.max_num_seqs=256"],
         )  # fmt: skip
         start = time.perf_counter()
-        vllm_engine = VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tok, device="cpu")
+        vllm_engine = VLLMEngine(cfg.rollout, engine_run(cfg), model_dir=model_dir, tokenizer=tok, device="cpu")
         vllm_start = time.perf_counter() - start
         hf = HFEngine(model_dir, tok, device="cpu", dtype=torch.float32, batch_size=64, seed=0)
         report: dict = {"rollout": {}, "vllm_start_s": vllm_start}
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
             big = _model_dir(Path(tmp) / "m100", vocab=32000, **SYNC_100M)
             lengths = ["data.max_prompt_length=8", "rollout.max_response_length=8"]
             big_cfg = load_config(None, [f"model.path={big}", "rollout.engine=vllm", *lengths])
-            engine = VLLMEngine(cfg=big_cfg, model_dir=big, tokenizer=tok, device="cpu")
+            engine = VLLMEngine(big_cfg.rollout, engine_run(big_cfg), model_dir=big, tokenizer=tok, device="cpu")
             try:
                 report["sync"]["qwen2_100m"] = _sync(engine, big, args.repeat)
             finally:

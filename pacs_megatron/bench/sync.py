@@ -87,8 +87,8 @@ def run_rank(args, workdir: Path) -> dict:
     """Build actor and engine on this rank, time sync / export / memcpy; return this rank's numbers."""
     import torch.distributed as dist
 
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.config import load_config
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
     from pacs_megatron.rollout.hf_engine import HFEngine
     from pacs_megatron.weight_sync import WeightSync
@@ -112,7 +112,7 @@ def run_rank(args, workdir: Path) -> dict:
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
-        actor = MegatronActor(cfg, groups, str(workdir))
+        actor = build_actor(cfg, groups, str(workdir))
         stub_tokenizer = SimpleNamespace(eos_token_id=0, pad_token_id=0)
         engine = HFEngine(workdir, stub_tokenizer, device="cpu", dtype=DTYPES[args.dtype])
         sync = WeightSync(actor, engine, cfg.sync, args.vocab, actor.param_dtype)

@@ -62,9 +62,8 @@ def run_rank(args: argparse.Namespace, model_dir: str | None) -> dict:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor, build_rollout_engine
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
-    from pacs_megatron.rollout import build_engine
     from pacs_megatron.rollout.vllm.engine import single_rank_launcher_env
     from pacs_megatron.weight_sync import WeightSync
 
@@ -74,10 +73,10 @@ def run_rank(args: argparse.Namespace, model_dir: str | None) -> dict:
         groups = initialize_parallel(cfg.parallel, json.loads((path / "config.json").read_text()))
         engine = None
         try:
-            actor = MegatronActor(cfg, groups, str(path))
+            actor = build_actor(cfg, groups, str(path))
             _move_adapters(actor)
             tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or str(path), local_files_only=True)
-            engine = build_engine(cfg, path, tok, groups.device)
+            engine = build_rollout_engine(cfg, path, tok, groups.device)
             vocab, dtype = actor.hf_config.vocab_size, actor.param_dtype
             adapter = WeightSync(actor, engine, cfg.sync, vocab, dtype, cfg.rollout)
             merged = WeightSync(actor, engine, replace(cfg.sync, lora="merged"), vocab, dtype, cfg.rollout)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pacs_megatron.config.base import ConfigError, _choice, _positive
-from pacs_megatron.config.training import OptimizerConfig
+from pacs_megatron.config.training import AlgorithmConfig, OptimizerConfig
 from pacs_megatron.pacs.config import LOSS_AGG_MODES
 
 if TYPE_CHECKING:
@@ -58,10 +58,10 @@ def critic_enabled(cfg: RunConfig) -> bool:
     return algo.traits.gae and getattr(algo.loss_config(), "adv_estimator", "") == "gae"
 
 
-def critic_loss_agg(cfg: RunConfig) -> tuple[str, int]:
-    """``(loss_agg_mode, horizon)`` of the value loss of ``cfg`` (a RunConfig): ``critic.loss_agg_mode``,
-    "auto" resolved to the actor's mode; the horizon is the actor's ``policy.loss_agg_horizon``, 0 resolved
-    to ``rollout.max_response_length`` as the actor's (actor/train_step.py step_loss_config)."""
-    mode = cfg.critic.loss_agg_mode
-    horizon = cfg.algorithm.policy.loss_agg_horizon or cfg.rollout.max_response_length
-    return (cfg.algorithm.policy.loss_agg_mode if mode == "auto" else mode), horizon
+def critic_loss_agg(critic: CriticConfig, algorithm: AlgorithmConfig, max_response_length: int) -> tuple[str, int]:
+    """``(loss_agg_mode, horizon)`` of the value loss: ``critic.loss_agg_mode``, "auto" resolved to the actor's
+    mode; the horizon is the actor's ``algorithm.policy.loss_agg_horizon``, 0 resolved to
+    ``max_response_length`` (``rollout.``) as the actor's (actor/train_step.py step_loss_config)."""
+    mode = critic.loss_agg_mode
+    horizon = algorithm.policy.loss_agg_horizon or max_response_length
+    return (algorithm.policy.loss_agg_mode if mode == "auto" else mode), horizon

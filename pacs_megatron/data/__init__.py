@@ -4,11 +4,17 @@
 - ``prompts``: PACS instruction, shipped chat templates, tokenizer loading, length filter;
 - ``sampler``: :class:`PromptDataset`, a deterministic resumable prompt stream;
 - ``synthetic``: the "a+b=" task, its character tokenizer and tiny-model directory;
-- ``factory``: :func:`build_prompt_dataset`, what the trainer calls;
+- ``factory``: :func:`build_prompt_dataset`, what the trainer calls (``data:`` and a :class:`PromptRun`);
 - ``routing``: MoE routing replay's per-row records of the experts the engine chose.
 """
 
-from pacs_megatron.data.factory import build_prompt_dataset, build_train_dataset, build_val_datasets, load_dataset
+from pacs_megatron.data.factory import (
+    PromptRun,
+    build_prompt_dataset,
+    build_train_dataset,
+    build_val_datasets,
+    load_dataset,
+)
 from pacs_megatron.data.prompts import INSTRUCTION, load_tokenizer, with_instruction
 from pacs_megatron.data.records import DataFormatError, Problem, PromptRecord
 from pacs_megatron.data.sampler import PromptDataset
@@ -21,6 +27,7 @@ __all__ = [
     "Problem",
     "PromptDataset",
     "PromptRecord",
+    "PromptRun",
     "build_prompt_dataset",
     "build_train_dataset",
     "build_val_datasets",

@@ -83,9 +83,7 @@ def serve() -> int:
 
     from pacs_megatron.config import config_from_dict
     from pacs_megatron.data import load_tokenizer
-    from pacs_megatron.data.factory import prompt_records
-    from pacs_megatron.rollout import build_engine
-    from pacs_megatron.rollout.multi_turn import with_tools
+    from pacs_megatron.loop.build import build_rollout_engine, prompt_records, with_run_tools
     from pacs_megatron.rollout.remote.protocol import Failed, Ready, connect_store, engine_listen, recv, send
     from pacs_megatron.rollout.remote.server import EngineServer
     from pacs_megatron.weight_sync.quantize import vllm_fp8_config
@@ -109,11 +107,12 @@ def serve() -> int:
             context = single_rank_launcher_env()  # vLLM's own world of one, for the engine's lifetime
         with context:
             # FP8 rollouts on vLLM: built for the FP8 data + scales the trainer sends (RemoteEngines.traits())
-            engine = build_engine(cfg, init.model_dir, tokenizer, device, vllm_fp8_config(cfg.rollout))
+            engine = build_rollout_engine(cfg, init.model_dir, tokenizer, device, vllm_fp8_config(cfg.rollout))
             send(conn, Ready(engine=index, device=str(device)))
             group = WeightGroup(init.backend, store, 1 + index, 1 + init.engines, device, timeout_s)
             receive = lambda msg: receive_buckets(group, msg.layout)  # noqa: E731
-            engine = with_tools(engine, cfg, tokenizer, prompt_records(cfg, tokenizer))  # the turn loop runs here too
+            # the turn loop runs here too
+            engine = with_run_tools(engine, cfg, tokenizer, prompt_records(cfg, tokenizer))
             code = EngineServer(index, engine, conn, receive, verify=cfg.sync.verify_bitwise).serve()
             engine.close()
         return code

@@ -11,6 +11,8 @@
     warmup           the supervised format warm-up before RL
     diagnostics      the PACS metrics recomputed after the update (``pacs/post_*``)
     runtime          what a run holds besides the loop: process groups, directories, resume, the components
+    build            the components (actor, critic, engine, prompts) from the run config's sections
 
-Only this folder (and launch/, which starts it) runs a step; everything below it is a library.
+Only this folder (and launch/, which starts it) runs a step; everything below it is a library that takes the
+config sections it reads (the run config stops here: pyproject.toml's contract).
 """

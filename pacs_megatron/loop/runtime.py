@@ -23,6 +23,14 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from pacs_megatron.config import ConfigError, RunConfig
+from pacs_megatron.loop.build import (
+    build_actor,
+    build_critic,
+    build_rollout_engine,
+    train_dataset,
+    val_datasets,
+    with_run_tools,
+)
 from pacs_megatron.run.launch_info import write_launch_json
 from pacs_megatron.run.layout import StepLayout
 from pacs_megatron.run.resume import ResumePlan, check_tiny_model_dir, model_shape, plan_resume
@@ -239,20 +247,16 @@ class Components:
 
 def build_components(cfg: RunConfig, rt: Runtime) -> Components:
     """Tokenizer, datasets, actor, engine, scorer and weight sync (collective)."""
-    from pacs_megatron.actor import MegatronActor
-    from pacs_megatron.actor.critic import build_critic
-    from pacs_megatron.data import build_train_dataset, build_val_datasets, load_tokenizer
+    from pacs_megatron.data import load_tokenizer
     from pacs_megatron.reward import RewardScorer
-    from pacs_megatron.rollout import build_engine
-    from pacs_megatron.rollout.multi_turn import with_tools
     from pacs_megatron.weight_sync import WeightSync
     from pacs_megatron.weight_sync.quantize import vllm_fp8_config
 
     template = cfg.data.chat_template if cfg.data.renders_prompts else "none"  # the raw arith prompts have none
     tokenizer = load_tokenizer(cfg.model.tokenizer or str(rt.model_dir), template)
-    prompts = build_train_dataset(cfg, tokenizer)
-    val_sets = build_val_datasets(cfg, tokenizer) if cfg.trainer.test_freq else {}
-    actor = MegatronActor(cfg, rt.groups, str(rt.model_dir))
+    prompts = train_dataset(cfg, tokenizer)
+    val_sets = val_datasets(cfg, tokenizer) if cfg.trainer.test_freq else {}
+    actor = build_actor(cfg, rt.groups, rt.model_dir)
     dataset: PromptDataset | InFlightPrompts = prompts
     engine: Generator
     sync: WeightSyncer
@@ -260,10 +264,10 @@ def build_components(cfg: RunConfig, rt: Runtime) -> Components:
         dataset, engine, sync = _separate_engines(cfg, rt, prompts, actor)
     else:
         # FP8 rollouts on vLLM: the sync tells the engine the layout of the weights it will send
-        inner = build_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
+        inner = build_rollout_engine(cfg, rt.model_dir, tokenizer, rt.groups.device, vllm_fp8_config(cfg.rollout))
         sync = WeightSync(actor, inner, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
         # multi-turn rollouts: the turn loop over the engine, knowing which tools each prompt may call
-        engine = with_tools(inner, cfg, tokenizer, [*prompts.records, *(r for v in val_sets.values() for r in v)])
+        engine = with_run_tools(inner, cfg, tokenizer, [*prompts.records, *(r for v in val_sets.values() for r in v)])
     critic = build_critic(cfg, rt.groups, actor)
     return Components(cfg, rt, tokenizer, dataset, val_sets, actor, engine, RewardScorer(cfg.reward), sync, critic)
 
@@ -278,7 +282,7 @@ def _separate_engines(
     from pacs_megatron.weight_sync.remote import RemoteWeightSync
 
     tokenizer_dir = Path(cfg.model.tokenizer or rt.model_dir).absolute()
-    engine = RemoteEngines(cfg, Path(rt.model_dir).absolute(), tokenizer_dir, rt.config_dict, rt.groups.device)
+    engine = RemoteEngines(cfg.rollout, Path(rt.model_dir).absolute(), tokenizer_dir, rt.config_dict, rt.groups.device)
     vocab, dtype = actor.hf_config.vocab_size, actor.param_dtype
     sync = RemoteWeightSync(actor, engine, cfg.sync, vocab, dtype, cfg.rollout, rt.groups.device)
     return InFlightPrompts(dataset), engine, sync

@@ -36,7 +36,8 @@ from pacs_megatron.rollout.types import Response, SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from pacs_megatron.config import RunConfig
+    from pacs_megatron.config import DataConfig
+    from pacs_megatron.config.tools import ToolsConfig
     from pacs_megatron.envs.pool import ToolPool
     from pacs_megatron.rollout.weight_checksum import Held
 
@@ -348,19 +349,27 @@ def tool_access(records: Iterable[PromptRecord]) -> dict[tuple[int, ...], tuple[
     return access
 
 
-def uses_chat_template(cfg: RunConfig) -> bool:
-    """Whether the run's prompts are rendered by a chat template (then tool turns are too)."""
-    return cfg.data.renders_prompts and cfg.data.chat_template != "none"
+def uses_chat_template(data: DataConfig) -> bool:
+    """Whether the run's prompts (``data``) are rendered by a chat template (then tool turns are too)."""
+    return data.renders_prompts and data.chat_template != "none"
 
 
-def with_tools(engine: Any, cfg: RunConfig, tokenizer: Any, records: Iterable[PromptRecord] = ()) -> Any:
-    """``engine`` itself for single-turn rollouts; with ``rollout.multi_turn`` the turn loop over it, with the
-    tool pool ``tools`` describes (its sandbox checked first: envs/pool.py) and the tools each of ``records``
-    (the run's prompts) may call."""
-    if not cfg.rollout.multi_turn.enabled:
+def with_tools(
+    engine: Any,
+    multi_turn: MultiTurnConfig,
+    tools: ToolsConfig,
+    chat_template: bool,
+    tokenizer: Any,
+    records: Iterable[PromptRecord] = (),
+) -> Any:
+    """``engine`` itself for single-turn rollouts; with ``multi_turn`` (``rollout.multi_turn``) enabled the turn
+    loop over it, with the tool pool ``tools`` describes (its sandbox checked first: envs/pool.py), tool turns
+    rendered by the chat template when ``chat_template`` (:func:`uses_chat_template`), and the tools each of
+    ``records`` (the run's prompts) may call."""
+    if not multi_turn.enabled:
         return engine
     from pacs_megatron.envs.pool import make_pool
 
     access = tool_access(records)
-    pool = make_pool(cfg.tools)
-    return MultiTurnEngine(engine, tokenizer, cfg.rollout.multi_turn, pool, uses_chat_template(cfg), access)
+    pool = make_pool(tools)
+    return MultiTurnEngine(engine, tokenizer, multi_turn, pool, chat_template, access)

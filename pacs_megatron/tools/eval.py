@@ -332,9 +332,8 @@ def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path, 
 
     from pacs_megatron.config import ModelConfig, RunConfig
     from pacs_megatron.data import load_dataset, load_tokenizer
-    from pacs_megatron.data.factory import check_row_tools, tool_suffix
-    from pacs_megatron.rollout import build_engine
-    from pacs_megatron.rollout.multi_turn import with_tools
+    from pacs_megatron.data.factory import check_row_tools
+    from pacs_megatron.loop.build import build_rollout_engine, prompt_run, with_run_tools
 
     tokenizer = load_tokenizer(args.tokenizer or model_dir, args.chat_template)
     multi_turn, tools = _tool_configs(args)
@@ -346,15 +345,20 @@ def _sample_and_score(args: argparse.Namespace, ks: list[int], model_dir: Path, 
     )
     datasets = {}
     for spec in (d.strip() for d in args.data.split(",") if d.strip()):
-        name, records = load_dataset(spec, data_cfg, tokenizer, limit=args.limit, suffix=tool_suffix(run_cfg))
+        name, records = load_dataset(
+            spec, data_cfg, tokenizer, limit=args.limit, suffix=prompt_run(run_cfg).instruction
+        )
         if name in datasets:
             raise ConfigError(f"--data names {name!r} twice")
-        datasets[name] = check_row_tools(records, run_cfg, name)
+        datasets[name] = check_row_tools(records, prompt_run(run_cfg).tools, name)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     records = [r for recs in datasets.values() for r in recs]
-    engine = lambda cfg: with_tools(build_engine(cfg, model_dir, tokenizer, device), cfg, tokenizer, records)  # noqa: E731
+
+    def engine(cfg: RunConfig):
+        return with_run_tools(build_rollout_engine(cfg, model_dir, tokenizer, device), cfg, tokenizer, records)
+
     if args.engine == "vllm":
         from pacs_megatron.rollout.vllm.engine import single_rank_launcher_env
 

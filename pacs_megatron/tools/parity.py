@@ -169,8 +169,18 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from pacs_megatron.actor.actor import MegatronActor
+    from pacs_megatron.actor.sections import ActorSections, TrainView
     from pacs_megatron.batch.build import build_rollouts
-    from pacs_megatron.config import ModelConfig, ParallelConfig, RunConfig
+    from pacs_megatron.config import (
+        ActorConfig,
+        AlgorithmConfig,
+        DataConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        RolloutConfig,
+        TrainerConfig,
+    )
     from pacs_megatron.parallel import destroy_parallel, init_distributed, initialize_parallel
 
     hf = json.loads((Path(args.hf_model) / "config.json").read_text())
@@ -178,10 +188,13 @@ def run(args: argparse.Namespace) -> int:
     # Extra ranks (world > tp * pp) become data-parallel replicas that compute the same rows.
     dp = max(1, dist.get_world_size() // (args.tp * args.pp))
     par = ParallelConfig(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep)
-    cfg = RunConfig(model=ModelConfig(path=args.hf_model, dtype=args.dtype), parallel=par)
-    groups = initialize_parallel(cfg.parallel, hf, training=False)  # forward passes only
+    groups = initialize_parallel(par, hf, training=False)  # forward passes only
+    # The actor's own sections: this model and layout, every other section a run's default (its micro-batching).
+    train = TrainView.of(AlgorithmConfig(), RolloutConfig(), DataConfig(), TrainerConfig())
+    model = ModelConfig(path=args.hf_model, dtype=args.dtype)
+    sections = ActorSections(model, par, ActorConfig(), OptimizerConfig(), train)
     try:
-        actor = MegatronActor(cfg, groups, args.hf_model)
+        actor = MegatronActor(sections, groups, args.hf_model)
         rows = load_samples(args.data, actor.spec.vocab_size)
         batch = build_rollouts([p for p, _ in rows], [r for _, r in rows], [0.0] * len(rows), 1, pad_id=0)
         meg = actor.compute_logprobs(batch, micro_batch_size=len(batch), temperature=1.0).token_logp

@@ -70,6 +70,11 @@ def run_config(model_dir: str, tp=1, pp=1, dp=1, vpp=1, init="pretrained", seed=
     )
 
 
+def set_algorithm(actor, algorithm: AlgorithmConfig) -> None:
+    """Swap a built actor's ``algorithm`` section (its loss, loss sections, batching) between two steps."""
+    actor.sections = replace(actor.sections, train=replace(actor.sections.train, algorithm=algorithm))
+
+
 def sample_batch(vocab: int, groups: int = 4, seed: int = 1) -> TrainRows:
     """``groups`` prompt groups of GROUP responses, ragged lengths, mixed 0/1 scores, GRPO advantages."""
     g = torch.Generator().manual_seed(seed)

@@ -24,7 +24,7 @@ VOCAB = 255
 
 
 def _body(rank, world, model_dir):  # noqa: ARG001
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     out = {}
@@ -32,7 +32,7 @@ def _body(rank, world, model_dir):  # noqa: ARG001
         cfg = run_config(model_dir, lr=1e-3, adam_eps=1e-8)
         cfg = replace(cfg, model=replace(cfg.model, dtype=dtype))
         groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-        actor = MegatronActor(cfg, groups, model_dir)
+        actor = build_actor(cfg, groups, model_dir)
         batch = sample_batch(VOCAB)
         old = actor.compute_logprobs(batch, micro_batch_size=4, temperature=1.0)
         w0 = {n: t.float().clone() for n, t in actor.export_hf_weights()}

@@ -14,7 +14,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _actor_helpers import hf_config, make_qwen2, rel_update_diff, run_config, sample_batch, valid_positions
+from _actor_helpers import (
+    hf_config,
+    make_qwen2,
+    rel_update_diff,
+    run_config,
+    sample_batch,
+    set_algorithm,
+    valid_positions,
+)
 from _dist import run_distributed
 
 from pacs_megatron.batch.rows import as_train_batch
@@ -32,7 +40,7 @@ def _export(actor) -> dict:
 
 
 def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32", thd=False, pp=1):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir, tp=tp, pp=pp)
@@ -49,7 +57,7 @@ def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32", thd=False, 
         ),
     )
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-    actor = MegatronActor(cfg, groups, model_dir)
+    actor = build_actor(cfg, groups, model_dir)
     batch = sample_batch(VOCAB)
     assert actor.thd == thd
     out = {"cp": (groups.cp_rank, groups.cp_size), "dp": groups.dp_size, "weights": [_export(actor)]}
@@ -59,10 +67,10 @@ def _cp_body(rank, world, model_dir, tp, cp, fused, dtype="float32", thd=False, 
     actor.compute_ref_logprobs(batch, 2, 1.0)  # the reference is copied at its first use: the starting weights
     for name, _ in LOSSES:
         # the run's own loss (not train_step's loss_name): it carries the recipe's entropy term
-        a = actor.cfg.algorithm
+        a = actor.sections.train.algorithm
         anchor = "reference" if name == "pacs_v2" else "old"
         a = replace(a, loss=name.removesuffix("_v2"), pacs=replace(a.pacs, anchor=anchor))
-        actor.cfg = replace(actor.cfg, algorithm=a)
+        set_algorithm(actor, a)
         old = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0, with_entropy=True)
         ref = actor.compute_ref_logprobs(batch, 2, 1.0) if anchor == "reference" else None
         train = as_train_batch(batch, old.token_logp, old_entropy=old.entropy, ref_logp=ref)
@@ -84,8 +92,8 @@ def _reset_body(rank, world, model_dir, tp, cp):
     """PACS v2 with a hard reset, for the full actor and then a LoRA one (same process, same groups): a step, the
     reset, the log-probs of policy and reference after it, two more steps (the second anchored one update back);
     the exported weights after each (LoRA: merged) and LoRA's adapters."""
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.config import LoRAConfig
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir, tp=tp)
@@ -96,7 +104,7 @@ def _reset_body(rank, world, model_dir, tp, cp):
     lora = replace(cfg, optimizer=replace(cfg.optimizer, lr=0.05), actor=replace(cfg.actor, lora=LoRAConfig(4, 8.0)))
     out = {}
     for name, c in (("full", cfg), ("lora", lora)):
-        actor = MegatronActor(c, groups, model_dir)
+        actor = build_actor(c, groups, model_dir)
         r: dict = {"weights": [], "adapters": [], "metrics": []}
 
         def snap(r=r, actor=actor, lora=name == "lora") -> None:

@@ -20,13 +20,13 @@ pytestmark = pytest.mark.gpu
 def _gpu_body(rank, world, model_dir, dtype, fused_head="false"):
     from dataclasses import replace
 
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir)
     cfg = replace(cfg, model=replace(cfg.model, dtype=dtype, fused_lm_head=fused_head))
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-    actor = MegatronActor(cfg, groups, model_dir)
+    actor = build_actor(cfg, groups, model_dir)
     batch = sample_batch(255)
     exported = {n: t.cpu().clone() for n, t in actor.export_hf_weights(dtype=torch.float32)}
     small = actor.compute_logprobs(batch, 2, 1.0)
@@ -63,14 +63,14 @@ def test_one_gpu_actor(tmp_path, dtype, tol, fused_head):
 def _offload_body(rank, world, model_dir):
     from dataclasses import replace
 
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir)
     cfg = replace(cfg, model=replace(cfg.model, dtype="bfloat16"))
     cfg = replace(cfg, actor=replace(cfg.actor, offload_during_rollout=True))
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-    actor = MegatronActor(cfg, groups, model_dir)
+    actor = build_actor(cfg, groups, model_dir)
     batch = sample_batch(255)
     old = actor.compute_logprobs(batch, 2, 1.0).token_logp
     actor.train_step(as_train_batch(batch, old))

@@ -47,13 +47,13 @@ def _export(actor) -> dict:
 def _layout_body(rank, world, model_dir, tp, pp, vpp, mbs):
     from dataclasses import replace
 
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir, tp=tp, pp=pp, dp=world // (tp * pp), vpp=vpp)
     cfg = replace(cfg, algorithm=replace(cfg.algorithm, micro_batch_size=mbs))
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-    actor = MegatronActor(cfg, groups, model_dir)
+    actor = build_actor(cfg, groups, model_dir)
     out = {"dp_rank": groups.dp_rank}
     inner = [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
     out["fused_adam"] = all(g["fused"] for o in inner for g in o.param_groups)

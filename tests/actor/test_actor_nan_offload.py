@@ -36,7 +36,7 @@ def _step(actor, batch, poison: bool = False) -> dict:
 
 
 def _body(rank, world, model_dir):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     base = run_config(model_dir, tp=2)
@@ -44,14 +44,14 @@ def _body(rank, world, model_dir):
     batch = sample_batch(VOCAB)
     out = {}
 
-    plain = MegatronActor(base, groups, model_dir)
+    plain = build_actor(base, groups, model_dir)
     for _ in range(3):
         _step(plain, batch)
     out["plain"] = _weights(plain)
     del plain
 
     cfg = replace(base, actor=replace(base.actor, offload_during_rollout=True))
-    actor = MegatronActor(cfg, groups, model_dir)
+    actor = build_actor(cfg, groups, model_dir)
     freed = []
     for _ in range(3):
         _step(actor, batch)

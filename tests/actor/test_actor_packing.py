@@ -16,7 +16,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _actor_helpers import GROUP, hf_config, make_qwen2, rel_update_diff, run_config, sample_batch, valid_positions
+from _actor_helpers import (
+    GROUP,
+    hf_config,
+    make_qwen2,
+    rel_update_diff,
+    run_config,
+    sample_batch,
+    set_algorithm,
+    valid_positions,
+)
 from _dist import run_distributed
 
 from pacs_megatron.batch.build import split_mini_batches
@@ -43,9 +52,9 @@ def _config(model_dir, tp, pp, dp, dynamic):
 
 
 def _body(rank, world, model_dir, tp, pp):
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.batch.build import split_mini_batches
     from pacs_megatron.batch.packing import dp_balanced_shard
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     dp = world // (tp * pp)
@@ -53,15 +62,16 @@ def _body(rank, world, model_dir, tp, pp):
     local = dp_balanced_shard(sample_batch(VOCAB, groups=GROUPS), groups.dp_rank, dp, MINI)
     out = {"group_ids": local.group_ids}
     for mode in ("fixed", "dynamic"):
-        actor = MegatronActor(_config(model_dir, tp, pp, dp, mode == "dynamic"), groups, model_dir)
+        actor = build_actor(_config(model_dir, tp, pp, dp, mode == "dynamic"), groups, model_dir)
         w0 = {n: t.clone() for n, t in actor.export_hf_weights()}
         old = actor.compute_logprobs(local, micro_batch_size=GROUP, temperature=1.0, mini_batch_groups=MINI // dp)
         minis = split_mini_batches(as_train_batch(local, old.token_logp), MINI // dp)
         m_pacs = actor.train_step(minis[0])
         m_grpo = actor.train_step(minis[1], loss_name="grpo")
         w2 = {n: t.clone() for n, t in actor.export_hf_weights()}
-        policy = replace(actor.cfg.algorithm.policy, loss_agg_mode="seq-mean-token-sum-norm", loss_agg_horizon=0)
-        actor.cfg = replace(actor.cfg, algorithm=replace(actor.cfg.algorithm, policy=policy))
+        algorithm = actor.sections.train.algorithm
+        policy = replace(algorithm.policy, loss_agg_mode="seq-mean-token-sum-norm", loss_agg_horizon=0)
+        set_algorithm(actor, replace(algorithm, policy=policy))
         m_norm = actor.train_step(minis[0], loss_name="grpo")
         w3 = {n: t.clone() for n, t in actor.export_hf_weights()}
         out[mode] = {"logp": old.token_logp, "m_pacs": m_pacs, "m_grpo": m_grpo, "m_norm": m_norm}
@@ -134,7 +144,7 @@ def test_thd_pack_unpack_round_trip():
 
 
 def _thd_body(rank, world, model_dir):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = _config(model_dir, 1, 1, 1, True)
@@ -142,7 +152,7 @@ def _thd_body(rank, world, model_dir):
     batch = sample_batch(VOCAB, groups=GROUPS)
     out = {}
     for thd in (True, False):
-        actor = MegatronActor(cfg, groups, model_dir)
+        actor = build_actor(cfg, groups, model_dir)
         out["thd_default"] = out.get("thd_default", actor.thd)
         actor.thd = thd
         res = actor.compute_logprobs(batch, micro_batch_size=GROUP, temperature=1.0, with_entropy=True)

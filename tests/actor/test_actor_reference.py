@@ -36,14 +36,14 @@ def _config(model_dir, tp, pp, offload, loss, kl=KL, ent=ENT):
 
 
 def _body(rank, world, model_dir, tp, pp, offload, ckpt_dir):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     out = {}
     groups = initialize_parallel(_config(model_dir, tp, pp, offload, "grpo").parallel, hf_config(model_dir))
     for loss in ("grpo", "pacs"):
         cfg = _config(model_dir, tp, pp, offload, loss)
-        actor = MegatronActor(cfg, groups, model_dir)
+        actor = build_actor(cfg, groups, model_dir)
         batch = sample_batch(VOCAB)
         old0 = actor.compute_logprobs(batch, 2, 1.0).token_logp
         ref0 = actor.compute_ref_logprobs(batch, 2, 1.0)
@@ -57,7 +57,7 @@ def _body(rank, world, model_dir, tp, pp, offload, ckpt_dir):
         out[loss]["frozen"] = torch.equal(ref0, old0) and torch.equal(ref1, ref0) and not torch.equal(old1, old0)
         if loss == "pacs":  # checkpoint: the reference comes back as saved, not as the trained policy
             actor.save_checkpoint(ckpt_dir, {"step": 2})
-            fresh = MegatronActor(cfg, groups, model_dir)
+            fresh = build_actor(cfg, groups, model_dir)
             fresh.load_checkpoint(ckpt_dir)
             out["reloaded"] = torch.equal(fresh.compute_ref_logprobs(batch, 2, 1.0), ref0)
     return out
@@ -96,9 +96,9 @@ def _torch_reference(model_dir, w1, batch, old1, ref, loss_name):
 
 def _off_body(rank, world, model_dir):
     import pacs_megatron.actor.train_step as ts
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.batch.rows import TrainBatch
     from pacs_megatron.loop import update_stages
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     asked = []
@@ -107,7 +107,7 @@ def _off_body(rank, world, model_dir):
     cfg = _config(model_dir, 1, 1, False, "grpo", kl=0.0, ent=0.0)
     # every row's old log-probs from the no-grad pass (none from a training forward, which asks for entropy)
     cfg = replace(cfg, algorithm=replace(cfg.algorithm, old_logp_from_forward=False))
-    actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+    actor = build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
     rows, old, _ = update_stages.prepare_local_batch(cfg, actor, sample_batch(VOCAB), 0, 1)
     assert old.first == 0
     local = TrainBatch.of_rows(rows, old_logp=old.logp, old_entropy=old.entropy)

@@ -87,8 +87,8 @@ def _nll(actor, rows) -> float:
 
 
 def _body(rank, world, model_dir):  # noqa: ARG001
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.batch.rows import TrainBatch
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     out = {}
@@ -100,7 +100,7 @@ def _body(rank, world, model_dir):  # noqa: ARG001
     ):
         cfg = run_config(model_dir, lr=LR, adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=distributed)
         cfg = replace(cfg, model=replace(cfg.model, dtype=dtype, bf16_rounding=rounding))
-        actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+        actor = build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
         rows = sample_batch(VOCAB)
         zeros = torch.zeros(rows.input_ids.shape)  # as loop/warmup.py: the sft loss reads no old log-probs
         batch = TrainBatch.of_rows(rows, old_logp=zeros, old_entropy=zeros)

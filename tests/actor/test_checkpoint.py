@@ -25,13 +25,13 @@ EXTRA = {"data_position": 5, "note": "trainer state"}
 
 
 def _actor(model_dir, tp, pp, world):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     # warm-up + cosine: the resumed step must continue the schedule, not restart it
     cfg = run_config(model_dir, tp=tp, pp=pp, dp=world // (tp * pp), lr_warmup_steps=1, lr_decay_style="cosine")
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-    return MegatronActor(cfg, groups, model_dir)
+    return build_actor(cfg, groups, model_dir)
 
 
 def _export(actor) -> dict:

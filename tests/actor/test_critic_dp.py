@@ -69,11 +69,11 @@ def _trunk_diff(actor, critic) -> float:
 
 
 def _body(rank, world, model_dir, runs):  # noqa: ARG001
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.actor.critic import MegatronCritic
     from pacs_megatron.actor.weights import unwrap
     from pacs_megatron.batch.build import dp_shard
     from pacs_megatron.loop import critic_stages, update_stages
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     groups = initialize_parallel(_config(model_dir, world, False).parallel, hf_config(model_dir))
@@ -81,9 +81,9 @@ def _body(rank, world, model_dir, runs):  # noqa: ARG001
     out = {}
     for dynamic, mini in runs:
         cfg = _config(model_dir, world, dynamic, mini)
-        actor = MegatronActor(cfg, groups, model_dir)
+        actor = build_actor(cfg, groups, model_dir)
         # A value head that is not 0, so the critic's values differ from row to row before any update.
-        critic = MegatronCritic(cfg, groups, actor)
+        critic = MegatronCritic(cfg.critic, groups, actor)
         for p in unwrap(critic.model[0]).output_layer.parameters():
             torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(7))
         c = SimpleNamespace(critic=critic, actor=actor, rt=SimpleNamespace(groups=groups))

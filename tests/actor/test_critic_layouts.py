@@ -20,9 +20,9 @@ VOCAB = 255
 
 
 def _body(rank, world, model_dir, tp):  # noqa: ARG001
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.actor.critic import MegatronCritic
     from pacs_megatron.config import CriticConfig, OptimizerConfig
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.pacs import gae_advantages, outcome_token_rewards
     from pacs_megatron.parallel import initialize_parallel
 
@@ -30,11 +30,11 @@ def _body(rank, world, model_dir, tp):  # noqa: ARG001
     critic_cfg = CriticConfig(optim=OptimizerConfig(lr=0.5, weight_decay=0.0, adam_eps=1.0), cliprange_value=0.3)
     cfg = replace(cfg, critic=critic_cfg)
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-    actor = MegatronActor(cfg, groups, model_dir)
+    actor = build_actor(cfg, groups, model_dir)
     batch = sample_batch(VOCAB)
     out = {}
     for init in ("actor", model_dir):
-        critic = MegatronCritic(replace(cfg, critic=replace(critic_cfg, init=init)), groups, actor)
+        critic = MegatronCritic(replace(critic_cfg, init=init), groups, actor)
         v0 = critic.compute_values(batch, micro_batch_size=2)
         rewards = outcome_token_rewards(batch.scores, batch.response_mask)
         adv, ret = gae_advantages(rewards, v0, batch.response_mask, 1.0, 1.0)

@@ -49,14 +49,14 @@ def _snapshot(actor) -> dict:
 
 
 def _body(rank, world, model_dir, ckpt_dir):
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.batch.build import dp_shard
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = _config(model_dir)
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
     batches = [dp_shard(sample_batch(VOCAB, seed=s), groups.dp_rank, groups.dp_size) for s in range(1, 5)]
-    a = MegatronActor(cfg, groups, model_dir)
+    a = build_actor(cfg, groups, model_dir)
     assert a.distributed_optimizer
     for b in batches[:2]:
         _step(a, b)
@@ -68,11 +68,11 @@ def _body(rank, world, model_dir, ckpt_dir):
     ma.append(_step(a, batches[3]))
     sa_reset = _snapshot(a)
 
-    b = MegatronActor(cfg, groups, model_dir)
+    b = build_actor(cfg, groups, model_dir)
     b.load_checkpoint(f"{ckpt_dir}/step2")
     mb = _step(b, batches[2])
     sb = _snapshot(b)
-    c = MegatronActor(cfg, groups, model_dir)
+    c = build_actor(cfg, groups, model_dir)
     c.load_checkpoint(f"{ckpt_dir}/reset")
     mc = _step(c, batches[3])
     sc = _snapshot(c)

@@ -16,12 +16,12 @@ from pacs_megatron.hf.gguf_import import import_gguf
 
 
 def _body(rank, world, model_dir, gguf, batch):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="gguf", gguf=gguf))
-    actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir), training=False), model_dir)
+    actor = build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir), training=False), model_dir)
     return actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0).token_logp
 
 

@@ -52,8 +52,8 @@ def _config(model_dir, tp, pp, vpp, sp, dynamic):
 
 def _case(model_dir, tp, pp, vpp, sp, dynamic):
     import pacs_megatron.actor.train_step as ts
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.loop import update_stages
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = _config(model_dir, tp, pp, vpp, sp, dynamic)
@@ -62,7 +62,7 @@ def _case(model_dir, tp, pp, vpp, sp, dynamic):
     out = {"last": groups.is_last_stage}
     steps = {}
     for name, (rows_on, fused) in VARIANTS.items():
-        actor = MegatronActor(replace(cfg, model=replace(cfg.model, fused_lm_head=fused)), groups, model_dir)
+        actor = build_actor(replace(cfg, model=replace(cfg.model, fused_lm_head=fused)), groups, model_dir)
         actor.response_logits = rows_on
         lp = actor.compute_logprobs(batch, GROUP, 1.0, with_entropy=True, response_only=True)
         out[f"logp_{name}"], out[f"entropy_{name}"] = lp.token_logp, lp.entropy

@@ -16,6 +16,7 @@ from _actor_helpers import run_config, sample_batch
 from pacs_megatron.actor.actor import MegatronActor
 from pacs_megatron.batch.rows import as_train_batch
 from pacs_megatron.config import AlgorithmConfig, RunConfig, critic_loss_agg
+from pacs_megatron.loop.build import actor_sections
 from pacs_megatron.pacs import PolicyLossConfig
 
 VOCAB = 255
@@ -25,7 +26,8 @@ def _step_horizon(cfg: RunConfig, groups: int) -> int:
     """The ``loss_agg_horizon`` a GRPO train step on a batch of ``groups`` prompt groups hands to its
     loss function."""
     actor = object.__new__(MegatronActor)
-    actor.cfg, actor.spec, actor.groups, actor.moe_aux, actor.response_logits = cfg, None, None, None, False
+    actor.sections, actor.spec, actor.groups, actor.moe_aux = actor_sections(cfg), None, None, None
+    actor.response_logits = False
     seen = []
     actor._update = lambda micro, make, store, response_only: seen.append(make.keywords["loss_cfg"]) or {}
     batch = sample_batch(VOCAB, groups=groups)
@@ -45,4 +47,5 @@ def test_default_horizon_is_the_max_response_length():
 
     gae = PolicyLossConfig(loss_agg_mode="seq-mean-token-sum-norm", adv_estimator="gae")
     critic_cfg = RunConfig(algorithm=AlgorithmConfig(loss="ppo", policy=gae))
-    assert critic_loss_agg(critic_cfg) == ("seq-mean-token-sum-norm", critic_cfg.rollout.max_response_length)
+    horizon = critic_cfg.rollout.max_response_length
+    assert critic_loss_agg(critic_cfg.critic, critic_cfg.algorithm, horizon) == ("seq-mean-token-sum-norm", horizon)

@@ -40,7 +40,7 @@ LAYOUTS = {"sp": (2, True, False), "sp_thd": (2, True, True), "thd": (1, False, 
 
 
 def _actor(model_dir, tp, sp, thd):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir, tp=tp, dp=2 // tp)
@@ -50,7 +50,7 @@ def _actor(model_dir, tp, sp, thd):
         model=replace(cfg.model, moe_aux_loss_coeff=0.01),
         actor=replace(cfg.actor, routing_replay="rollout"),
     )
-    actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+    actor = build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
     actor.thd = thd  # what use_thd() decides with dynamic batching; forced, so one config runs every layout
     return actor
 

@@ -36,7 +36,7 @@ def _trajectories():
 
 
 def _body(rank, world, model_dir):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     prompt, rows = _trajectories()
@@ -47,14 +47,14 @@ def _body(rank, world, model_dir):
     out: dict = {}
     cfg = run_config(model_dir)
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-    actor = MegatronActor(cfg, groups, model_dir)
+    actor = build_actor(cfg, groups, model_dir)
     for name, b in (("traj", traj), ("first", first), ("second", second)):
         out[name] = actor.compute_logprobs(b, N, 1.0, response_only=True).token_logp
     # the same step from fresh actors: tool positions of every other input filled with garbage must not matter
     for loss in ("pacs", "grpo"):
         for garbage in (False, True):
             c = replace(cfg, algorithm=replace(cfg.algorithm, loss=loss, kl_loss_coef=0.1, kl_loss_type="k3"))
-            fresh = MegatronActor(c, groups, model_dir)
+            fresh = build_actor(c, groups, model_dir)
             old = out["traj"] - 0.05 * traj.response_mask  # pi_old a little below: r != 0, the classifier acts
             ref = out["traj"] - 0.1 * traj.response_mask
             if garbage:

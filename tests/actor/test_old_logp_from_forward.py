@@ -27,8 +27,8 @@ CASES = {
 
 
 def _run(model_dir, tp, pp, loss, mini, epochs, dynamic, from_forward):
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.loop import update_stages
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir, tp=tp, pp=pp, lr=1e-2, adam_eps=1e-8)
@@ -43,7 +43,7 @@ def _run(model_dir, tp, pp, loss, mini, epochs, dynamic, from_forward):
     )
     cfg = replace(cfg, algorithm=algo)
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
-    actor = MegatronActor(cfg, groups, model_dir)
+    actor = build_actor(cfg, groups, model_dir)
     batch = sample_batch(VOCAB)
     rows, old, m1 = update_stages.prepare_local_batch(cfg, actor, batch, groups.dp_rank, groups.dp_size)
     skipped = old.first > 0 and len(old.logp) == len(rows) - old.first  # no pass over the first rows

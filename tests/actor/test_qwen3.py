@@ -95,14 +95,14 @@ def test_expert_layouts_and_export_order():
 
 
 def _body(rank, world, model_dir):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     out = {}
     batch = sample_batch(VOCAB)
     for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
         cfg = run_config(model_dir, tp=tp, pp=pp)
-        actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+        actor = build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
         w0 = {n: t.detach().cpu().clone() for n, t in actor.export_hf_weights()}
         lp = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0)
         m = actor.train_step(as_train_batch(batch, lp.token_logp))

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.distributed
 
 
 def _actor(model_dir, tp=1, pp=1, ep=2, world=2, replay="none"):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir, tp=tp, pp=pp, dp=world // (tp * pp))
@@ -43,7 +43,7 @@ def _actor(model_dir, tp=1, pp=1, ep=2, world=2, replay="none"):
         actor=replace(cfg.actor, routing_replay=replay),
     )
     # TP > 1 trains MoE only with sequence parallelism (TE/Apex): forward passes only there
-    return MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir), training=tp == 1), model_dir)
+    return build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir), training=tp == 1), model_dir)
 
 
 def _export(actor) -> dict:

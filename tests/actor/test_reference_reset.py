@@ -58,14 +58,14 @@ def _weights(actor) -> dict:
 def _body(rank, world, model_dir, tp, pp, vpp, offload, ep, w1_dir):
     import torch.distributed as dist
 
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.batch.build import dp_shard
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = _config(model_dir, world, tp, pp, vpp, offload, ep)
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
     b1, b2 = (dp_shard(sample_batch(VOCAB, seed=s), groups.dp_rank, groups.dp_size) for s in (1, 2))
-    a = MegatronActor(cfg, groups, model_dir)
+    a = build_actor(cfg, groups, model_dir)
     m1, _, _ = _step(a, b1)
     a.save_hf(w1_dir)
     dist.barrier()
@@ -77,7 +77,7 @@ def _body(rank, world, model_dir, tp, pp, vpp, offload, ep, w1_dir):
     m2a, _, ref2 = _step(a, b2)
     frozen = torch.equal(a.compute_ref_logprobs(b2, 2, 1.0), ref2)
     wa = _weights(a)
-    b = MegatronActor(replace(cfg, model=replace(cfg.model, path=w1_dir)), groups, w1_dir)
+    b = build_actor(replace(cfg, model=replace(cfg.model, path=w1_dir)), groups, w1_dir)
     m2b, _, _ = _step(b, b2)
     wb = _weights(b)
     same = all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -17,13 +17,13 @@ from pacs_megatron.batch.build import build_rollouts
 
 
 def _body(rank, world, model_dir, batch):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     out = {}
     for name, pp, dp in (("tp1", 1, 2), ("pp2", 2, 1)):
         cfg = run_config(model_dir, tp=1, pp=pp, dp=dp)
-        actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir), training=False), model_dir)
+        actor = build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir), training=False), model_dir)
         out[name] = actor.compute_logprobs(batch, micro_batch_size=2, temperature=1.0).token_logp
         del actor  # one model per rank at a time
     return out

@@ -179,7 +179,7 @@ def test_problem_subset_and_splits_do_not_depend_on_the_training_seed():
     """With num_problems, the subset is drawn by split_seed like the splits: runs with other data.seed
     (the seeds of a comparison) train and validate on the same problems."""
     from pacs_megatron.config import load_config
-    from pacs_megatron.data.factory import build_train_dataset, build_val_datasets
+    from pacs_megatron.loop.build import train_dataset, val_datasets
 
     tok = build_arith_tokenizer()
     base = ["data.arith.num_problems=40", "data.arith.test_fraction=0.25", "data.arith.max_operand=19"]
@@ -187,10 +187,8 @@ def test_problem_subset_and_splits_do_not_depend_on_the_training_seed():
     for seed in (1, 2):
         cfg = load_config(None, ["model.init=tiny", "model.path=x", "reward.fn=arith", "data.task=arith", *base])
         cfg.data.seed = seed
-        train = build_train_dataset(cfg, tok)
-        sets.append(
-            ({r.id for r in train.records}, {k: [r.id for r in v] for k, v in build_val_datasets(cfg, tok).items()})
-        )
+        train = train_dataset(cfg, tok)
+        sets.append(({r.id for r in train.records}, {k: [r.id for r in v] for k, v in val_datasets(cfg, tok).items()}))
     assert sets[0] == sets[1]
     assert len(sets[0][0]) == 30 and len(sets[0][1]["arith_heldout"]) == 10
 

@@ -158,11 +158,11 @@ def _llama_config():
 
 
 def _one_process_body(rank, world, llama_dir, qwen_dir):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     groups = initialize_parallel(run_config(llama_dir).parallel, hf_config(llama_dir))
-    llama = MegatronActor(run_config(llama_dir), groups, llama_dir)
+    llama = build_actor(run_config(llama_dir), groups, llama_dir)
     batch = sample_batch(96)
     lp = llama.compute_logprobs(batch, 2, 1.0).token_logp
     out = {"llama_logp": lp}
@@ -174,7 +174,7 @@ def _one_process_body(rank, world, llama_dir, qwen_dir):
     out["nan_unchanged"] = all(torch.equal(before[n], t) for n, t in llama.export_hf_weights())
     exports = {}
     for key, seed in (("a", 7), ("b", 7), ("c", 8)):
-        actor = MegatronActor(run_config(qwen_dir, init="random", seed=seed), groups, qwen_dir)
+        actor = build_actor(run_config(qwen_dir, init="random", seed=seed), groups, qwen_dir)
         exports[key] = {n: t.clone() for n, t in actor.export_hf_weights()}
     out["random"] = exports
     return out

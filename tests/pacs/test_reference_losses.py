@@ -53,9 +53,10 @@ def test_critic_loss_agg_mode_defaults_to_the_actors():
 
     policy = PolicyLossConfig(loss_agg_mode="seq-mean-token-sum-norm", loss_agg_horizon=4096, adv_estimator="gae")
     cfg = RunConfig(algorithm=AlgorithmConfig(loss="ppo", policy=policy))
-    assert CriticConfig().loss_agg_mode == "auto" and critic_loss_agg(cfg) == ("seq-mean-token-sum-norm", 4096)
+    assert CriticConfig().loss_agg_mode == "auto"
+    assert critic_loss_agg(cfg.critic, cfg.algorithm, 1024) == ("seq-mean-token-sum-norm", 4096)
     cfg.critic.loss_agg_mode = "token-mean"
-    assert critic_loss_agg(cfg)[0] == "token-mean"
+    assert critic_loss_agg(cfg.critic, cfg.algorithm, 0)[0] == "token-mean"
     with pytest.raises(ConfigError, match="critic.loss_agg_mode"):
         CriticConfig(loss_agg_mode="mean")
 

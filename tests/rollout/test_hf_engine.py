@@ -1,14 +1,15 @@
 """HF transformers engine: seeded sampling, EOS/stop/length handling, log-prob agreement, weight updates."""
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
 from _forcing import force_next_token
 
-from pacs_megatron.config import RunConfig, TinyModelConfig
+from pacs_megatron.config import RolloutConfig, TinyModelConfig
 from pacs_megatron.data.synthetic import write_tiny_model_dir
-from pacs_megatron.rollout import build_engine
+from pacs_megatron.rollout import EngineRun, build_engine
 from pacs_megatron.rollout.hf_engine import HFEngine
 from pacs_megatron.rollout.types import SamplingParams
 
@@ -217,16 +218,14 @@ def test_sleep_wake_noop_on_cpu(engine, tok):
 
 
 def test_build_engine_factory(model_dirs, tok):
-    run = RunConfig()
-    run.rollout.batch_size = 3
-    eng = build_engine(run, model_dirs[0], tok, device="cpu")
+    rollout, run = RolloutConfig(batch_size=3), EngineRun(dtype="auto", max_prompt_length=512)
+    eng = build_engine(rollout, run, model_dirs[0], tok, device="cpu")
     assert isinstance(eng, HFEngine) and eng.batch_size == 3 and eng.dtype == torch.float32
-    run.model.dtype = "bfloat16"
-    assert build_engine(run, model_dirs[0], tok, device="cpu").dtype == torch.bfloat16
+    bf16 = replace(run, dtype="bfloat16")
+    assert build_engine(rollout, bf16, model_dirs[0], tok, device="cpu").dtype == torch.bfloat16
     if importlib.util.find_spec("vllm") is None:
-        run.rollout.engine = "vllm"
         with pytest.raises(RuntimeError, match="vllm is not installed"):
-            build_engine(run, model_dirs[0], tok, device="cpu")
+            build_engine(RolloutConfig(engine="vllm"), run, model_dirs[0], tok, device="cpu")
 
 
 def test_bad_inputs_raise_clear_errors(engine, tok, tmp_path):

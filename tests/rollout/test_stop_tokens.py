@@ -11,7 +11,7 @@ from _forcing import force_next_token
 
 from pacs_megatron.config import TinyModelConfig, load_config
 from pacs_megatron.data.synthetic import write_tiny_model_dir
-from pacs_megatron.rollout import build_engine
+from pacs_megatron.loop.build import build_rollout_engine
 from pacs_megatron.rollout.stop_tokens import resolve_stop_token_ids
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.rollout.vllm.engine import sampling_kwargs
@@ -47,7 +47,7 @@ def _engine(model_dir, *overrides):
 
     cfg = load_config(None, [f"model.path={model_dir}", *overrides])
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    return build_engine(cfg, model_dir, tok, "cpu"), tok, cfg
+    return build_rollout_engine(cfg, model_dir, tok, "cpu"), tok, cfg
 
 
 def test_hf_engine_stops_on_generation_config_eos_like_vllm(dirs):

@@ -18,6 +18,7 @@ import torch
 from pacs_megatron.config import ConfigError, TinyModelConfig, load_config
 from pacs_megatron.data.synthetic import write_tiny_model_dir
 from pacs_megatron.launch.checks.preflight import check_vllm_context
+from pacs_megatron.loop.build import engine_args, engine_run
 from pacs_megatron.rollout.types import SamplingParams
 from pacs_megatron.rollout.vllm.engine import VLLMEngine
 from pacs_megatron.rollout.vllm.params import (
@@ -77,35 +78,33 @@ def test_llm_kwargs_translate_the_run_config(model_dir, tmp_path):
         "rollout.vllm.enable_sleep_mode=false",
         "rollout.vllm.max_num_seqs=64",
     )
-    kw = llm_kwargs(cfg, model_dir, weights_on_disk=False)
+    kw = llm_kwargs(cfg.rollout, engine_run(cfg), model_dir, weights_on_disk=False)
     assert kw["model"] == str(model_dir)
     assert (kw["tensor_parallel_size"], kw["gpu_memory_utilization"], kw["max_num_seqs"]) == (2, 0.35, 64)
     assert (kw["enforce_eager"], kw["enable_sleep_mode"], kw["seed"], kw["dtype"]) == (True, False, 11, "float32")
     assert kw["max_model_len"] == 128 and kw["load_format"] == "dummy"
     assert kw["distributed_executor_backend"] == "external_launcher" and kw["skip_tokenizer_init"] is True
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
-    assert llm_kwargs(cfg_for(model_dir), model_dir, weights_on_disk=True)["load_format"] == "auto"
-    assert llm_kwargs(cfg_for(model_dir, "model.dtype=auto"), model_dir, True)["dtype"] == "bfloat16"
+    assert llm_kwargs(*engine_args(cfg_for(model_dir)), model_dir, weights_on_disk=True)["load_format"] == "auto"
+    assert llm_kwargs(*engine_args(cfg_for(model_dir, "model.dtype=auto")), model_dir, True)["dtype"] == "bfloat16"
     assert "kv_cache_memory_bytes" not in kw
 
 
 def test_llm_kwargs_on_cpu_float32_eager_no_sleep(model_dir):
     """Issue 19 item 2: vLLM refuses sleep mode on CPU; float32 by default there, bf16 allowed."""
     cfg = cfg_for(model_dir, "rollout.vllm.cpu_kv_cache_gib=0.5", "rollout.max_response_length=3")
-    kw = llm_kwargs(cfg, model_dir, True, device_type="cpu")
+    kw = llm_kwargs(cfg.rollout, engine_run(cfg), model_dir, True, device_type="cpu")
     assert (kw["dtype"], kw["enable_sleep_mode"], kw["enforce_eager"]) == ("float32", False, True)
     assert kw["kv_cache_memory_bytes"] == 2**29
     assert kw["max_model_len"] == 512 + 3
     short = cfg_for(model_dir, "data.max_prompt_length=8", "rollout.max_response_length=3")
-    assert llm_kwargs(short, model_dir, True, device_type="cpu")["max_model_len"] == 25  # the 24-token probe fits
-    assert (
-        llm_kwargs(cfg_for(model_dir, "model.dtype=bfloat16"), model_dir, True, device_type="cpu")["dtype"]
-        == "bfloat16"
-    )
+    # the 24-token probe fits
+    assert llm_kwargs(*engine_args(short), model_dir, True, device_type="cpu")["max_model_len"] == 25
+    bf16 = engine_args(cfg_for(model_dir, "model.dtype=bfloat16"))
+    assert llm_kwargs(*bf16, model_dir, True, device_type="cpu")["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="FP8 kernels"):
-        VLLMEngine(
-            cfg=cfg_for(model_dir, "rollout.quantization=fp8"), model_dir=model_dir, tokenizer=None, device="cpu"
-        )
+        fp8 = engine_args(cfg_for(model_dir, "rollout.quantization=fp8"))
+        VLLMEngine(*fp8, model_dir=model_dir, tokenizer=None, device="cpu")
     with pytest.raises(ConfigError, match="cpu_kv_cache_gib"):
         cfg_for(model_dir, "rollout.vllm.cpu_kv_cache_gib=0")
 
@@ -280,7 +279,7 @@ def test_real_engine_matches_transformers_on_gpu(tmp_path, monkeypatch):
     cfg = cfg_for(
         model_dir, "model.dtype=bfloat16", "rollout.vllm.enforce_eager=true", "rollout.vllm.gpu_memory_utilization=0.3"
     )
-    engine = VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tok, device="cuda:0")
+    engine = VLLMEngine(cfg.rollout, engine_run(cfg), model_dir=model_dir, tokenizer=tok, device="cuda:0")
     ref = HFEngine(model_dir, tok, device="cpu", dtype=torch.float32)
     seqs = [[1, 5, 7, 9, 3, 4, 6], [2, 8, 8, 3]]
 
@@ -307,7 +306,7 @@ def test_kv_cache_sized_from_memory_free_after_offload(model_dir):
     actor's offload, not a fixed fraction of the GPU."""
     free_total = (30 * 2**30, 80 * 2**30)
     cfg = cfg_for(model_dir, "actor.offload_during_rollout=true", "actor.rollout_memory_fraction=0.8")
-    assert llm_kwargs(cfg, model_dir, True, free_total)["gpu_memory_utilization"] == pytest.approx(0.3)
-    assert llm_kwargs(cfg_for(model_dir), model_dir, True, free_total)["gpu_memory_utilization"] == 0.5
+    assert llm_kwargs(*engine_args(cfg), model_dir, True, free_total)["gpu_memory_utilization"] == pytest.approx(0.3)
+    assert llm_kwargs(*engine_args(cfg_for(model_dir)), model_dir, True, free_total)["gpu_memory_utilization"] == 0.5
     with pytest.raises(ValueError, match="makes no sense"):
         colocated_memory_utilization(0, 80, 0.9)

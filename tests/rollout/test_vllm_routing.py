@@ -20,6 +20,7 @@ import torch
 from pacs_megatron.config import ConfigError, TinyModelConfig, load_config
 from pacs_megatron.data.synthetic import write_tiny_model_dir
 from pacs_megatron.launch.checks.device import check_device
+from pacs_megatron.loop.build import engine_args, engine_run
 from pacs_megatron.rollout.vllm.params import llm_kwargs, moe_layer_indices, routed_experts_from_vllm, to_responses
 
 REPLAY = ["model.path=/m", "rollout.engine=vllm", "actor.routing_replay=rollout"]
@@ -36,9 +37,10 @@ def test_config_accepts_routing_replay_with_the_vllm_engine_on_gpu(vllm_installe
     """parallel.backend=nccl is a GPU run: vLLM's CUDA path returns routed experts (written, never run)."""
     cfg = load_config(None, [*REPLAY, "parallel.backend=nccl"])
     check_device(cfg)
-    assert llm_kwargs(cfg, "/m", True)["enable_return_routed_experts"] is True
-    assert "enable_return_routed_experts" not in llm_kwargs(cfg, "/m", True, device_type="cpu")
-    assert "enable_return_routed_experts" not in llm_kwargs(load_config(None, ["model.path=/m"]), "/m", True)
+    assert llm_kwargs(cfg.rollout, engine_run(cfg), "/m", True)["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in llm_kwargs(cfg.rollout, engine_run(cfg), "/m", True, device_type="cpu")
+    plain = engine_args(load_config(None, ["model.path=/m"]))
+    assert "enable_return_routed_experts" not in llm_kwargs(*plain, "/m", True)
 
 
 # ------------------------------------------------------------------ vLLM's array -> Response.routed_experts

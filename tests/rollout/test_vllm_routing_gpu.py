@@ -32,6 +32,7 @@ NUM_EXPERTS = 4
 def _vllm_rollout(model_dir, monkeypatch):
     """vLLM samples GROUP responses for 4 prompts with routing returned; the batch carries its experts."""
     from pacs_megatron.data.synthetic import build_arith_tokenizer
+    from pacs_megatron.loop.build import engine_run
     from pacs_megatron.rollout.types import SamplingParams
     from pacs_megatron.rollout.vllm.engine import VLLMEngine
 
@@ -50,7 +51,8 @@ def _vllm_rollout(model_dir, monkeypatch):
             "rollout.vllm.gpu_memory_utilization=0.3",
         ],
     )
-    engine = VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=build_arith_tokenizer(), device="cuda:0")
+    tok = build_arith_tokenizer()
+    engine = VLLMEngine(cfg.rollout, engine_run(cfg), model_dir=model_dir, tokenizer=tok, device="cuda:0")
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
     try:
         groups = engine.generate(prompts, SamplingParams(n=GROUP, max_tokens=6, temperature=1.0, seed=3))
@@ -63,7 +65,7 @@ def _vllm_rollout(model_dir, monkeypatch):
 
 
 def _actor_body(rank, world, model_dir, batch):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = run_config(model_dir)
@@ -73,7 +75,7 @@ def _actor_body(rank, world, model_dir, batch):
         parallel=replace(cfg.parallel, backend="nccl"),
         actor=replace(cfg.actor, routing_replay="rollout"),
     )
-    actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+    actor = build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
 
     def lp(b):
         return actor.compute_logprobs(b, micro_batch_size=GROUP, temperature=1.0).token_logp.cpu()

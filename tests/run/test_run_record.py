@@ -250,7 +250,8 @@ def test_the_eval_command_builds_the_validations_own_prompts(tmp_path, data_root
     import argparse
     import shlex
 
-    from pacs_megatron.data import build_val_datasets, load_dataset, load_tokenizer
+    from pacs_megatron.data import load_dataset, load_tokenizer
+    from pacs_megatron.loop.build import val_datasets
     from pacs_megatron.tools.eval import _data_config, add_arguments
 
     out = tmp_path / "run"
@@ -264,7 +265,7 @@ def test_the_eval_command_builds_the_validations_own_prompts(tmp_path, data_root
     args = parser.parse_args(argv[2:])
     tok = load_tokenizer(tok_dir, cfg.data.chat_template)
     _, evaluated = load_dataset(args.data, _data_config(args), tok)
-    validated = build_val_datasets(cfg, tok)["arith_heldout"]
+    validated = val_datasets(cfg, tok)["arith_heldout"]
     assert [r.prompt_text for r in evaluated] == [r.prompt_text for r in validated]
     assert all("\\boxed{}" in r.prompt_text for r in evaluated) and [r.answer for r in evaluated] == [
         r.answer for r in validated

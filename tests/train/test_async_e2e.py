@@ -75,10 +75,11 @@ def _prompts_per_step(out: Path) -> dict[int, list[str]]:
 def _expected_prompts(out: Path, steps: int, overrides: list[str]) -> dict[int, list[str]]:
     """The uninterrupted prompt stream of the run's config: step s trains batch s, n rows per prompt."""
     from pacs_megatron.config import load_config
-    from pacs_megatron.data import build_train_dataset, load_tokenizer
+    from pacs_megatron.data import load_tokenizer
+    from pacs_megatron.loop.build import train_dataset
 
     cfg = load_config(CONFIG, [f"trainer.output_dir={out}", f"model.path={out}/model", *SHORT, *overrides])
-    dataset = build_train_dataset(cfg, load_tokenizer(str(out / "model"), cfg.data.chat_template))
+    dataset = train_dataset(cfg, load_tokenizer(str(out / "model"), cfg.data.chat_template))
     return {
         s: [r.prompt_text for r in dataset.next_batch(cfg.trainer.train_batch_size) for _ in range(cfg.rollout.n)]
         for s in range(1, steps + 1)

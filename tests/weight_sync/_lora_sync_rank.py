@@ -34,8 +34,8 @@ def main(workdir: Path) -> dict:
     from _vllm import saved_model
     from transformers import AutoTokenizer
 
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.config import load_config
+    from pacs_megatron.loop.build import build_actor, engine_run
     from pacs_megatron.parallel import destroy_parallel, initialize_parallel
     from pacs_megatron.rollout.vllm.engine import VLLMEngine, single_rank_launcher_env
     from pacs_megatron.weight_sync import WeightSync, WeightSyncError
@@ -62,9 +62,9 @@ def main(workdir: Path) -> dict:
         groups = initialize_parallel(cfg.parallel, json.loads((model_dir / "config.json").read_text()))
         engine = None
         try:
-            actor = MegatronActor(cfg, groups, str(model_dir))
+            actor = build_actor(cfg, groups, str(model_dir))
             tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-            engine = VLLMEngine(cfg=cfg, model_dir=model_dir, tokenizer=tok, device="cpu")
+            engine = VLLMEngine(cfg.rollout, engine_run(cfg), model_dir=model_dir, tokenizer=tok, device="cpu")
             sync = WeightSync(actor, engine, cfg.sync, actor.hf_config.vocab_size, actor.param_dtype, cfg.rollout)
             first = sync.sync()  # the base (adapters off) and the adapter (B = 0)
             out["first"] = first.metrics()

@@ -106,15 +106,15 @@ def _held(engine) -> dict:
 def _body(rank, world, actor_dir, engine_dir, out_dir, tp, cp):
     import pacs_megatron.actor.weights as weights
     import pacs_megatron.weight_sync.remote as remote
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.data.synthetic import build_arith_tokenizer
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
     from pacs_megatron.weight_sync import WeightSync
 
     cfg = run_config(actor_dir, tp=tp)
     cfg = replace(cfg, parallel=replace(cfg.parallel, cp=cp))
     groups = initialize_parallel(cfg.parallel, hf_config(actor_dir))
-    actor = _Counted(MegatronActor(cfg, groups, actor_dir))
+    actor = _Counted(build_actor(cfg, groups, actor_dir))
     engine = _CountedEngine(engine_dir, build_arith_tokenizer(), dtype=torch.float32)
     sync = WeightSync(actor, engine, cfg.sync, VOCAB, actor.param_dtype)
     first = sync.sync()

@@ -187,7 +187,7 @@ def test_importing_modelopt_leaves_vllm_logging_as_it_was():
 def _quantized_sync_body(rank, world, model_dir):
     from transformers import AutoTokenizer
 
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
     from pacs_megatron.rollout.hf_engine import HFEngine
 
@@ -205,7 +205,7 @@ def _quantized_sync_body(rank, world, model_dir):
     )
     hf_cfg = json.loads((model_dir / "config.json").read_text())
     groups = initialize_parallel(cfg.parallel, hf_cfg)
-    actor = MegatronActor(cfg, groups, str(model_dir))
+    actor = build_actor(cfg, groups, str(model_dir))
     engine = HFEngine(model_dir, AutoTokenizer.from_pretrained(str(model_dir)), device="cpu", dtype=torch.float32)
     before = {n: t.clone() for n, t in actor.export_hf_weights()}
     res = WeightSync(actor, engine, cfg.sync, hf_cfg["vocab_size"], actor.param_dtype, cfg.rollout).sync()
@@ -251,6 +251,7 @@ def test_nvfp4_fake_quant_on_cuda():
 
 def test_the_sync_hands_vllm_the_fp8_layout_it_sends():
     """The engine is built with the sender's description of its FP8 weights (it never reads the recipe)."""
+    from pacs_megatron.loop.build import engine_run
     from pacs_megatron.rollout.vllm.params import llm_kwargs
 
     fp8 = ["model.path=/m", "rollout.engine=vllm", "rollout.quantization=fp8"]
@@ -258,7 +259,7 @@ def test_the_sync_hands_vllm_the_fp8_layout_it_sends():
     layout = vllm_fp8_config(cfg.rollout)
     assert layout == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     assert vllm_fp8_config(load_config(None, fp8).rollout) == {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    kw = llm_kwargs(cfg, "/m", True, fp8_config=layout)
+    kw = llm_kwargs(cfg.rollout, engine_run(cfg), "/m", True, fp8_config=layout)
     assert (kw["quantization"], kw["hf_overrides"], kw["load_format"]) == (
         "fp8",
         {"quantization_config": layout},

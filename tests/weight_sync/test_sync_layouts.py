@@ -67,7 +67,7 @@ def _max_diff(actor, engine, batch) -> float:
 def _sync_body(rank, world, model_dir, tp, pp):
     from transformers import AutoTokenizer
 
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
     from pacs_megatron.rollout.hf_engine import HFEngine
     from pacs_megatron.weight_sync import WeightSync, WeightSyncError, iter_buckets
@@ -89,7 +89,7 @@ def _sync_body(rank, world, model_dir, tp, pp):
     )
     hf_cfg = json.loads((model_dir / "config.json").read_text())
     groups = initialize_parallel(cfg.parallel, hf_cfg)
-    actor = MegatronActor(cfg, groups, str(model_dir))
+    actor = build_actor(cfg, groups, str(model_dir))
     engine = HFEngine(model_dir, AutoTokenizer.from_pretrained(str(model_dir)), device="cpu", dtype=torch.float32)
     batch = _rows(hf_cfg["vocab_size"])
     out = {"before": _max_diff(actor, engine, batch)}

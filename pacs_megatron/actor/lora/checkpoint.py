@@ -58,7 +58,7 @@ def this_base(model: ModelConfig, model_dir: str, groups: ParallelGroups) -> Bas
 def save_record(actor) -> dict | None:
     """Collective: the LoRA record of the next save (run/checkpoint_base.py), None without LoRA (see the
     module docstring for when it leaves the base out)."""
-    lora = actor.cfg.actor.lora
+    lora = actor.sections.actor.lora
     if not lora.enabled:
         return None
     modules = [m for c in actor.model for m in lora_modules(unwrap(c)).values()]
@@ -66,7 +66,7 @@ def save_record(actor) -> dict | None:
     base = None
     if actor.groups.rank == 0:
         try:
-            base = this_base(actor.cfg.model, actor.model_dir, actor.groups).as_dict()
+            base = this_base(actor.sections.model, actor.model_dir, actor.groups).as_dict()
         except (OSError, ValueError) as e:  # the base's files went away: the checkpoint keeps it then
             logger.warning("LoRA checkpoint: cannot hash the base (%s); saving it whole", e)
     merged = sum(t.nbytes for merges in kept if merges for a, b, _ in merges for t in (a, b))
@@ -118,7 +118,7 @@ def check_load(actor, step: StepLayout, record: dict | None) -> None:
     # a LoRA checkpoint from before the record holds the whole model: its index lists adapters
     listed = read_metadata(step.megatron.path).state_dict_metadata if record is None else {}
     has = record is not None or any(k.endswith(".lora_a") for k in listed)
-    want = actor.cfg.actor.lora
+    want = actor.sections.actor.lora
     was = (int(record.get("rank", 0)), record.get("targets")) if record else None
     if has != want.enabled or (was is not None and was != (want.rank, sorted(want.targets))):
         held = f"actor.lora.rank={was[0]} targets={was[1]}" if was else ("LoRA adapters" if has else "no LoRA")
@@ -131,7 +131,7 @@ def check_load(actor, step: StepLayout, record: dict | None) -> None:
     problem = None
     if record is not None and adapters_only(record) and actor.groups.rank == 0:
         try:
-            problem = base_problem(record, this_base(actor.cfg.model, actor.model_dir, actor.groups), step.path)
+            problem = base_problem(record, this_base(actor.sections.model, actor.model_dir, actor.groups), step.path)
         except (OSError, ValueError) as e:  # said on every rank, not only where it happened
             problem = f"cannot load {step.path}: it holds LoRA adapters, not their base, which cannot be read ({e})"
     box = [problem]

@@ -28,7 +28,7 @@ def check_tool_turn(cfg: RunConfig) -> None:
     from pacs_megatron.rollout.multi_turn import ToolTurn, uses_chat_template
 
     tok_dir = Path(cfg.model.tokenizer or cfg.model.path)
-    if not uses_chat_template(cfg) or not (tok_dir / "tokenizer_config.json").is_file():
+    if not uses_chat_template(cfg.data) or not (tok_dir / "tokenizer_config.json").is_file():
         return
     from pacs_megatron.data import load_tokenizer
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pacs_megatron.config import RolloutConfig
 from pacs_megatron.rollout.base import EngineTraits
 from pacs_megatron.rollout.collect import step_seed
 from pacs_megatron.rollout.remote.protocol import (
@@ -123,15 +124,18 @@ class RemoteEngines:
     weights reach them through weight_sync/remote.py's group, not through this object; its
     :meth:`generate_step` shards a step among the engines."""
 
-    def __init__(self, cfg, model_dir, tokenizer_dir, config_dict: dict, device: torch.device) -> None:
-        """Collective: rank 0 connects to the ``rollout.engines`` engines, sends them the config and waits until
-        each has built its engine (``rollout.engine_timeout_s``)."""
+    def __init__(
+        self, rollout: RolloutConfig, model_dir, tokenizer_dir, config_dict: dict, device: torch.device
+    ) -> None:
+        """Collective: rank 0 connects to the ``rollout.engines`` engines, sends them the config (``config_dict``,
+        the whole run's as plain data: the engine processes build from it) and waits until each has built its
+        engine (``rollout.engine_timeout_s``)."""
         self.rank, _ = rank_and_world()
         # FP8 rollouts on vLLM: the engines are built for FP8 data + scales (launch/engine_rank.py,
         # weight_sync/quantize.py ``vllm_fp8_config``), so the sync sends them as they are (GPU only, never run)
-        self._traits = EngineTraits(fp8_weights=cfg.rollout.engine == "vllm" and cfg.rollout.quantization == "fp8")
-        self.count = cfg.rollout.engines
-        self.timeout_s = cfg.rollout.engine_timeout_s
+        self._traits = EngineTraits(fp8_weights=rollout.engine == "vllm" and rollout.quantization == "fp8")
+        self.count = rollout.engines
+        self.timeout_s = rollout.engine_timeout_s
         self.backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         self.store = None
         self.conns: list = []

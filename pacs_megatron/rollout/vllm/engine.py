@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
+from pacs_megatron.config import RolloutConfig
 from pacs_megatron.rollout.base import EngineTraits, NamedTensors
 from pacs_megatron.rollout.collect import ShardedSteps
+from pacs_megatron.rollout.engine_run import EngineRun
 from pacs_megatron.rollout.stop_tokens import resolve_stop_token_ids
 from pacs_megatron.rollout.types import Response, SamplingParams
 from pacs_megatron.rollout.vllm import quiet as vllm_quiet
@@ -146,7 +148,7 @@ class VLLMEngine(ShardedSteps):
     """:class:`~pacs_megatron.rollout.base.RolloutEngine` on ``vllm.LLM``, on CPU or a CUDA GPU.
 
     Example:
-        >>> engine = VLLMEngine(cfg=cfg, model_dir=rt.model_dir, tokenizer=tok, device="cpu")  # doctest: +SKIP
+        >>> engine = VLLMEngine(cfg.rollout, run, model_dir=rt.model_dir, tokenizer=tok, device="cpu")  # doctest: +SKIP
         >>> t = engine.traits()  # rank 5 of 8 with rollout.vllm.tensor_parallel_size=2  # doctest: +SKIP
         >>> t.replica, t.replicas  # doctest: +SKIP
         (2, 4)
@@ -154,31 +156,34 @@ class VLLMEngine(ShardedSteps):
 
     def __init__(
         self,
-        cfg,
+        rollout: RolloutConfig,
+        run: EngineRun,
         model_dir: str | Path,
         tokenizer,
         device: str | torch.device,
         fp8_config: dict[str, Any] | None = None,
     ) -> None:
-        """``fp8_config``: with ``rollout.quantization=fp8``, vLLM's ``quantization_config`` of the FP8 weights
-        the weight sync sends (weight_sync/quantize.py ``vllm_fp8_config``); the engine never reads the recipe."""
+        """vLLM on ``device`` for ``model_dir``: ``rollout`` its sampling, vLLM settings, quantization and seed;
+        ``run`` the dtype, the context length, routing replay, memory beside an offloaded actor and LoRA serving
+        (rollout/engine_run.py). ``fp8_config``: with ``rollout.quantization=fp8``, vLLM's ``quantization_config``
+        of the FP8 weights the weight sync sends (weight_sync/quantize.py ``vllm_fp8_config``)."""
         from pacs_megatron.rollout.vllm.reload import expected_hf_names
         from pacs_megatron.utils.dist import rank_and_world
 
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"rollout.engine=vllm runs on cpu or cuda, got {device}")
-        if device.type == "cpu" and cfg.rollout.quantization == "fp8":
+        if device.type == "cpu" and rollout.quantization == "fp8":
             raise ValueError(
                 "rollout.quantization=fp8 with rollout.engine=vllm needs a GPU (vLLM's CPU backend has no FP8 "
                 "kernels): use rollout.engine=hf for FP8 rollouts on CPU"
             )
-        if cfg.rollout.quantization == "fp8" and fp8_config is None:
+        if rollout.quantization == "fp8" and fp8_config is None:
             raise ValueError(
                 "rollout.quantization=fp8 with rollout.engine=vllm: build the engine with the layout the weight sync "
                 "sends, build_engine(..., fp8_config=weight_sync.quantize.vllm_fp8_config(cfg.rollout))"
             )
-        self._record_routing = cfg.actor.routing_replay == "rollout"
+        self._record_routing = run.record_routing
         if device.type == "cpu" and self._record_routing:
             raise ValueError(
                 "actor.routing_replay=rollout with rollout.engine=vllm needs a GPU: vLLM 0.32 returns routed experts "
@@ -186,7 +191,7 @@ class VLLMEngine(ShardedSteps):
             )
         # (num_layers, MoE layers) of the model: the layout routed_experts_from_vllm checks and fills
         self._routing_layers = moe_layer_indices(model_dir) if self._record_routing else None
-        level = set_vllm_log_level(cfg.rollout.vllm.log_level)  # before the import: vLLM reads it once
+        level = set_vllm_log_level(rollout.vllm.log_level)  # before the import: vLLM reads it once
         vllm_quiet.before_import(level)
         vllm = _import_vllm()
         vllm_quiet.quiet_vllm(level)  # its known-harmless warnings, each named with why (rollout/vllm/quiet.py)
@@ -196,28 +201,28 @@ class VLLMEngine(ShardedSteps):
         if missing:
             raise RuntimeError(f"vLLM's external launcher needs {missing} in the environment: start with torchrun")
         rank, world = rank_and_world()
-        replica, replicas = vllm_replica(rank, world, cfg.rollout.vllm.tensor_parallel_size)
+        replica, replicas = vllm_replica(rank, world, rollout.vllm.tensor_parallel_size)
         self.tokenizer = tokenizer
-        self.stop_token_ids = resolve_stop_token_ids(tokenizer, model_dir, cfg.rollout.stop_token_ids)
-        self._seed = cfg.rollout.seed
+        self.stop_token_ids = resolve_stop_token_ids(tokenizer, model_dir, rollout.stop_token_ids)
+        self._seed = rollout.seed
         self._calls = 0
-        self._sleep_mode = cfg.rollout.vllm.enable_sleep_mode and device.type == "cuda"
-        if device.type == "cpu" and cfg.rollout.vllm.enable_sleep_mode:
+        self._sleep_mode = rollout.vllm.enable_sleep_mode and device.type == "cuda"
+        if device.type == "cpu" and rollout.vllm.enable_sleep_mode:
             logger.info("vLLM on CPU: sleep mode off (vLLM does not support it on CPU; the engine stays resident)")
         self._vllm = vllm
         free_total = None
-        if device.type == "cuda" and cfg.actor.offload_during_rollout:
+        if device.type == "cuda" and run.offload_actor:
             free_total = torch.cuda.mem_get_info(device)
-        kwargs = llm_kwargs(cfg, model_dir, has_weights(model_dir), free_total, device.type, fp8_config)
+        kwargs = llm_kwargs(rollout, run, model_dir, has_weights(model_dir), free_total, device.type, fp8_config)
         if free_total is not None:
             logger.info(
                 "vLLM sized from %.1f GiB free after the actor's offload: gpu_memory_utilization=%.3f",
                 free_total[0] / 2**30,
                 kwargs["gpu_memory_utilization"],
             )
-        serves_adapters = cfg.sync.lora == "adapter"  # over its base (rollout/vllm/lora.py)
+        serves_adapters = run.serves_adapters  # over its base (rollout/vllm/lora.py)
         if serves_adapters:
-            kwargs.update(lora_llm_kwargs(cfg.actor.lora.rank, cfg.actor.lora.targets))
+            kwargs.update(lora_llm_kwargs(run.adapter_rank, list(run.adapter_targets)))
         if device.type == "cpu":
             _job_unique_cpu_shm_names()
         set_num_threads = torch.set_num_threads
@@ -243,14 +248,14 @@ class VLLMEngine(ShardedSteps):
         self._scales = ("_scale", "_scale_inv") if self._traits.fp8_weights else ()
         self._weights_valid = True  # False after a level-2 sleep until update_weights rewrites them
         self._expected = expected_hf_names(model_dir)
-        self._tp = cfg.rollout.vllm.tensor_parallel_size
+        self._tp = rollout.vllm.tensor_parallel_size
         logger.info(
             "vLLM engine on %s (%s): replica %d of %d (tp=%d); vllm %s, its own logging at %s (rollout.vllm.log_level)",
             device.type,
             kwargs["dtype"],
             replica,
             replicas,
-            cfg.rollout.vllm.tensor_parallel_size,
+            rollout.vllm.tensor_parallel_size,
             vllm.__version__,
             os.environ["VLLM_LOGGING_LEVEL"],
         )

@@ -1,4 +1,4 @@
-"""Pure translation for the vLLM engine (no vllm import): run config -> ``vllm.LLM`` kwargs on CPU and GPU,
+"""Pure translation for the vLLM engine (no vllm import): its configs -> ``vllm.LLM`` kwargs on CPU and GPU,
 sampling -> ``vllm.SamplingParams`` kwargs and per-request seeds, replica layout, and vLLM's outputs ->
 :class:`Response` / log-prob tensors. Unit-tested without vllm (tests/rollout/test_vllm_engine.py); the
 engine itself is rollout/vllm/engine.py."""
@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from pacs_megatron.config import RolloutConfig
 from pacs_megatron.rollout.base import PROBE_LEN
+from pacs_megatron.rollout.engine_run import EngineRun
 from pacs_megatron.rollout.types import Response, SamplingParams
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -58,48 +60,51 @@ def colocated_memory_utilization(free_bytes: int, total_bytes: int, fraction: fl
 
 
 def llm_kwargs(
-    cfg,
+    rollout: RolloutConfig,
+    run: EngineRun,
     model_dir: str | Path,
     weights_on_disk: bool,
     gpu_free_total: tuple[int, int] | None = None,
     device_type: str = "cuda",
     fp8_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``vllm.LLM(**kwargs)`` for this run: colocated (external launcher), seeded; sleepable on GPU.
-    With ``actor.routing_replay=rollout`` on GPU (never run) vLLM returns each token's routed experts.
+    """``vllm.LLM(**kwargs)`` for ``rollout`` and ``run`` (rollout/engine_run.py): colocated (external launcher),
+    seeded; sleepable on GPU. With ``run.record_routing`` (``actor.routing_replay=rollout``) on GPU (never run)
+    vLLM returns each token's routed experts.
     With ``fp8_config`` (FP8 rollouts, GPU, never run) vLLM loads FP8 weights: :func:`fp8_llm_kwargs`.
 
     A model directory without weights (``model.init=random|tiny``) loads vLLM's dummy weights; the first
     weight sync replaces them.
 
     Example:
-        >>> from pacs_megatron.config import load_config
-        >>> kw = llm_kwargs(load_config(None, ["model.path=/m", "rollout.engine=vllm"]), "/m", True)
+        >>> from pacs_megatron.config import RolloutConfig
+        >>> run = EngineRun(dtype="auto", max_prompt_length=512)
+        >>> kw = llm_kwargs(RolloutConfig(engine="vllm"), run, "/m", True)
         >>> kw["distributed_executor_backend"], kw["dtype"], kw["max_model_len"], kw["load_format"]
         ('external_launcher', 'bfloat16', 1536, 'auto')
-        >>> kw = llm_kwargs(load_config(None, ["model.path=/m", "rollout.engine=vllm"]), "/m", True, device_type="cpu")
+        >>> kw = llm_kwargs(RolloutConfig(engine="vllm"), run, "/m", True, device_type="cpu")
         >>> kw["dtype"], kw["enable_sleep_mode"], kw["enforce_eager"], kw["kv_cache_memory_bytes"]
         ('float32', False, True, 1073741824)
     """
-    v = cfg.rollout.vllm
+    v = rollout.vllm
     cpu = device_type == "cpu"
     util = v.gpu_memory_utilization
-    if gpu_free_total is not None and cfg.actor.offload_during_rollout:
-        util = colocated_memory_utilization(*gpu_free_total, cfg.actor.rollout_memory_fraction)
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if cpu else "bfloat16")
-    kwargs = {
+    if gpu_free_total is not None and run.offload_actor:
+        util = colocated_memory_utilization(*gpu_free_total, run.memory_fraction)
+    dtype = run.dtype if run.dtype != "auto" else ("float32" if cpu else "bfloat16")
+    kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "skip_tokenizer_init": True,
         "tensor_parallel_size": v.tensor_parallel_size,
         "distributed_executor_backend": "external_launcher",
         "dtype": _VLLM_DTYPES[dtype],
-        "seed": cfg.rollout.seed,
+        "seed": rollout.seed,
         "gpu_memory_utilization": util,
         "enforce_eager": v.enforce_eager or cpu,
         "enable_sleep_mode": v.enable_sleep_mode and not cpu,  # vLLM refuses sleep mode on CPU
         "max_num_seqs": v.max_num_seqs,
         # the post-sync probe scores PROBE_LEN-token sequences (+1 token vLLM generates and we drop)
-        "max_model_len": max(cfg.data.max_prompt_length + cfg.rollout.max_response_length, PROBE_LEN + 1),
+        "max_model_len": max(run.max_prompt_length + rollout.max_response_length, PROBE_LEN + 1),
         "load_format": "auto" if weights_on_disk else "dummy",
         "logprobs_mode": "processed_logprobs",
         "generation_config": "vllm",  # stop only on what we pass, as the HF engine does
@@ -113,7 +118,7 @@ def llm_kwargs(
         # which a step of 64 prompts of ~115 tokens (SmolLM2's recipe) triggers with the default budget.
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = v.max_num_seqs * kwargs["max_model_len"]
-    if cfg.actor.routing_replay == "rollout" and not cpu:  # refused on CPU (launch/checks/device.py)
+    if run.record_routing and not cpu:  # refused on CPU (launch/checks/device.py)
         # vLLM's AuxOutput connector: needs Model Runner V2 (picked by default on CUDA with Triton; vLLM
         # raises "requires Model Runner V2" otherwise) and prefix caching (set above)
         kwargs["enable_return_routed_experts"] = True

@@ -56,14 +56,14 @@ def _state(actor):
 def _body(rank, world, model_dir, out_dir, ckpt_dir):
     from omegaconf import OmegaConf
 
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
     from pacs_megatron.run.layout import StepLayout
 
     groups = initialize_parallel(_cfg(model_dir, 4).parallel, hf_config(model_dir))
     batch = sample_batch(VOCAB)
-    plain = MegatronActor(_cfg(model_dir, 0), groups, model_dir).compute_logprobs(batch, 4, 1.0).token_logp
-    actor = MegatronActor(_cfg(model_dir, 4), groups, model_dir)
+    plain = build_actor(_cfg(model_dir, 0), groups, model_dir).compute_logprobs(batch, 4, 1.0).token_logp
+    actor = build_actor(_cfg(model_dir, 4), groups, model_dir)
     s0 = _state(actor)
     lora_numel = sum(t.numel() for n, t in s0.items() if ".lora_" in n)
     old0 = actor.compute_logprobs(batch, 4, 1.0).token_logp
@@ -113,11 +113,11 @@ def _body(rank, world, model_dir, out_dir, ckpt_dir):
 
 def _pp_body(rank, world, model_dir):
     """The same two updates at TP=1 x PP=2: the merged weights every rank exports."""
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = _cfg(model_dir, 4, tp=1, pp=2)
-    actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+    actor = build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
     batch = sample_batch(VOCAB)
     for _ in range(2):
         old = actor.compute_logprobs(batch, 4, 1.0).token_logp

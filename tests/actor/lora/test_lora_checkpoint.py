@@ -73,15 +73,15 @@ def _refusal(actor, path) -> str:
 
 
 def _body(rank, world, model_dir, ckpt):
-    from pacs_megatron.actor import MegatronActor
     from pacs_megatron.actor.checkpoint import load_model_weights
     from pacs_megatron.actor.weights import unwrap
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = _cfg(model_dir)
     groups = initialize_parallel(cfg.parallel, hf_config(model_dir))
     batches = [sample_batch(VOCAB, seed=s) for s in (1, 2, 3)]
-    a = MegatronActor(cfg, groups, model_dir)
+    a = build_actor(cfg, groups, model_dir)
     _step(a, batches[0])
     a.reset_reference()
     _step(a, batches[1])
@@ -89,24 +89,24 @@ def _body(rank, world, model_dir, ckpt):
     merged = {n: t.clone() for n, t in a.export_hf_weights()}
     ma, pa = _step(a, batches[2]), _params(a.model)
 
-    b = MegatronActor(cfg, groups, model_dir)
+    b = build_actor(cfg, groups, model_dir)
     b.load_checkpoint(f"{ckpt}/lora")
     mb, pb = _step(b, batches[2]), _params(b.model)
-    fresh = MegatronActor(cfg, groups, model_dir)
+    fresh = build_actor(cfg, groups, model_dir)
     chunks = [unwrap(c) for c in fresh.model]
     load_model_weights(chunks, f"{ckpt}/lora")  # what `export` does with an adapter-only checkpoint
     exported = {n: p for n, p in _params(chunks).items() if ".lora_" not in n}
     base_a = {n: p for n, p in _params(a.model).items() if ".lora_" not in n}
 
     plain_cfg = replace(cfg, actor=replace(cfg.actor, lora=LoRAConfig()))
-    plain = MegatronActor(plain_cfg, groups, model_dir)
+    plain = build_actor(plain_cfg, groups, model_dir)
     plain.save_checkpoint(f"{ckpt}/plain", {"step": 0})
     refused = [_refusal(plain, f"{ckpt}/lora"), _refusal(fresh, f"{ckpt}/plain")]
 
     for _ in range(16):  # until the merges outweigh the base (r = 4 on a 64-wide model: ~7% of it each)
         b.reset_reference()
     b.save_checkpoint(f"{ckpt}/whole", {"step": 3})
-    c = MegatronActor(cfg, groups, model_dir)
+    c = build_actor(cfg, groups, model_dir)
     c.load_checkpoint(f"{ckpt}/whole")
     return {
         "merged": merged,
@@ -120,12 +120,12 @@ def _body(rank, world, model_dir, ckpt):
 
 
 def _tp1_body(rank, world, model_dir, ckpt):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     cfg = _cfg(model_dir)
     cfg = replace(cfg, parallel=replace(cfg.parallel, tp=1))
-    actor = MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+    actor = build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
     actor.load_checkpoint(f"{ckpt}/lora")
     return {n: t.clone() for n, t in actor.export_hf_weights()}
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.distributed
 
 
 def _actor(model_dir, layout):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     tp, pp, vpp, dp, ep = LAYOUTS[layout]
@@ -47,7 +47,7 @@ def _actor(model_dir, layout):
         ),
         actor=replace(cfg.actor, lora=LoRAConfig(rank=4, alpha=8.0, targets=("linear_qkv", "linear_proj"))),
     )
-    return MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+    return build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
 
 
 def _body(rank, world, model_dir):

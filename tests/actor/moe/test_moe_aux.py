@@ -23,7 +23,15 @@ import pytest
 from _dist import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/actor/_actor_helpers.py
-from _actor_helpers import GROUP, allow_cpu_sequence_parallel, hf_config, make_qwen3, run_config, sample_batch
+from _actor_helpers import (
+    GROUP,
+    allow_cpu_sequence_parallel,
+    hf_config,
+    make_qwen3,
+    run_config,
+    sample_batch,
+    set_algorithm,
+)
 
 from pacs_megatron.batch.rows import TrainRows, as_train_batch
 
@@ -36,7 +44,7 @@ LAYOUTS = {"ref": (1, 1, 1, 2), "sp": (2, 1, 1, 1), "vpp": (1, 2, 2, 1)}
 
 
 def _actor(model_dir, layout, coeff):
-    from pacs_megatron.actor import MegatronActor
+    from pacs_megatron.loop.build import build_actor
     from pacs_megatron.parallel import initialize_parallel
 
     tp, pp, vpp, dp = LAYOUTS[layout]
@@ -50,14 +58,14 @@ def _actor(model_dir, layout, coeff):
         # one group per micro-batch in both modes: the same partition, different padding and order
         algorithm=replace(cfg.algorithm, micro_batch_size=GROUP, max_tokens_per_micro_batch=GROUP * 16),
     )
-    return MegatronActor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
+    return build_actor(cfg, initialize_parallel(cfg.parallel, hf_config(model_dir)), model_dir)
 
 
 def _router_grads(actor, batch, loss, dynamic, from_forward=False):
     """Per global layer, the router weight's gradient of one train step (the step itself skipped)."""
     from pacs_megatron.actor.moe.routing import routers
 
-    actor.cfg = replace(actor.cfg, algorithm=replace(actor.cfg.algorithm, dynamic_batching=dynamic))
+    set_algorithm(actor, replace(actor.sections.train.algorithm, dynamic_batching=dynamic))
     grads = {}
 
     def capture(metrics):

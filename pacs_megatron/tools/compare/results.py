@@ -70,8 +70,9 @@ def run_cpu(run_dir: Path) -> str | None:
 
 def order_blocks(blocks: dict[int, list[Path]], here: str) -> tuple[list[int], dict[int, str]]:
     """Which seeds' blocks (a seed's runs of every method, ``blocks[seed]`` their run dirs) may run on this CPU
-    (``here``), begun blocks first; and the deferred ones with the CPU they began on. A block runs on one CPU:
-    the same seed samples other tokens on another (other kernels), so a block split across CPUs is no pair.
+    (``here``), begun (or complete) blocks first; and the deferred ones, begun on another CPU and not complete,
+    with the CPU they began on. A block runs on one CPU: the same seed samples other tokens on another (other
+    kernels), so a block split across CPUs is no pair.
 
     Example:
         >>> order_blocks({0: [], 1: []}, "x")
@@ -81,7 +82,8 @@ def order_blocks(blocks: dict[int, list[Path]], here: str) -> tuple[list[int], d
     for seed, dirs in sorted(blocks.items()):
         cpus = {c for d in dirs if RunLayout(d).final.is_file() and (c := run_cpu(d))}
         other = sorted(cpus - {here})
-        if other:
+        complete = bool(dirs) and all(RunLayout(d).final.is_file() for d in dirs)
+        if other and not complete:  # a complete block has nothing left to run, wherever it ran
             deferred[seed] = other[0]
         elif cpus:
             begun.append(seed)

@@ -187,6 +187,8 @@ class Runner:
             except ConfigError:
                 continue  # a config this version cannot read: not the same settings
             if config_key(stored) == new.name.rsplit("-", 1)[1]:
+                if old.name == new.name:
+                    return  # committed under this very key: restore() copies it back
                 old.rename(old.parent / new.name)
                 logger.info("%s: the finished run %s has these settings (an older key): reused", new.name, old.name)
                 return

@@ -60,9 +60,10 @@ def test_a_block_begun_on_another_cpu_waits_for_one_of_its_kind(tmp_path):
         1: [run("a1", "xeon"), tmp_path / "b1"],  # begun on another CPU: deferred
         2: [tmp_path / "a2", tmp_path / "b2"],  # fresh
         3: [run("a3", "xeon", finished=False)],  # a run that did not finish pins nothing
+        4: [run("a4", "xeon"), run("b4", "xeon")],  # complete on another CPU: nothing waits
     }
-    order, deferred = order_blocks({3: blocks[3], 2: blocks[2], 1: blocks[1], 0: blocks[0]}, "zen3")
-    assert order == [0, 2, 3] and deferred == {1: "xeon"}
+    order, deferred = order_blocks({4: blocks[4], 3: blocks[3], 2: blocks[2], 1: blocks[1], 0: blocks[0]}, "zen3")
+    assert order == [0, 4, 2, 3] and deferred == {1: "xeon"}
 
 
 @pytest.mark.slow

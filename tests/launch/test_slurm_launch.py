@@ -6,7 +6,9 @@
   before the limit, rank 0 writes the requeue marker, the script requeues from it; the requeued run,
   given a 30-minute limit, resumes and completes. Each step is logged exactly once in metrics.jsonl
   and rollouts.jsonl, the job never reaches TIMEOUT. This run is also the plain 2-node completion
-  check.
+  check. The 300 steps are the first run's length only: while the requeued job waits to restart, the
+  test rewrites its config file to end 3 steps past the stop (a resume may change total_steps), so the
+  requeued run trains 3 steps, not the ~260 left (issue 59: ~90 s of the suite).
 - a warning that reaches the batch shell before its handlers exist: recorded, forwarded once the rank
   step exists, and the job is requeued (it used to kill the shell: the job FAILED).
 - a user's ``scancel JOB``: the ranks checkpoint within KillWait, the job ends CANCELLED and is not
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,24 +82,43 @@ def _finished(slurm, work: Path, job: str, timeout: float) -> str:
         raise AssertionError(f"{e}\n{_log(work, job)[-4000:]}") from None
 
 
+def _write_config(path: Path, total_steps: int) -> None:
+    """The CPU default's config with ``trainer.total_steps`` set to ``total_steps``."""
+    text, n = re.subn(r"^(  total_steps:) \d+", rf"\1 {total_steps}", CONFIG.read_text(), flags=re.M)
+    assert n == 1, "cpu_tiny.yaml's trainer.total_steps line not found"
+    path.write_text(text)
+
+
 def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_path):
     # A run several times longer than the warning's delay, so that the warning lands in the middle of
     # it whatever the machine's load (an unloaded run of a few steps finishes before the controller
     # sends it). Each run stops at its warning, checkpoints and is requeued from rank 0's marker; the
     # early (start-up) handler has its own deterministic test (test_slurm_env.py).
     out, steps = tmp_path / "run", 300
+    # total_steps is the config file's (not an override on the script's command line, which a requeue repeats),
+    # so that the requeued run can be given fewer steps than the first run's 300 (below)
+    config = tmp_path / "config.yaml"
+    _write_config(config, steps)
+    overrides = [
+        o for o in short_run(out, steps, "trainer.stop_margin_s=5") if not o.startswith("trainer.total_steps=")
+    ]
     # The warning 100 s before a 120 s limit (the controller sends it at its next periodic check).
     limit = ("--time=2", "--signal=B:USR1@100")
-    job = _submit(
-        slurm, tmp_path, "--config", str(CONFIG), *short_run(out, steps, "trainer.stop_margin_s=5"), sbatch=limit
-    )
-    states = set()
+    job = _submit(slurm, tmp_path, "--config", str(config), *overrides, sbatch=limit)
+    states, now = set(), {}
 
-    def running() -> bool:
-        states.add(slurm.job_field(job, "JobState"))
+    def poll() -> dict[str, str]:
+        """JobState and Restarts from one ``scontrol show job`` (a poll was two processes, one a field)."""
+        now.clear()
+        for key, _, value in (tok.partition("=") for tok in slurm.run("scontrol", "show", "job", "-o", job).split()):
+            now.setdefault(key, value)  # the first of a key, as job_field reads it
+        states.add(now["JobState"])
+        return now
+
+    def running() -> bool:  # the state the last poll saw
         return not states & {"TIMEOUT", "FAILED", "CANCELLED"}
 
-    wait_until(lambda: slurm.job_field(job, "Restarts") != "0", 240, "the first requeue", running)
+    wait_until(lambda: poll()["Restarts"] != "0", 240, "the first requeue", running)
     log = _log(tmp_path, job)
     assert "requeueing job" in log, log[-3000:]
     first = [ln for ln in log.splitlines() if "requeueing job" in ln][0]
@@ -105,6 +127,10 @@ def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_pa
     assert 1 <= stopped < steps, first  # stopped by the warning, not killed, before the end
     assert (out / "checkpoints" / f"step_{stopped:08d}" / "COMPLETE").is_file()
 
+    # The requeued run resumes at `stopped` and trains 3 steps: its config (read when it starts) now ends there.
+    # It was the ~260 steps left of 300, ~90 s of steps that proved nothing the first 3 do not.
+    total = stopped + 3
+    _write_config(config, total)
     # The requeued run gets room to finish. With the same 2-minute limit it would be warned 20 s in
     # again, and on a loaded machine the ranks take longer than that to start (25 s at a load average
     # of ~30 on 2 cores): each run then does one step, and 300 steps take 300 requeues (seen).
@@ -113,8 +139,7 @@ def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_pa
     # 10 s in this cluster (AuthInfo cred_expire). Releasing it earlier with `scontrol update
     # StartTime=now` races that expiry: slurmd refuses it ("Job credential revoked") and the job FAILS.
     end = time.monotonic() + 600
-    while slurm.job_field(job, "JobState") not in DONE and time.monotonic() < end:
-        running()
+    while poll()["JobState"] not in DONE and time.monotonic() < end:
         time.sleep(1)
     state = _finished(slurm, tmp_path, job, 5)
     log = _log(tmp_path, job)
@@ -127,10 +152,11 @@ def test_sbatch_real_time_limit_checkpoints_requeues_and_completes(slurm, tmp_pa
     # one requeue per stopped run, none after the last step
     assert slurm.job_field(job, "Restarts") == str(len(requeues)), requeues
     assert "trainer.deadline_unix=" in log  # the job's end time reached the trainer's budget
-    assert steps_of(out / "metrics.jsonl") == list(range(1, steps + 1))
+    assert f"trainer.total_steps: {steps} -> {total}" in log, log[-4000:]  # the rewrite came before the restart
+    assert steps_of(out / "metrics.jsonl") == list(range(1, total + 1))
     # rollouts.jsonl: trainer.log_rollouts=1 row per step, none replayed
-    assert steps_of(out / "rollouts.jsonl") == list(range(1, steps + 1))
-    assert (out / "checkpoints" / f"step_{steps:08d}" / "COMPLETE").is_file()
+    assert steps_of(out / "rollouts.jsonl") == list(range(1, total + 1))
+    assert (out / "checkpoints" / f"step_{total:08d}" / "COMPLETE").is_file()
     assert "DUE TO TIME LIMIT" not in (tmp_path / f"slurm-pacs-{job}.out").read_text()  # slurmstepd's own line
 
 

@@ -22,7 +22,7 @@ import torch
 
 from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, gather_rows, run_schedule
-from pacs_megatron.actor.logit_rows import set_fused_head
+from pacs_megatron.actor.logit_rows import choose_fused_head, set_fused_head
 from pacs_megatron.actor.lora.adapters import adapters_off, apply_lora, sum_replicated_lora_grads
 from pacs_megatron.actor.lora.export import gather_peft_tensors, peft_config
 from pacs_megatron.actor.lora.reference import LoRAReference
@@ -149,7 +149,16 @@ class MegatronActor:
         self.model = wrap_ddp(chunks, self.config, cfg.optimizer, groups)
         if lora.enabled:
             sum_replicated_lora_grads(self.config, groups.tp_group)
-        set_fused_head(chunks, cfg.model.use_fused_lm_head(on_gpu))  # actor/logit_rows.py, ops/head.py
+        train = cfg.train
+        tokens = token_budget(
+            train.algorithm.max_tokens_per_micro_batch,
+            train.algorithm.micro_batch_size,
+            train.max_prompt_length + train.max_response_length,
+        )
+        vocab_local = self.spec.padded_vocab_size // groups.tp_size
+        self.fused_head = choose_fused_head(cfg.model, tokens, vocab_local, self.param_dtype, groups.device.type)
+        """Whether the LM head is fused into the log-prob op (actor/logit_rows.py, ops/head.py); the reference's too."""
+        set_fused_head(chunks, self.fused_head)
         self.moe_stats = (
             MoeStats(chunks, self.spec.num_layers, self.spec.num_experts, self.spec.num_experts_per_tok)
             if self.spec.is_moe

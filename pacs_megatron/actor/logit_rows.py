@@ -34,6 +34,11 @@ import torch
 from pacs_megatron.actor.model import output_weight
 from pacs_megatron.actor.thd import ThdBatch
 from pacs_megatron.actor.weights import unwrap
+from pacs_megatron.config.model import AUTO_FUSE_SHARE, ModelConfig
+from pacs_megatron.utils.devices import rank_memory_bytes
+from pacs_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 FUSED_HEAD_ATTR = "_pacs_fused_lm_head"
 """Attribute of a model chunk (set by :func:`set_fused_head`) that turns the fused LM head on for it."""
@@ -129,6 +134,40 @@ class HeadInput:
     """``[V/tp, h]`` the output layer's weight (the shared embedding for tied models): model.output_weight."""
     reduce_grad_input: bool = True
     """All-reduce grad_hidden over TP in the op (False under sequence parallelism, whose gather reduce-scatters)."""
+
+
+UNFUSED_LOGITS_BUFFERS = 1.3
+"""Vocabulary-sized buffers a token the unfused head holds forward + backward, in the model's dtype: measured
+1.02-1.28 (docs/benchmarks.md, "model.fused_lm_head=auto: where fusing pays"), rounded up."""
+
+
+def logits_bytes(tokens: int, vocab_local: int, dtype: torch.dtype) -> int:
+    """What one micro-batch of ``tokens`` holds for its logits on the unfused path (a TP rank's ``vocab_local``
+    columns): the quantity ``model.fused_lm_head=auto`` weighs against the rank's memory.
+
+    Example:
+        >>> round(logits_bytes(8192, 49152, torch.float32) / 2**30, 2)
+        1.95
+    """
+    return int(tokens * vocab_local * dtype.itemsize * UNFUSED_LOGITS_BUFFERS)
+
+
+def choose_fused_head(model: ModelConfig, tokens: int, vocab_local: int, dtype: torch.dtype, device_type: str) -> bool:
+    """``model.fused_lm_head`` resolved for a rank whose micro-batches hold up to ``tokens`` tokens (the token
+    budget: an upper bound, as training computes the response rows only) over ``vocab_local`` columns; one log
+    line says what and why."""
+    need, have = logits_bytes(tokens, vocab_local, dtype), rank_memory_bytes(device_type)
+    fused = model.use_fused_lm_head(need, have)
+    logger.info(
+        "LM head %s (model.fused_lm_head=%s): a micro-batch's logits up to %.2f GB, %.1f%% of this rank's %.0f GB%s",
+        "fused" if fused else "unfused",
+        model.fused_lm_head,
+        need / 1e9,
+        100 * need / have,
+        have / 1e9,
+        f" (auto fuses above {AUTO_FUSE_SHARE:.0%})" if model.fused_lm_head == "auto" else "",
+    )
+    return fused
 
 
 def set_fused_head(chunks: list, enabled: bool) -> None:

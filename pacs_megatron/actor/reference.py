@@ -48,7 +48,7 @@ class ReferencePolicy:
         with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):  # the caller's RNG is untouched
             seed_for_init(cfg.model.seed, on_gpu)
             self.chunks = build_model_chunks(actor.spec, self.config, groups)
-        set_fused_head(self.chunks, cfg.model.use_fused_lm_head(on_gpu))  # as the actor's (ops/head.py)
+        set_fused_head(self.chunks, actor.fused_head)  # as the actor's (ops/head.py)
         for c in self.chunks:
             c.eval()
             c.requires_grad_(False)

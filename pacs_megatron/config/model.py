@@ -57,11 +57,12 @@ class TinyModelConfig:
             raise ConfigError("model.tiny.moe_intermediate_size must be >= 0 (0: intermediate_size // top-k)")
 
 
-AUTO_FUSED_LM_HEAD = {"cpu": True, "gpu": False}
-"""What ``model.fused_lm_head=auto`` picks per device (docs/benchmarks.md, "Fused LM head" and "GPU: the H200
-runs of 2026-11-28"): CPU on (as fast, no logits); GPU off, by measurement: on an H200 the fused head took 0.62x
-the unfused path's speed forward+backward (its backward recomputes the logits), for 1.3 GB instead of 3.5 GB.
-Turn it on where the logits do not fit."""
+AUTO_FUSE_SHARE = 0.10
+"""``model.fused_lm_head=auto`` fuses the LM head when one micro-batch's logits would pass this share of a rank's
+memory (docs/benchmarks.md, "model.fused_lm_head=auto: where fusing pays"). The fused head is slower forward +
+backward on every device measured (0.79-0.86x on a Zen 5 CPU in fp32 and bf16, 0.62x on an H200: its backward
+recomputes the logits), so it pays only where the logits crowd the memory; the share is a policy, not a
+measurement."""
 
 
 @dataclass
@@ -107,7 +108,8 @@ class ModelConfig:
     fused_lm_head: str = "auto"
     """The LM head fused into the log-prob op (ops/head.py, issue 44): the training, old-log-prob and
     reference passes never hold ``[tokens, V]`` logits, only one ``[chunk, V/tp]`` block. "true", "false",
-    or "auto" (the default): on where it was measured faster or equal (docs/benchmarks.md, 2026-11-27)."""
+    or "auto" (the default): on where one micro-batch's logits would pass ``AUTO_FUSE_SHARE`` of a rank's memory,
+    off elsewhere (unfused is faster wherever measured), decided when the actor is built and logged."""
 
     def __post_init__(self) -> None:
         _choice("model.init", self.init, ("pretrained", "random", "tiny", "gguf"))
@@ -133,11 +135,19 @@ class ModelConfig:
                 "model.path is empty: set it to a Hugging Face model directory (model.path=/ckpt/Qwen2.5-7B)"
             )
 
-    def use_fused_lm_head(self, on_gpu: bool) -> bool:
-        """Whether the actor fuses the LM head: ``fused_lm_head`` resolved for the device ("auto": see there)."""
+    def use_fused_lm_head(self, logits_bytes: int, memory_bytes: int) -> bool:
+        """Whether the actor fuses the LM head: "true" / "false" as set; "auto" when one micro-batch's logits,
+        ``logits_bytes`` (actor/logit_rows.py ``logits_bytes``), pass ``AUTO_FUSE_SHARE`` of the rank's
+        ``memory_bytes``.
+
+        Example:
+            >>> m = ModelConfig(path="/m")
+            >>> m.use_fused_lm_head(600 << 20, 24 << 30), m.use_fused_lm_head(13 << 30, 80 << 30)
+            (False, True)
+        """
         if self.fused_lm_head != "auto":
             return self.fused_lm_head == "true"
-        return AUTO_FUSED_LM_HEAD["gpu" if on_gpu else "cpu"]
+        return logits_bytes > AUTO_FUSE_SHARE * memory_bytes
 
     @property
     def loads_weights(self) -> bool:

@@ -90,3 +90,16 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [str(i) for i, line in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
+
+
+def rank_memory_bytes(device_type: str, environ: Mapping[str, str] | None = None) -> int:
+    """The memory one rank may count on: a GPU's own (the current device's total); on a CPU the host's,
+    shared by the node's local ranks (``LOCAL_WORLD_SIZE``)."""
+    if device_type == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    import psutil
+
+    env = os.environ if environ is None else environ
+    return int(psutil.virtual_memory().total) // max(int(env.get("LOCAL_WORLD_SIZE", "1") or 1), 1)

@@ -7,8 +7,7 @@ engine processes beside them (rollout.placement=separate).
 (2) k = 2 with batches in flight: killed with SIGKILL after a checkpoint, resumed: every step is logged once,
     each step trained exactly its prompts of the uninterrupted stream (none lost, none twice), the checkpoint's
     sampler state names the batches in flight, and the staleness restarts from the checkpoint's weights;
-    then SIGTERM to every process of the resumed job: the trainer checkpoints and exits 143 (the engines wait
-    for it). Two launches: the resumed run is the one SIGTERM stops (issue 59: it was a third, fresh run).
+    then SIGTERM to every process of the job: the trainer checkpoints and exits 143 (the engines wait for it).
     The run is PACS v2 (the reward anchored on the reference policy, reset every 2 steps): the resets keep
     their schedule across the resume, and psi acts in every step (the anchor is the reference, not the
     version that sampled a row; the decoupled weights pi_prox / pi_behaviour multiply each row's BCE weight);
@@ -87,19 +86,6 @@ def _expected_prompts(out: Path, steps: int, overrides: list[str]) -> dict[int, 
     }
 
 
-def _checkpoints(out: Path) -> list[Path]:
-    return sorted(p for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
-
-
-def _kill_job(proc: subprocess.Popen, sig: int) -> None:
-    """``sig`` to every process of the job, as scancel sends it: the launcher, its ranks and the engines."""
-    for pid in [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
 def test_resume_with_batches_in_flight_after_sigkill_and_sigterm(tmp_path):
     out = tmp_path / "k2"
     k2 = ["parallel.tp=1", "rollout.placement=separate", "rollout.max_staleness=2", "trainer.save_freq=2"]
@@ -111,7 +97,7 @@ def test_resume_with_batches_in_flight_after_sigkill_and_sigterm(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher; its ranks and engines die with it
         proc.wait()
-    saved = _checkpoints(out)[-1].name
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())[-1]
     resumed_at = int(saved.split("_")[1])
     sampler = json.loads((out / "checkpoints" / saved / "extra_state.json").read_text())["dataset"]
     # steps r+1 .. r+1+k, none past the last: 3 batches at step 2; 2 at step 4, which a loaded machine
@@ -119,43 +105,34 @@ def test_resume_with_batches_in_flight_after_sigkill_and_sigterm(tmp_path):
     batches = min(2 + 1, 6 - resumed_at)
     assert sampler["in_flight"]["batches"] == batches and sampler["in_flight"]["prompts"] == 10 * batches
     assert "draws these prompts again" in sampler["in_flight"]["on_resume"]
-    stale = max(metrics_rows(out), default=resumed_at)  # steps the killed run logged past its checkpoint
 
-    # The resume, with 50 steps (never reached; a resume may change total_steps): SIGTERM to every process of the
-    # job (as scancel) once it has trained past step 6: engines ignore it, the trainer checkpoints the step it is
-    # in and exits 143. Its steps 1-6 are a 6-step run's: the prompt stream, the staleness and v2's reset schedule
-    # read no total_steps, and cpu_tiny.yaml's lr is constant.
-    log = tmp_path / "resumed.log"
-    with log.open("w") as f:
-        proc = subprocess.Popen(train_cmd(out, 50, *SHORT, *k2), stderr=f)
-    try:
-
-        def past_step_6() -> bool:
-            rows = metrics_rows(out)  # the resume truncates the killed run's rows past its checkpoint
-            return "resumed from" in log.read_text() and max(rows, default=0) >= max(6, stale + 1)
-
-        wait_for(past_step_6, 600, proc)
-        _kill_job(proc, signal.SIGTERM)
-        assert proc.wait(timeout=300) == 143, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            _kill_job(proc, signal.SIGKILL)
-            proc.wait()
-    text = log.read_text()
-    assert f"resumed from {out / 'checkpoints' / saved}" in text, text[-4000:]
+    again = _run(out, 6, *k2)
+    assert f"resumed from {out / 'checkpoints' / saved}" in again.stderr
     rows = metrics_rows(out)
-    last = max(rows)
-    assert sorted(rows) == list(range(1, last + 1)) and last >= 6
-    assert _prompts_per_step(out) == _expected_prompts(out, last, k2)  # no prompt lost or trained twice
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    assert _prompts_per_step(out) == _expected_prompts(out, 6, k2)  # no prompt lost or trained twice
     for step, row in rows.items():
         start = 0 if step <= resumed_at else resumed_at  # staleness restarts from the checkpoint's weights
         assert row["async/staleness_max"] == min(2, step - 1 - start) and row["async/dropped_samples"] == 0.0
         assert row["reference/reset"] == float(step % 2 == 0), step  # v2's schedule, kept across the resume
         assert row["pacs/post_psi_abs_mean"] > 0, step
-    ckpt = out / "checkpoints" / f"step_{last:08d}"
-    assert ckpt == _checkpoints(out)[-1]  # SIGTERM's checkpoint: the step it was in
+    assert (out / "checkpoints" / "step_00000006" / "reference").is_dir()  # the reference is in every checkpoint
+
+    # SIGTERM to every process of the job (as scancel): engines ignore it, the trainer checkpoints, exits 143.
+    term = tmp_path / "term"
+    proc = subprocess.Popen(train_cmd(term, 50, *SHORT, *k2), stderr=subprocess.DEVNULL)
+    wait_for(lambda: 3 in metrics_rows(term), 600, proc)
+    job = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in job:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    assert proc.wait(timeout=300) == 143
+    last = max(metrics_rows(term))
+    ckpt = term / "checkpoints" / f"step_{last:08d}"
+    assert last >= 3 and (ckpt / "COMPLETE").is_file()
     assert json.loads((ckpt / "extra_state.json").read_text())["dataset"]["in_flight"]["batches"] == 3
-    assert all((p / "reference").is_dir() for p in _checkpoints(out))  # the reference is in every checkpoint
 
 
 @needs_vllm

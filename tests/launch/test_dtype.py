@@ -1,6 +1,6 @@
 """``model.dtype=auto`` (issue 58, item 4): bf16 where the CPU has native bf16 or on a GPU, fp32 elsewhere; one
 log line; the resolved value is what the saved config, the checkpoint and final.json hold; a resumed run keeps
-the dtype it started with and says so; an explicit value keys a run (tools/compare_runs.py) as before."""
+the dtype it started with and says so; an explicit value keys a run (tools/compare/runs.py) as before."""
 
 from __future__ import annotations
 
@@ -94,9 +94,9 @@ def test_resolve_keeps_the_checkpoints_dtype_on_another_machine(tmp_path, monkey
 
 
 def test_an_explicit_dtype_keys_a_run_as_before(monkeypatch):
-    """tools/compare_runs.py keys runs by their non-default settings: resolving leaves an explicit dtype, so the
+    """tools/compare/runs.py keys runs by their non-default settings: resolving leaves an explicit dtype, so the
     issue-56 comparison (model.dtype=float32 given) keeps its keys; the SmolLM2 recipes now say auto."""
-    from pacs_megatron.tools.compare_runs import config_key
+    from pacs_megatron.tools.compare.runs import config_key
 
     monkeypatch.setattr(dtype_mod, "cpu_bf16_flags", lambda: ["avx512_bf16"])
     recipe = REPO / "examples" / "configs" / "cpu_smollm2.yaml"

@@ -23,10 +23,9 @@ import torch
 from pacs_megatron.actor import checkpoint as ckpt
 from pacs_megatron.actor.forward import forward_logprobs, gather_rows, run_schedule
 from pacs_megatron.actor.logit_rows import choose_fused_head, set_fused_head
-from pacs_megatron.actor.lora.adapters import adapters_off, apply_lora, sum_replicated_lora_grads
+from pacs_megatron.actor.lora.adapters import adapters_off, sum_replicated_lora_grads
 from pacs_megatron.actor.lora.export import gather_peft_tensors, peft_config
 from pacs_megatron.actor.lora.reference import LoRAReference
-from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
 from pacs_megatron.actor.moe.aux_loss import MoeAuxLoss
 from pacs_megatron.actor.moe.routing import MoeStats
 from pacs_megatron.actor.offload import ActorOffload
@@ -39,6 +38,7 @@ from pacs_megatron.actor.optimizer import (
     use_distributed_optimizer,
     wrap_ddp,
 )
+from pacs_megatron.actor.policy_model import build_policy_model
 from pacs_megatron.actor.reference import ReferencePolicy
 from pacs_megatron.actor.sections import ActorSections
 from pacs_megatron.actor.thd import use_thd
@@ -50,7 +50,7 @@ from pacs_megatron.actor.train_step import (
     step_loss_config,
     train_loss_func,
 )
-from pacs_megatron.actor.weights import export_hf_weights, load_hf_weights, save_hf, swapped_hf_weights, unwrap
+from pacs_megatron.actor.weights import export_hf_weights, save_hf, swapped_hf_weights, unwrap
 from pacs_megatron.batch.build import split_micro_batches
 from pacs_megatron.batch.packing import pack_micro_batches, token_budget
 from pacs_megatron.batch.rows import Rollouts, TrainBatch, TrainRows
@@ -119,33 +119,19 @@ class MegatronActor:
         on_gpu = groups.device.type == "cuda"
         self.param_dtype = resolve_dtype(cfg.model.dtype, on_gpu)
         self.distributed_optimizer = use_distributed_optimizer(cfg.optimizer, groups)
-        self.config = transformer_config(
+        lora = cfg.actor.lora
+        # the seeded init, the HF base when model.init loads one, then the adapters on it (actor/policy_model.py)
+        self.config, chunks = build_policy_model(
             self.spec,
             groups,
             self.param_dtype,
-            cfg.parallel.sequence_parallel,
-            cfg.model.recompute_activations,
+            seed=cfg.model.seed,
+            lora=lora,
+            base_dir=self.model_dir if cfg.model.loads_weights else None,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            recompute=cfg.model.recompute_activations,
             routing_replay=cfg.actor.routing_replay == "rollout",
         )
-        # A fixed seed for initialisation only; the caller's RNG streams are left as they were.
-        with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
-            seed_for_init(cfg.model.seed, on_gpu)
-            chunks = build_model_chunks(self.spec, self.config, groups, local_spec=cfg.actor.lora.enabled)
-        if cfg.model.loads_weights:
-            load_hf_weights(chunks, self.spec, self.model_dir, groups)
-        lora = cfg.actor.lora
-        if lora.enabled:  # adapters on the loaded base, which freezes (actor/lora/adapters.py, docs/lora.md)
-            for c in chunks:
-                apply_lora(
-                    c,
-                    lora.targets,
-                    lora.rank,
-                    lora.alpha,
-                    lora.dropout,
-                    seed=cfg.model.seed,
-                    tp_rank=groups.tp_rank,
-                    tp_size=groups.tp_size,
-                )
         self.model = wrap_ddp(chunks, self.config, cfg.optimizer, groups)
         if lora.enabled:
             sum_replicated_lora_grads(self.config, groups.tp_group)

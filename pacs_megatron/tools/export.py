@@ -188,15 +188,13 @@ def lora_of(extra: dict):
 
 def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, pp: int) -> int:
     """One rank's work: build the model chunks, load their weights, write the HF files (collective)."""
-    import torch  # here, not at the top: `export --help` imports no torch
     import torch.distributed as dist
     from transformers import AutoConfig
 
     from pacs_megatron.actor.actor import resolve_dtype
     from pacs_megatron.actor.checkpoint import load_model_weights
-    from pacs_megatron.actor.lora.adapters import apply_lora
     from pacs_megatron.actor.lora.export import save_peft_adapter
-    from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
+    from pacs_megatron.actor.policy_model import build_policy_model
     from pacs_megatron.actor.weights import load_hf_weights, save_hf
     from pacs_megatron.config import ParallelConfig
     from pacs_megatron.hf.spec import model_spec_from_hf
@@ -212,16 +210,11 @@ def run(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, tp: int, p
         spec = model_spec_from_hf(hf_config, tp)
         on_gpu = groups.device.type == "cuda"
         dtype = parameter_dtype(ckpt)
-        config = transformer_config(spec, groups, dtype, sequence_parallel=False, recompute=False)
         extra = read_extra_state(ckpt)
         lora, run_model = lora_of(extra), extra.get("config", {}).get("model", {})
-        with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
-            # the run's seed: an adapter-only LoRA checkpoint's random base is drawn again; else overwritten
-            seed_for_init(int(run_model.get("seed", 0)), on_gpu)
-            chunks = build_model_chunks(spec, config, groups, local_spec=lora is not None)
-        if lora is not None:  # the adapters' entries are in the checkpoint beside their (frozen) bases
-            for c in chunks:
-                apply_lora(c, lora.targets, lora.rank, lora.alpha, tp_rank=groups.tp_rank, tp_size=groups.tp_size)
+        # The run's seed: an adapter-only LoRA checkpoint's random base is drawn again, the rest is overwritten
+        # (the adapters' entries are in the checkpoint beside their frozen bases). No base here: see load_base.
+        _, chunks = build_policy_model(spec, groups, dtype, seed=int(run_model.get("seed", 0)), lora=lora)
         pretrained = run_model.get("init", "pretrained") in WEIGHT_INITS  # an adapter-only checkpoint's base
         load_base = (lambda: load_hf_weights(chunks, spec, model_dir, groups)) if pretrained else None
         load_model_weights(chunks, ckpt, load_base)  # model only: optimizer state stays

@@ -179,11 +179,18 @@ def plot(summary: dict, path: Path) -> Path:
             if not c or not c["step"]:
                 continue
             band(ax, c["step"], c["mean"], c["half_width"], f"{method} (lr {_lrs(s)})", linewidth=1.4)
-        finish(ax, f"{key}: mean +- 95% CI over {summary['seeds']} seeds", "step")
+        finish(ax, f"{key}: mean +- 95% CI over {_finished(summary)} seeds", "step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _finished(summary: dict) -> str:
+    """"2 of 6": the seeds each method finished (a range where they differ) of the planned ones."""
+    done = sorted({len(s["seeds"]) for s in summary["methods"].values()}) or [0]
+    n = str(done[0]) if len(done) == 1 else f"{done[0]}-{done[-1]}"
+    return n if n == str(summary["seeds"]) else f"{n} of {summary['seeds']}"
 
 
 def band(ax, xs: list, means: list[float], halves: list[float], label: str, **line) -> None:

@@ -54,3 +54,15 @@ def test_pass_at_k_finals_and_the_classifier_curves(tmp_path):
         and "| pacs | 0.500 +- 0.000 | 0.750 +- 0.000 |" in text
     )
     assert plot(summary, tmp_path / "c.png").stat().st_size > 0
+
+
+def test_the_curves_say_how_many_seeds_finished(tmp_path, monkeypatch):
+    """The plot's titles count the seeds that finished, not the protocol's planned ones (issue 56's curves said
+    "over 6 seeds" with 2 of 6 finished)."""
+    from pacs_megatron.tools.compare import report
+
+    titles = []
+    monkeypatch.setattr(report, "finish", lambda ax, title, xlabel: titles.append(title))
+    summary = _summary({0: ROWS, 1: ROWS}, "val/arith/pass@1") | {"seeds": 6}
+    report.plot(summary, tmp_path / "c.png")
+    assert titles and all(t.endswith("over 2 of 6 seeds") for t in titles)

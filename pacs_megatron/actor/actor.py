@@ -52,7 +52,7 @@ from pacs_megatron.actor.train_step import (
 )
 from pacs_megatron.actor.weights import export_hf_weights, save_hf, swapped_hf_weights, unwrap
 from pacs_megatron.batch.build import split_micro_batches
-from pacs_megatron.batch.packing import pack_micro_batches, token_budget
+from pacs_megatron.batch.packing import pack_micro_batches
 from pacs_megatron.batch.rows import Rollouts, TrainBatch, TrainRows
 from pacs_megatron.config import ConfigError
 from pacs_megatron.hf.spec import model_spec_from_hf
@@ -135,13 +135,8 @@ class MegatronActor:
         self.model = wrap_ddp(chunks, self.config, cfg.optimizer, groups)
         if lora.enabled:
             sum_replicated_lora_grads(self.config, groups.tp_group)
-        train = cfg.train
-        tokens = token_budget(
-            train.algorithm.max_tokens_per_micro_batch,
-            train.algorithm.micro_batch_size,
-            train.max_prompt_length + train.max_response_length,
-        )
         vocab_local = self.spec.padded_vocab_size // groups.tp_size
+        tokens = cfg.train.micro_batch_tokens  # an upper bound: training computes the response rows only
         self.fused_head = choose_fused_head(cfg.model, tokens, vocab_local, self.param_dtype, groups.device.type)
         """Whether the LM head is fused into the log-prob op (actor/logit_rows.py, ops/head.py); the reference's too."""
         set_fused_head(chunks, self.fused_head)
@@ -333,9 +328,7 @@ class MegatronActor:
         a = train.algorithm
         if not a.dynamic_batching:
             return None
-        longest = train.max_prompt_length + train.max_response_length
-        budget = token_budget(a.max_tokens_per_micro_batch, a.micro_batch_size, longest)
-        return pack_micro_batches(batch, budget, chunk_groups)
+        return pack_micro_batches(batch, train.micro_batch_tokens, chunk_groups)
 
     def _optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
         """Clip and step, or skip the step when the loss / log-prob metrics or the gradient norm are

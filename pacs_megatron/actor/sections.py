@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pacs_megatron.actor.optimizer import total_optimizer_steps
+from pacs_megatron.batch.packing import token_budget
 from pacs_megatron.config import (
     ActorConfig,
     AlgorithmConfig,
@@ -46,6 +47,15 @@ class TrainView:
     """``rollout.max_response_length``: the default horizon of the loss aggregation and of the token budget."""
     optimizer_steps: int
     """Optimizer updates of the whole run (:func:`total_optimizer_steps`): the lr schedule's length."""
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """The most tokens a micro-batch holds: ``algorithm.max_tokens_per_micro_batch``, or a fixed micro-batch's
+        rows at the longest prompt + response (batch/packing.py ``token_budget``)."""
+        a = self.algorithm
+        return token_budget(
+            a.max_tokens_per_micro_batch, a.micro_batch_size, self.max_prompt_length + self.max_response_length
+        )
 
     @classmethod
     def of(

@@ -23,10 +23,11 @@ NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/lo
 pytestmark = [pytest.mark.skipif(NVCC is None, reason="nvcc not found"), pytest.mark.slow]  # nvcc: minutes
 
 
-def _nvcc(src: Path, out: Path, mode: str = "-c") -> subprocess.CompletedProcess:
+def _nvcc(src: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [
         NVCC,
-        mode,
+        "-c",
+        *extra,
         "-arch=sm_90",
         "-std=c++20",
         "--expt-relaxed-constexpr",
@@ -44,10 +45,18 @@ def _nvcc(src: Path, out: Path, mode: str = "-c") -> subprocess.CompletedProcess
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
-def test_cuda_op_compiles(tmp_path):
-    obj = tmp_path / "logprob_cuda.o"
-    res = _nvcc(REPO / "csrc" / "logprob_cuda.cu", obj)
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    """One nvcc run for both checks below (issue 59: it was two, ~40 s each on CI's 2 cores): the object file,
+    and with ``-keep`` the PTX nvcc made on the way to it, the same PTX ``nvcc -ptx`` writes."""
+    out = tmp_path_factory.mktemp("nvcc")
+    res = _nvcc(REPO / "csrc" / "logprob_cuda.cu", out / "logprob_cuda.o", "-keep", f"-keep-dir={out}")
     assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-6000:]}"
+    return out
+
+
+def test_cuda_op_compiles(compiled):
+    obj = compiled / "logprob_cuda.o"
     symbols = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True).stdout
     for name in (
         "pacs::partial_cuda",
@@ -85,12 +94,10 @@ def test_fused_head_cuda_branch_compiles(tmp_path):
         assert name in symbols, f"{name} missing from the object file"
 
 
-def test_ptx_has_one_ftz_ex2_per_exp(tmp_path):
+def test_ptx_has_one_ftz_ex2_per_exp(compiled):
     """Defect 6 (docs/kernel.md): exp is exp2f on logits pre-scaled by log2(e)/T, so the PTX has only
     ex2.approx.ftz.f32 (no non-ftz ex2) and the log2(e) constant is no longer multiplied per element."""
-    ptx = tmp_path / "logprob_cuda.ptx"
-    res = _nvcc(REPO / "csrc" / "logprob_cuda.cu", ptx, mode="-ptx")
-    assert res.returncode == 0, f"nvcc -ptx failed:\n{res.stderr[-6000:]}"
+    [ptx] = compiled.glob("*.ptx")  # -arch=sm_90 keeps one: compute_90's
     text = ptx.read_text()
     n_ftz, n_plain = text.count("ex2.approx.ftz.f32"), text.count("ex2.approx.f32")
     n_log2e = text.count("0f3FB8AA3B")  # log2(e) as a PTX float immediate

@@ -11,7 +11,11 @@ namespaces; pid 1 of the new pid namespace stays root (the code, a private uid, 
 ptrace it), mounts a fresh /proc and a private tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock (the
 world-writable places; the code is copied into /tmp), brings ``lo`` up and waits for the call's process;
 when that exits, pid 1 exits and the kernel kills whatever the call left. The host's file system is
-otherwise the host's, readable where its permissions let any user read (docs/tools.md's table).
+otherwise the host's, readable where its permissions let any user read (docs/tools.md's table). The packages
+the call may import (numpy, sympy) and the interpreter's prefix, where they lie under one of those places (a
+venv made in /tmp), are bound back read-only at their own paths over the call's tmpfs: each is opened
+(``O_PATH``) before the tmpfs covers it and bound from ``/proc/self/fd`` after, so nothing else of the host's
+/tmp shows.
 """
 
 from __future__ import annotations
@@ -63,9 +67,22 @@ if init:
     sys.exit(status(os.waitpid(init, 0)[1]))
 libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the namespace dies with the stage
 mount(b"proc", "/proc", b"proc", 0x2 | 0x4 | 0x8, None)  # nosuid, nodev, noexec: this namespace's pids only
+keep = []
+for path in cfg["keep"]:  # opened here (a bind from the host namespace fails), before the tmpfs covers them
+    try:
+        keep.append((path, os.open(path, os.O_PATH), os.path.isdir(path)))
+    except OSError as e:
+        fail(f"opening {path}", e.errno)
 for target, size_mb in cfg["tmpfs"]:
     if os.path.isdir(target):
         mount(b"tmpfs", target, b"tmpfs", 0x2 | 0x4, f"size={size_mb}m,mode=1777".encode())
+for path, fd, is_dir in keep:  # root's 0755 folders on the way: the private uid reads, never writes
+    os.makedirs(path if is_dir else os.path.dirname(path), mode=0o755, exist_ok=True)
+    if not is_dir:
+        open(path, "wb").close()
+    mount(f"/proc/self/fd/{fd}".encode(), path, None, 0x1000 | 0x4000, None)  # MS_BIND | MS_REC
+    mount(None, path, None, 0x1000 | 0x20 | 0x1 | 0x2, None)  # MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID
+    os.close(fd)
 with open("/tmp/main.py", "wb") as f:
     f.write(code)
 if cfg["uid"] is not None:
@@ -96,10 +113,12 @@ def stage_argv(
     cgroups: list[str],
     code: str = "",
     tmp_mb: int = 0,
+    keep: list[str] | None = None,
 ) -> list[str]:
     """The command that runs :data:`STAGE` for one call: join ``cgroups``, become ``uid``, exec ``argv`` with
     ``env`` in ``cwd``; with ``code`` (the host path of main.py), in new namespaces first (rlimits-trusted),
-    /tmp and /var/tmp then ``tmp_mb`` MiB each, /dev/shm up to 64 MiB of it, /run/lock 1 MiB."""
+    /tmp and /var/tmp then ``tmp_mb`` MiB each, /dev/shm up to 64 MiB of it, /run/lock 1 MiB, and of the host's
+    paths ``keep`` those under them (:func:`under_private_dirs`) bound back read-only."""
     sizes = {"/dev/shm": min(64, tmp_mb), "/run/lock": 1}
     cfg = {
         "cgroups": cgroups,
@@ -107,8 +126,15 @@ def stage_argv(
         "namespaces": bool(code),
         "code": code,
         "tmpfs": [[d, sizes.get(d, tmp_mb)] for d in PRIVATE_DIRS],
+        "keep": under_private_dirs(keep or []) if code else [],
         "argv": argv,
         "env": env,
         "cwd": cwd,
     }
     return [interp, "-I", "-S", "-B", "-c", STAGE, json.dumps(cfg)]
+
+
+def under_private_dirs(paths: list[str]) -> list[str]:
+    """Those of ``paths`` (real paths) that a call's private tmpfs would cover, in order, without repeats."""
+    covered = [p for p in paths if any(p == d or p.startswith(d + "/") for d in PRIVATE_DIRS)]
+    return list(dict.fromkeys(covered))

@@ -242,7 +242,8 @@ class Sandbox:
         namespaced = self.level == "rlimits-trusted"
         cwd = "/tmp" if namespaced else os.path.dirname(code_file)
         code = code_file if namespaced else ""
-        return enter.stage_argv(self.interp.path, argv, env, cwd, uid, procs, code, plan.tmp_mb), env
+        keep = [*self.packages, self.interp.prefix]  # what the call imports must outlive its private /tmp
+        return enter.stage_argv(self.interp.path, argv, env, cwd, uid, procs, code, plan.tmp_mb, keep), env
 
     def _end(
         self, proc: subprocess.Popen[bytes], uid: int | None, stopped: str | None, group: cgroup.CallGroup | None

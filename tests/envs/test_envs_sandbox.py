@@ -86,6 +86,34 @@ def test_numpy_and_sympy_import_where_installed(level):
     assert result.stdout == "10 (x - 1)*(x + 1)\n", result
 
 
+def test_a_package_under_tmp_imports_at_both_levels(level, monkeypatch):
+    """A trainer whose venv lies under /tmp (a CI scratch, a container's): at rlimits-trusted the call's private
+    /tmp covered the host's, so numpy and sympy were gone from the call without a word (found in issue 59: the
+    fast tier failed in a venv made in /tmp). The call sees such a package at its own path, read-only."""
+    site = tempfile.mkdtemp(prefix="pacs-site-", dir="/tmp")
+    try:
+        os.chmod(site, 0o755)  # a private uid must reach it, as a venv's site-packages
+        pkg = os.path.join(site, "pacs_probe_pkg")
+        os.mkdir(pkg)
+        os.chmod(pkg, 0o755)
+        with open(os.path.join(pkg, "__init__.py"), "w") as f:
+            f.write("VALUE = 7\n")
+        os.chmod(os.path.join(pkg, "__init__.py"), 0o644)
+        monkeypatch.syspath_prepend(site)
+        sandbox = Sandbox(level, Limits(**CALM.__dict__), packages=("pacs_probe_pkg",))
+        assert sandbox.packages == [os.path.realpath(pkg)]
+        result = sandbox.run("import os, pacs_probe_pkg\nprint(pacs_probe_pkg.VALUE, os.listdir('/tmp'))")
+        assert result.kind == "ok", result
+        value, listing = result.stdout.split(" ", 1)
+        assert value == "7"
+        # the call's /tmp is still its own: the package's folders, its code, nothing else of the host's /tmp
+        assert "pytest-of-root" not in listing
+    finally:
+        import shutil
+
+        shutil.rmtree(site)
+
+
 def test_a_background_child_neither_holds_the_call_nor_survives_it(level):
     code = (
         "import subprocess, sys\n"

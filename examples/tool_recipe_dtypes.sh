@@ -10,14 +10,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${RESULTS:-docs/results/smollm2_tools_cpu/dtypes}"
+dtypes="${DTYPES:-bfloat16 float32}"
 runs=()
-for DTYPE in ${DTYPES:-bfloat16 float32}; do
+for DTYPE in $dtypes; do
   pacs-megatron compare --config examples/configs/cpu_smollm2_tools.yaml --out "${OUT:-outputs/tool_dtypes}/$DTYPE" \
     --results "$RESULTS/$DTYPE" --methods pacs --seeds 1 --lrs 1e-5 --jobs 1 --score-validations 1 \
     "model.dtype=$DTYPE" "$@"
   runs+=("$(ls -d "$RESULTS/$DTYPE"/runs/pacs_*)")
 done
-dtypes="${DTYPES:-bfloat16 float32}"
 pacs-megatron plot "${runs[@]}" --labels "${dtypes// /,}" --out "$RESULTS/curves.png" \
   --title "SmolLM2 tool recipe, $(python -c 'from pacs_megatron.utils.cpu import cpu_description as d; print(d())')" \
   --keys 'sft/call_rate,sft/loss,tools/call_rate,reward/mean,val/*/pass@1'

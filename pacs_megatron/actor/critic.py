@@ -5,7 +5,7 @@
     metrics = critic.train_step(mini_batch)   # needs old_values and returns; one optimizer step
 
 Design: the actor's machinery, not a copy of it. The critic is a :class:`MegatronActor` subclass
-built by the same functions (``build_model_chunks``, ``wrap_ddp``, ``build_optimizer``,
+built by the same functions (``build_policy_model``, ``wrap_ddp``, ``build_optimizer``,
 ``build_scheduler``) with its own TransformerConfig, optimizer and schedule (``critic.optim``), on
 the actor's process groups and sections (same TP/PP/DP layout, colocated). Only the last pipeline stage
 differs: the vocab-parallel output layer is replaced by :class:`ValueHead`, a replicated ``[1, H]``
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from pacs_megatron.actor.actor import MegatronActor
 from pacs_megatron.actor.forward import run_schedule
-from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
+from pacs_megatron.actor.policy_model import build_policy_model
 from pacs_megatron.actor.offload import ActorOffload
 from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
 from pacs_megatron.actor.train_step import _DENOM, _MAXLR
@@ -100,13 +100,14 @@ class MegatronCritic(MegatronActor):
         # Untied: the critic has no LM head to share the embedding with.
         self.spec = replace(actor.spec, tie_embeddings=False)
         self.distributed_optimizer = use_distributed_optimizer(cfg.optimizer, groups)
-        self.config = transformer_config(
-            self.spec, groups, self.param_dtype, cfg.parallel.sequence_parallel, cfg.model.recompute_activations
+        self.config, chunks = build_policy_model(
+            self.spec,
+            groups,
+            self.param_dtype,
+            seed=cfg.model.seed,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            recompute=cfg.model.recompute_activations,
         )
-        on_gpu = groups.device.type == "cuda"
-        with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):
-            seed_for_init(cfg.model.seed, on_gpu)
-            chunks = build_model_chunks(self.spec, self.config, groups)
         for chunk in chunks:
             model = unwrap(chunk)
             if model.post_process:

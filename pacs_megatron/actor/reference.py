@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pacs_megatron.actor.forward import forward_logprobs
 from pacs_megatron.actor.logit_rows import set_fused_head
-from pacs_megatron.actor.model import build_model_chunks, seed_for_init, transformer_config
+from pacs_megatron.actor.policy_model import build_policy_model
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.batch.rows import Rollouts
 from pacs_megatron.run.layout import StepLayout
@@ -36,18 +36,16 @@ class ReferencePolicy:
 
         cfg, groups = actor.sections, actor.groups
         self.groups, self.spec = groups, actor.spec
-        self.config = transformer_config(
+        # the actor's builder without adapters or a base: the weights come from copy_from or a checkpoint
+        self.config, self.chunks = build_policy_model(
             actor.spec,
             groups,
             actor.param_dtype,
-            cfg.parallel.sequence_parallel,
+            seed=cfg.model.seed,
+            sequence_parallel=cfg.parallel.sequence_parallel,
             recompute=False,  # forward only: nothing to recompute
             routing_replay=cfg.actor.routing_replay == "rollout",
         )
-        on_gpu = groups.device.type == "cuda"
-        with torch.random.fork_rng(devices=[groups.device] if on_gpu else []):  # the caller's RNG is untouched
-            seed_for_init(cfg.model.seed, on_gpu)
-            self.chunks = build_model_chunks(actor.spec, self.config, groups)
         set_fused_head(self.chunks, actor.fused_head)  # as the actor's (ops/head.py)
         for c in self.chunks:
             c.eval()

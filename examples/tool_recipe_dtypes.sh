@@ -3,9 +3,10 @@
 # committed (the supervised warm-up until 80 % of sampled calls run, at most 30 steps, then 8 PACS steps), once
 # with model.dtype=bfloat16 and once with float32, seed 0, one run at a time. Each finished run is kept in
 # RESULTS/<dtype>/runs/NAME-KEY/ (metrics, rollout samples, config, the CPU it ran on; commit it: a rerun, even on
-# a fresh machine, reuses it), then both are drawn on one figure, RESULTS/curves.png: the warm-up's call rate and
-# loss, the RL steps' call rate and reward, the held-out pass@1. Run it alone: ~25 min a dtype on a CPU with
-# native bf16 (AVX512-BF16 or AMX); an AVX2-only CPU (Zen 3) emulates bf16 and takes hours for that run.
+# a fresh machine, reuses it), then both are drawn on one figure, RESULTS/curves.png: the RL steps' call rate
+# and reward, the held-out pass@1, each curve labelled with its run's CPU (the record keeps the warm-up's end,
+# not each check: train.log has those). Run it alone. Measured: bf16 18 min on a Zen 5, fp32 37 min on a Zen 4 (both
+# with AVX512-BF16, on different days); an AVX2-only CPU (Zen 3) emulates bf16 and takes hours for that run.
 #   examples/tool_recipe_dtypes.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,12 @@ for DTYPE in $dtypes; do
     "model.dtype=$DTYPE" "$@"
   runs+=("$(ls -d "$RESULTS/$DTYPE"/runs/pacs_*)")
 done
-pacs-megatron plot "${runs[@]}" --labels "${dtypes// /,}" --out "$RESULTS/curves.png" \
-  --title "SmolLM2 tool recipe, $(python -c 'from pacs_megatron.utils.cpu import cpu_description as d; print(d())')" \
-  --keys 'sft/call_rate,sft/loss,tools/call_rate,reward/mean,val/*/pass@1'
+# each curve is labelled with the CPU its run's record names (launch.json): the two may have run on different boxes
+labels=()
+for i in "${!runs[@]}"; do
+  d=($dtypes)
+  labels+=("${d[$i]} on $(python -c 'import json,sys; print(json.load(open(sys.argv[1]))["ranks"][0]["cpu"].split(",")[0])' "${runs[$i]}/launch.json")")
+done
+pacs-megatron plot "${runs[@]}" --labels "$(IFS=,; echo "${labels[*]}")" --out "$RESULTS/curves.png" \
+  --title "SmolLM2 tool recipe as committed, seed 0 (the warm-up's checks: each run's train.log)" \
+  --keys 'tools/call_rate,reward/mean,val/*/pass@1'

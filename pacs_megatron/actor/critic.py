@@ -31,9 +31,9 @@ import torch.nn.functional as F
 
 from pacs_megatron.actor.actor import MegatronActor
 from pacs_megatron.actor.forward import run_schedule
-from pacs_megatron.actor.policy_model import build_policy_model
 from pacs_megatron.actor.offload import ActorOffload
 from pacs_megatron.actor.optimizer import build_optimizer, build_scheduler, use_distributed_optimizer, wrap_ddp
+from pacs_megatron.actor.policy_model import build_policy_model
 from pacs_megatron.actor.train_step import _DENOM, _MAXLR
 from pacs_megatron.actor.weights import unwrap
 from pacs_megatron.batch.build import split_micro_batches

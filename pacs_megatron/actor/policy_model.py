@@ -4,8 +4,8 @@
 
 The order is the contract: the seeded init, then the HF base when ``base_dir`` names one, then the adapters.
 ``export`` passes no base: its checkpoint holds the weights (an adapter-only one loads its base itself,
-actor/checkpoint.py). The actor adds DDP, the optimizer and the fused head; the reference (actor/reference.py) and the critic
-(actor/critic.py) build theirs here too, without adapters or a base, and fill them themselves.
+actor/checkpoint.py). The actor adds DDP, the optimizer and the fused head; the reference (actor/reference.py)
+and the critic (actor/critic.py) build theirs here too, without adapters or a base, and fill them themselves.
 """
 
 from __future__ import annotations

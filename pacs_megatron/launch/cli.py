@@ -124,11 +124,9 @@ def main(args: argparse.Namespace) -> int:
 
     init_logging()
     if not under_launcher():  # this process is the launch: the run's wall time counts from here (run_record.py)
-        import psutil
+        from pacs_megatron.run.run_record import mark_launch
 
-        from pacs_megatron.run.run_record import LAUNCH_TIME_ENV
-
-        os.environ[LAUNCH_TIME_ENV] = repr(psutil.Process().create_time())
+        mark_launch()
     overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
     if getattr(args, "overwrite", False):
         overrides.append("trainer.overwrite=true")

@@ -44,6 +44,14 @@ DTYPE_REASON_ENV = "PACS_MODEL_DTYPE_REASON"
 value): written beside each launch's config and into final.json."""
 
 
+def mark_launch() -> None:
+    """This process is the launch: the run's wall time counts from now (:data:`LAUNCH_TIME_ENV`, inherited by
+    the ranks it spawns). Now, not the process's create time: a shell that execs its last command (``bash -c
+    "pip install ... && pacs-megatron train ..."``, a batch script's ``exec``) hands the command its own pid and
+    start time, which counted a fresh clone's 4-minute install into its run's wall time."""
+    os.environ[LAUNCH_TIME_ENV] = repr(time.time())
+
+
 def launch_time() -> float:
     """The launch's start (:data:`LAUNCH_TIME_ENV`), else this process's (a rank started by torchrun or srun)."""
     try:

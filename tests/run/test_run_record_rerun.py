@@ -39,3 +39,15 @@ def test_wall_time_counts_from_the_launch(tmp_path, monkeypatch):
     monkeypatch.delenv(LAUNCH_TIME_ENV)  # a rank of torchrun / srun: its own start (the suite's process may be old)
     own = time.time() - psutil.Process().create_time()
     assert own - 1.0 <= RunRecord(cfg, tmp_path, True, None).finish(0, None)["wall_time_s"] <= own + 5.0
+
+
+def test_the_launch_counts_from_the_command_not_from_an_execing_shell(monkeypatch):
+    """`bash -c "pip install ... && pacs-megatron train ..."` execs its last command, which keeps the shell's pid
+    and start time: a fresh clone's run once reported 6m37s of wall time for a 3-minute launch. Old code
+    (launch/cli.py) took the process's create time; the stand-in below is that shell, started 240 s ago."""
+    from pacs_megatron.run.run_record import launch_time, mark_launch
+
+    monkeypatch.delenv(LAUNCH_TIME_ENV, raising=False)
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: time.time() - 240.0)
+    mark_launch()
+    assert abs(launch_time() - time.time()) < 5.0
